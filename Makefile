@@ -1,0 +1,35 @@
+# Two commands do all setup on a fresh machine: `make train` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup train test test-fast lint clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	# torch first, pinned: a local CPU wheel on our machines, the CUDA build elsewhere.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev,plot]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# The demo: a small Llama on the Python standard library's own source, under 5 minutes on 2 CPU cores.
+train: $(STAMP)
+	$(BIN)/meshtrain train --config configs/small.yaml --out runs/small
+
+# The whole suite, multi-process equivalence tests included (what CI runs).
+test: $(STAMP)
+	$(BIN)/ruff check meshtrain tests benchmarks
+	$(BIN)/python -m pytest -q --durations=15
+
+# Quick tier for iteration: no spawned process groups, no training runs.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check meshtrain tests benchmarks
+
+clean:
+	rm -rf $(VENV) runs data .pytest_cache

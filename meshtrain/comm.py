@@ -1,0 +1,236 @@
+"""The one place that calls torch.distributed collectives.
+
+Every call names the mesh group it runs on (an ``AxisGroup`` from ``meshtrain.mesh``) and is
+counted by the meter under that group's name: calls, payload bytes and ring wire bytes.
+The planner's byte predictions and the tests read the meter, so the payload definition is
+fixed here, per rank and per call:
+
+=================  ===========================  =============================
+op                 ``bytes`` (payload)          ``wire_bytes`` (ring, sent)
+=================  ===========================  =============================
+all_reduce         size of the tensor           2 (n-1)/n x bytes
+all_gather         size of the gathered output  (n-1)/n x bytes
+reduce_scatter     size of the full input       (n-1)/n x bytes
+all_to_all         size of the input            bytes sent to other ranks
+broadcast          size of the tensor           bytes (src sends, others receive)
+send / recv        size of the tensor           bytes for send, 0 for recv
+=================  ===========================  =============================
+
+Collectives over a group of size 1 return at once and are not counted: nothing moves.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.mesh import AxisGroup
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "avg": dist.ReduceOp.AVG}
+
+
+@dataclass
+class OpStats:
+    calls: int = 0
+    bytes: int = 0
+    wire_bytes: float = 0.0
+    seconds: float = 0.0  # time inside blocking calls and waits (not the async work itself)
+
+
+@dataclass
+class CommMeter:
+    """Per-process counters keyed by (group name, op); optionally a trace of every call in order."""
+
+    stats: dict[tuple[str, str], OpStats] = field(default_factory=lambda: defaultdict(OpStats))
+    trace: list[tuple[str, str, tuple[int, ...], str]] | None = None
+
+    def record(self, group: AxisGroup, op: str, tensor: torch.Tensor, nbytes: int, wire: float) -> None:
+        s = self.stats[(group.name, op)]
+        s.calls += 1
+        s.bytes += nbytes
+        s.wire_bytes += wire
+        if self.trace is not None:
+            self.trace.append((group.name, op, tuple(tensor.shape), str(tensor.dtype)))
+
+    def reset(self, trace: bool = False) -> None:
+        self.stats.clear()
+        self.trace = [] if trace else None
+
+    def bytes(self, axis: str | None = None, op: str | None = None) -> int:
+        """Payload bytes summed over the matching (axis, op) entries."""
+        return sum(s.bytes for (a, o), s in self.stats.items() if (axis in (None, a)) and (op in (None, o)))
+
+    def calls(self, axis: str | None = None, op: str | None = None) -> int:
+        return sum(s.calls for (a, o), s in self.stats.items() if (axis in (None, a)) and (op in (None, o)))
+
+    def snapshot(self) -> dict[str, dict[str, dict[str, float]]]:
+        """{axis: {op: {calls, bytes, wire_bytes, seconds}}}, plain data for logs and JSON."""
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        for (axis, op), s in sorted(self.stats.items()):
+            out.setdefault(axis, {})[op] = {
+                "calls": s.calls, "bytes": s.bytes, "wire_bytes": s.wire_bytes, "seconds": s.seconds
+            }
+        return out
+
+
+METER = CommMeter()
+
+
+class Handle:
+    """An in-flight async collective. ``wait()`` blocks until it is done (and charges the wait)."""
+
+    def __init__(self, work: object | None, stats: OpStats | None = None) -> None:
+        self._work = work
+        self._stats = stats
+        self.started = time.perf_counter()
+
+    def wait(self) -> None:
+        if self._work is not None:
+            t = time.perf_counter()
+            self._work.wait()
+            if self._stats is not None:
+                self._stats.seconds += time.perf_counter() - t
+            self._work = None
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _run(group: AxisGroup, op: str, tensor: torch.Tensor, nbytes: int, wire: float, fn, async_op: bool):
+    METER.record(group, op, tensor, nbytes, wire)
+    stats = METER.stats[(group.name, op)]
+    if async_op:
+        return Handle(fn(True), stats)
+    t = time.perf_counter()
+    fn(False)
+    stats.seconds += time.perf_counter() - t
+    return None
+
+
+def _done(async_op: bool) -> Handle | None:
+    return Handle(None) if async_op else None
+
+
+def all_reduce(tensor: torch.Tensor, group: AxisGroup, op: str = "sum", async_op: bool = False) -> Handle | None:
+    """In-place reduction of ``tensor`` over ``group``."""
+    if group.size == 1:
+        return _done(async_op)
+    n, b = group.size, _nbytes(tensor)
+    return _run(group, "all_reduce", tensor, b, 2 * (n - 1) / n * b,
+                lambda a: dist.all_reduce(tensor, _OPS[op], group=group.pg, async_op=a), async_op)
+
+
+def all_gather(output: torch.Tensor, tensor: torch.Tensor, group: AxisGroup, async_op: bool = False) -> Handle | None:
+    """Concatenate every rank's ``tensor`` along dim 0 into ``output`` (group order)."""
+    if group.size == 1:
+        output.copy_(tensor)
+        return _done(async_op)
+    n, b = group.size, _nbytes(output)
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return _run(group, "all_gather", tensor, b, (n - 1) / n * b,
+                lambda a: fn(output, tensor, group=group.pg, async_op=a), async_op)
+
+
+def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: AxisGroup, op: str = "sum",
+                   async_op: bool = False) -> Handle | None:
+    """Reduce ``tensor`` over the group and keep this rank's dim-0 chunk in ``output``."""
+    if group.size == 1:
+        output.copy_(tensor)
+        return _done(async_op)
+    n, b = group.size, _nbytes(tensor)
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return _run(group, "reduce_scatter", tensor, b, (n - 1) / n * b,
+                lambda a: fn(output, tensor, op=_OPS[op], group=group.pg, async_op=a), async_op)
+
+
+def all_to_all(output: torch.Tensor, tensor: torch.Tensor, group: AxisGroup,
+               output_splits: list[int] | None = None, input_splits: list[int] | None = None,
+               async_op: bool = False) -> Handle | None:
+    """Send dim-0 chunk i of ``tensor`` to rank i of the group; receive theirs into ``output``."""
+    if group.size == 1:
+        output.copy_(tensor)
+        return _done(async_op)
+    b = _nbytes(tensor)
+    row = b // max(tensor.shape[0], 1)
+    me = group.index(dist.get_rank())
+    own = (input_splits[me] * row) if input_splits is not None else b // group.size
+    return _run(group, "all_to_all", tensor, b, b - own,
+                lambda a: dist.all_to_all_single(output, tensor, output_splits, input_splits,
+                                                 group=group.pg, async_op=a), async_op)
+
+
+def broadcast(tensor: torch.Tensor, group: AxisGroup, src_index: int = 0, async_op: bool = False) -> Handle | None:
+    """Copy the tensor of the group's ``src_index``-th rank to every rank of the group."""
+    if group.size == 1:
+        return _done(async_op)
+    b = _nbytes(tensor)
+    return _run(group, "broadcast", tensor, b, b,
+                lambda a: dist.broadcast(tensor, group.ranks[src_index], group=group.pg, async_op=a), async_op)
+
+
+@dataclass
+class P2P:
+    """One side of a point-to-point transfer: ``op`` is "send" or "recv", ``peer`` a global rank."""
+
+    op: str
+    tensor: torch.Tensor
+    peer: int
+
+
+def batch_p2p(ops: list[P2P], group: AxisGroup) -> list[Handle]:
+    """Post sends and receives together (no ordering deadlocks); wait on the returned handles."""
+    if not ops:
+        return []
+    p2p = []
+    for o in ops:
+        b = _nbytes(o.tensor)
+        METER.record(group, o.op, o.tensor, b, b if o.op == "send" else 0)
+        fn = dist.isend if o.op == "send" else dist.irecv
+        p2p.append(dist.P2POp(fn, o.tensor, o.peer, group=group.pg))
+    stats = METER.stats[(group.name, ops[0].op)]
+    return [Handle(w, stats) for w in dist.batch_isend_irecv(p2p)]
+
+
+def send(tensor: torch.Tensor, peer: int, group: AxisGroup) -> None:
+    """Blocking send to global rank ``peer``."""
+    for h in batch_p2p([P2P("send", tensor, peer)], group):
+        h.wait()
+
+
+def recv(tensor: torch.Tensor, peer: int, group: AxisGroup) -> None:
+    """Blocking receive from global rank ``peer`` into ``tensor``."""
+    for h in batch_p2p([P2P("recv", tensor, peer)], group):
+        h.wait()
+
+
+def barrier(group: AxisGroup) -> None:
+    """Wait for every rank of the group (not metered: no payload)."""
+    if group.size > 1:
+        dist.barrier(group=group.pg)
+
+
+def all_reduce_scalars(values: list[float], group: AxisGroup, op: str = "sum",
+                       device: torch.device | str = "cpu") -> list[float]:
+    """Reduce a few Python floats (metrics) in one fp64 all-reduce (``device``: the mesh's, for NCCL)."""
+    if group.size == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    all_reduce(t, group, op)
+    return t.tolist()
+
+
+def gather_objects(obj: object, group: AxisGroup) -> list[object]:
+    """Every rank's picklable ``obj`` (small metadata only, not metered; never model tensors)."""
+    if group.size == 1:
+        return [obj]
+    out: list[object] = [None] * group.size
+    dist.all_gather_object(out, obj, group=group.pg)
+    return out

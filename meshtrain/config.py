@@ -1,0 +1,385 @@
+"""Typed configuration: model, parallel, train, data.
+
+A config is built from a preset or YAML file plus dotted command-line overrides
+(``train.steps=200 parallel.tp=2``). Every value is checked before anything starts:
+unknown keys get the closest valid key, wrong types and shapes that do not divide
+get a message that names the option and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+class ConfigError(ValueError):
+    """A configuration mistake, with a message that names the option and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the Llama-style decoder."""
+
+    vocab_size: int = 0  # 0: taken from the tokenizer of the data
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 0  # 0: same as n_heads (multi-head attention)
+    ffn_hidden: int = 0  # 0: Llama's rule, 2/3 * 4 * d_model rounded up to multiple_of
+    multiple_of: int = 32
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 256
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        h = int(2 * 4 * self.d_model / 3)
+        return self.multiple_of * ((h + self.multiple_of - 1) // self.multiple_of)
+
+
+@dataclass
+class ParallelConfig:
+    """Sizes of the mesh axes and how each parallelism is applied."""
+
+    dp: int = 0  # 0: whatever the world size leaves after pp * cp * tp
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    sp: bool = False
+    schedule: str = "1f1b"
+    microbatches: int = 1
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation, schedule, logging and checkpointing."""
+
+    steps: int = 100
+    seed: int = 0
+    global_batch: int = 8  # sequences per optimizer step, over all data-parallel ranks
+    grad_accum: int = 1  # microbatches accumulated per optimizer step
+    seq_len: int = 128
+    optimizer: str = "adamw"
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+    dtype: str = "fp32"  # compute dtype: fp32 or bf16 (autocast); parameters stay fp32
+    device: str = "auto"  # auto: cuda when available, else cpu
+    eval_every: int = 0  # 0: only at the end
+    eval_batches: int = 4
+    log_every: int = 1
+    ckpt_every: int = 0  # 0: only at the end
+    ckpt_keep: int = 2
+    resume: bool = False  # resume from the latest checkpoint in --out
+    sample_tokens: int = 200  # tokens generated at the end of training (0: none)
+    sample_prompt: str = "def "
+    peak_flops: float = 0.0  # per device, for MFU; 0: from the hardware table or a quick calibration
+    threads: int = 0  # CPU threads for torch; 0: torch's default
+    progress: bool = True
+    tensorboard: bool = True
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from."""
+
+    path: str = ""  # a prepared folder (meshtrain prepare-data); empty: the stdlib, prepared on first use
+    source: str = "files"  # files | synthetic
+    tokenizer: str = "byte"  # byte | path to a HuggingFace tokenizer.json
+    val_fraction: float = 0.02
+
+
+@dataclass
+class Config:
+    """The whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_SECTION_TYPES = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig}
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def _closest(name: str, options: list[str]) -> str:
+    match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return f" Did you mean '{match[0]}'?" if match else f" Valid keys: {', '.join(sorted(options))}."
+
+
+def _all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, t in _SECTION_TYPES.items() for f in fields(t)]
+
+
+def _coerce(key: str, value: Any, typ: Any) -> Any:
+    """Convert ``value`` (from YAML or a CLI string) to the declared type, or explain why not."""
+    if isinstance(typ, str):  # postponed annotations
+        typ = {"int": int, "float": float, "bool": bool, "str": str}[typ]
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        typ = [a for a in typing.get_args(typ) if a is not type(None)][0]
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise ConfigError(f"{key} must be true or false, got {value!r}.")
+    if typ is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} must be an integer, got {value!r}.")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                f = float(value)
+            except ValueError:
+                f = None
+            if f is not None and f.is_integer():
+                return int(f)
+        raise ConfigError(f"{key} must be an integer, got {value!r}.")
+    if typ is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} must be a number, got {value!r}.")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key} must be a number, got {value!r}.") from None
+    if typ is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key} must be a string, got {value!r}.")
+        return "" if value is None else str(value)
+    raise ConfigError(f"{key}: unsupported type {typ}")
+
+
+def _apply(cfg: Config, section: str, key: str, value: Any) -> None:
+    if section not in _SECTION_TYPES:
+        raise ConfigError(f"Unknown config section '{section}'." + _closest(section, list(_SECTION_TYPES)))
+    sub = getattr(cfg, section)
+    names = {f.name: f for f in fields(sub)}
+    if key not in names:
+        full = f"{section}.{key}"
+        raise ConfigError(f"Unknown config key '{full}'." + _closest(full, _all_keys()))
+    setattr(sub, key, _coerce(f"{section}.{key}", value, names[key].type))
+
+
+def update_from_dict(cfg: Config, data: dict[str, Any], origin: str = "config") -> Config:
+    """Overlay a nested dict (as read from YAML) onto ``cfg``."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{origin}: expected a mapping of sections (model, parallel, train, data).")
+    for section, values in data.items():
+        if section == "preset":
+            continue
+        if section not in _SECTION_TYPES:
+            raise ConfigError(
+                f"{origin}: unknown config section '{section}'." + _closest(section, list(_SECTION_TYPES))
+            )
+        if not isinstance(values, dict):
+            raise ConfigError(f"{origin}: section '{section}' must be a mapping of keys to values.")
+        for key, value in values.items():
+            _apply(cfg, section, key, value)
+    return cfg
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """Split ``section.key=value``; the value is parsed as YAML so 1e-3, true, [..] work."""
+    if "=" not in text:
+        raise ConfigError(f"Override '{text}' must look like section.key=value, e.g. train.steps=100.")
+    dotted, raw = text.split("=", 1)
+    parts = dotted.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(
+            f"Override '{text}': the key must be section.key (e.g. train.steps), got '{dotted}'."
+            + _closest(dotted, _all_keys())
+        )
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return parts[0], parts[1], value
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"Config file {path} is not valid YAML: {e}") from None
+    return data or {}
+
+
+def load_config(source: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build a validated config from a preset name or YAML file and dotted overrides.
+
+    A YAML file may start from a preset with a top-level ``preset: NAME`` key.
+    """
+    cfg = Config()
+    if source:
+        path = Path(source)
+        if not path.exists() and not str(source).endswith((".yaml", ".yml")):
+            path = PRESET_DIR / f"{source}.yaml"
+            if not path.exists():
+                raise ConfigError(
+                    f"No config file or preset named '{source}'. Presets: {', '.join(preset_names())}."
+                )
+        if not path.exists():
+            raise ConfigError(f"Config file {source} does not exist (option --config).")
+        data = _read_yaml(path)
+        if isinstance(data, dict) and data.get("preset"):
+            base = PRESET_DIR / f"{data['preset']}.yaml"
+            if not base.exists():
+                raise ConfigError(
+                    f"{path}: unknown preset '{data['preset']}'. Presets: {', '.join(preset_names())}."
+                )
+            update_from_dict(cfg, _read_yaml(base), str(base))
+        update_from_dict(cfg, data, str(path))
+    for item in overrides:
+        section, key, value = parse_override(item)
+        _apply(cfg, section, key, value)
+    validate(cfg)
+    return cfg
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Check every value that can be checked without data or devices; raise ConfigError."""
+    m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
+    for name in ("d_model", "n_layers", "n_heads", "max_seq_len", "multiple_of"):
+        _need(getattr(m, name) > 0, f"model.{name} must be positive, got {getattr(m, name)}.")
+    _need(m.vocab_size >= 0, "model.vocab_size must be >= 0 (0 takes it from the tokenizer).")
+    _need(
+        m.d_model % m.n_heads == 0,
+        f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}: "
+        f"pick n_heads from {[h for h in range(1, min(m.d_model, 64) + 1) if m.d_model % h == 0]}.",
+    )
+    _need(m.head_dim % 2 == 0, f"head dimension d_model/n_heads = {m.head_dim} must be even for RoPE.")
+    _need(m.n_kv_heads >= 0, "model.n_kv_heads must be >= 0 (0 means n_heads).")
+    _need(
+        m.n_heads % m.kv_heads == 0,
+        f"model.n_kv_heads={m.kv_heads} must divide model.n_heads={m.n_heads} (grouped-query attention).",
+    )
+    _need(m.ffn_hidden >= 0, "model.ffn_hidden must be >= 0 (0 uses the Llama rule).")
+    _need(m.norm_eps > 0, "model.norm_eps must be positive.")
+    _need(m.init_std > 0, "model.init_std must be positive.")
+
+    for name in ("steps", "global_batch", "grad_accum", "seq_len", "log_every", "eval_batches", "ckpt_keep"):
+        _need(getattr(t, name) > 0, f"train.{name} must be positive, got {getattr(t, name)}.")
+    for name in ("eval_every", "ckpt_every", "warmup_steps", "sample_tokens", "threads"):
+        _need(getattr(t, name) >= 0, f"train.{name} must be >= 0, got {getattr(t, name)}.")
+    _need(
+        t.seq_len <= m.max_seq_len,
+        f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}: "
+        f"raise model.max_seq_len or lower train.seq_len.",
+    )
+    _need(t.lr > 0, f"train.lr must be positive, got {t.lr}.")
+    _need(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio must be in [0, 1].")
+    _need(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1).")
+    _need(t.grad_clip >= 0, "train.grad_clip must be >= 0 (0 disables clipping).")
+    _need(t.optimizer in ("adamw",), f"train.optimizer must be 'adamw', got '{t.optimizer}'.")
+    _need(t.dtype in ("fp32", "bf16"), f"train.dtype must be fp32 or bf16, got '{t.dtype}'.")
+    _need(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got '{t.device}'.")
+    _need(d.source in ("files", "synthetic"), f"data.source must be 'files' or 'synthetic', got '{d.source}'.")
+    _need(0 <= d.val_fraction <= 0.5, f"data.val_fraction must be in [0, 0.5], got {d.val_fraction}.")
+
+    for name in ("dp", "tp", "pp", "cp", "ep", "microbatches"):
+        lo = 0 if name == "dp" else 1
+        _need(getattr(p, name) >= lo, f"parallel.{name} must be >= {lo}, got {getattr(p, name)}.")
+    _need(p.zero in (0, 1, 2, 3), f"parallel.zero must be 0, 1, 2 or 3, got {p.zero}.")
+    dp = resolve_dp(cfg, world_size)
+    _need(
+        t.global_batch % (dp * t.grad_accum) == 0,
+        f"train.global_batch={t.global_batch} must be divisible by data-parallel size {dp} x "
+        f"train.grad_accum={t.grad_accum}: each microbatch needs a whole number of sequences per rank.",
+    )
+    check_supported(cfg, dp)
+
+
+def resolve_dp(cfg: Config, world_size: int | None = None) -> int:
+    """The data-parallel size: explicit, or what the world leaves after the other axes."""
+    p = cfg.parallel
+    others = p.pp * p.cp * p.tp
+    if world_size is None:
+        return p.dp or 1
+    if p.dp:
+        _need(
+            p.dp * others == world_size,
+            f"World size {world_size} does not match the layout pp*dp*cp*tp = "
+            f"{p.pp}*{p.dp}*{p.cp}*{p.tp} = {p.dp * others}: launch {p.dp * others} processes "
+            f"(--nproc {p.dp * others}) or change parallel.dp.",
+        )
+        return p.dp
+    _need(
+        world_size % others == 0,
+        f"World size {world_size} is not divisible by pp*cp*tp = {others}: launch a multiple of {others} "
+        f"processes or change parallel.pp/cp/tp.",
+    )
+    return world_size // others
+
+
+# One place that says what the runtime can do today; each parallelism's issue removes its line.
+_NOT_YET = "is not yet supported in this version of meshtrain (it lands with its own parallelism)"
+
+
+def check_supported(cfg: Config, dp: int) -> None:
+    """Refuse layouts whose parallelism is not built yet, instead of silently ignoring them."""
+    p = cfg.parallel
+    defaults = ParallelConfig()
+    unsupported = []
+    if dp > 1:
+        unsupported.append(f"data parallelism (parallel.dp={dp})")
+    for name in ("tp", "pp", "cp", "ep", "zero", "sp", "schedule", "microbatches"):
+        if getattr(p, name) != getattr(defaults, name):
+            unsupported.append(f"parallel.{name}={getattr(p, name)}")
+    if unsupported:
+        raise ConfigError(
+            f"{', '.join(unsupported)} {_NOT_YET}. Run on one process with the default parallel settings."
+        )

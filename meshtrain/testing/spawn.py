@@ -1,0 +1,131 @@
+"""Run a function on N real processes with a gloo process group, for tests and benchmarks.
+
+``spawn(fn, 4, args)`` starts 4 processes (spawn start method, so each is a clean
+interpreter), initialises torch.distributed through a file store in a private temp
+folder (no ports to race for), calls ``fn(rank, world_size, *args)`` and returns the
+list of return values in rank order. Any rank that raises makes the whole call raise
+``SpawnError`` with that rank's traceback; a rank that has not finished within
+``timeout`` seconds makes it raise ``SpawnTimeout`` naming the ranks still running.
+Every process is killed before either error is raised, so a failing test never leaves
+workers behind.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+class SpawnError(RuntimeError):
+    """A rank raised or died; the message carries its rank and traceback."""
+
+
+class SpawnTimeout(SpawnError):
+    """Some ranks did not finish in time (a hang or a deadlock)."""
+
+
+def _worker(fn: Callable, rank: int, world_size: int, store: str, threads: int, args: tuple,
+            kwargs: dict, results: Any) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+        try:
+            out = fn(rank, world_size, *args, **kwargs)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, out))
+    except BaseException:  # noqa: B036 - any failure must reach the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+_SECONDARY = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
+
+
+def _failure(procs: list, results: Any, world_size: int, failures: dict[int, str],
+             outputs: dict[int, Any]) -> SpawnError:
+    """Name the rank that failed first: when one rank dies, its peers fail soon after with
+    transport errors, which are symptoms. Give them a moment to report, then prefer a rank whose
+    own code raised, then a rank that died without a word, then the symptoms."""
+    end = time.monotonic() + 2.0
+    while time.monotonic() < end:
+        try:
+            rank, ok, value = results.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        (outputs if ok else failures)[rank] = value
+    primary = [r for r, tb in sorted(failures.items()) if not any(m in tb for m in _SECONDARY)]
+    if primary:
+        return SpawnError(f"rank {primary[0]} of {world_size} failed:\n{failures[primary[0]]}")
+    silent = [r for r, p in enumerate(procs) if r not in outputs and r not in failures
+              and p.exitcode is not None]
+    if silent:
+        return SpawnError(f"rank {silent[0]} of {world_size} exited with code {procs[silent[0]].exitcode} "
+                          f"without a result (killed or crashed).")
+    r = min(failures)
+    return SpawnError(f"rank {r} of {world_size} failed:\n{failures[r]}")
+
+
+def _collect(procs: list, results: Any, world_size: int, timeout: float) -> dict[int, Any]:
+    outputs: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    while len(outputs) < world_size:
+        try:
+            rank, ok, value = results.get(timeout=0.2)
+        except queue.Empty:
+            if time.monotonic() > deadline:
+                running = [r for r in range(world_size) if r not in outputs]
+                raise SpawnTimeout(
+                    f"ranks {running} of {world_size} did not finish within {timeout:.0f} s "
+                    f"(a hang or deadlock); all processes were killed."
+                ) from None
+            if any(r not in outputs and p.exitcode is not None for r, p in enumerate(procs)):
+                raise _failure(procs, results, world_size, failures, outputs) from None
+            continue
+        if not ok:
+            failures[rank] = value
+            raise _failure(procs, results, world_size, failures, outputs)
+        outputs[rank] = value
+    return outputs
+
+
+def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: dict | None = None,
+          timeout: float = 120.0, threads: int = 1) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo processes.
+
+    ``fn`` must be importable (a module-level function). Return values must be picklable;
+    return CPU tensors or plain data. ``threads`` sets torch's intra-op threads per rank
+    (1 by default: this machine has 2 cores and tests run up to 8 ranks).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="meshtrain-spawn-") as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_worker, args=(fn, r, world_size, store, threads, args, kwargs or {}, results),
+                        daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            outputs = _collect(procs, results, world_size, timeout)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join(timeout=10)
+            results.close()
+    return [outputs[r] for r in range(world_size)]

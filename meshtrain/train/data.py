@@ -1,0 +1,244 @@
+"""Datasets and the layout-independent batch sampler.
+
+Every batch is a pure function of ``(seed, step, split)``: the random offsets come from
+``np.random.default_rng([seed, step, split_id])``. Each rank can therefore build the same *global*
+batch and cut out its own rows with :func:`shard_rows`, so the data seen does not depend on the parallel
+layout, and a run resumed at step N sees exactly the batches it would have seen without stopping.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from meshtrain.train.prepare import META_FORMAT
+
+SPLIT_IDS = {"train": 0, "val": 1}
+_REQUIRED_META = ("format", "tokenizer", "vocab_size", "eos_id", "dtype", "train_tokens", "val_tokens")
+_DTYPES = ("uint16", "uint32")
+
+
+def _split_id(split: str) -> int:
+    if split not in SPLIT_IDS:
+        raise ValueError(f"unknown data split {split!r}; expected one of {sorted(SPLIT_IDS)}")
+    return SPLIT_IDS[split]
+
+
+def _check_batch_args(seed: int, step: int, batch_size: int, seq_len: int) -> None:
+    # SeedSequence rejects negative entries with an obscure message; say which argument is wrong.
+    if int(seed) < 0:
+        raise ValueError(f"train.seed must be >= 0, got {seed}")
+    if int(step) < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if int(batch_size) < 1:
+        raise ValueError(f"batch size must be >= 1, got {batch_size}")
+    if int(seq_len) < 1:
+        raise ValueError(f"train.seq_len must be >= 1, got {seq_len}")
+
+
+def _batch_rng(seed: int, step: int, split_id: int) -> np.random.Generator:
+    return np.random.default_rng([int(seed), int(step), split_id])
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """Read and validate ``meta.json`` of a prepared data folder, with errors that say how to fix it."""
+    path = Path(path)
+    meta_path = path / "meta.json"
+    if not meta_path.is_file():
+        raise FileNotFoundError(
+            f"data.path {path} has no meta.json: it is not a prepared data folder. Run "
+            f"`meshtrain prepare-data --src SOURCE --out {path}` (or leave data.path empty for the stdlib)"
+        )
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{meta_path} is corrupt ({e}); re-run `meshtrain prepare-data`") from e
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_path} is corrupt (not a JSON object); re-run `meshtrain prepare-data`")
+    missing = [k for k in _REQUIRED_META if k not in meta]
+    if missing:
+        raise ValueError(
+            f"{meta_path} is corrupt (missing {', '.join(missing)}); re-run `meshtrain prepare-data`"
+        )
+    if meta["format"] != META_FORMAT:
+        raise ValueError(
+            f"{meta_path} has unknown format {meta['format']!r} (this meshtrain reads format {META_FORMAT}); "
+            "re-run `meshtrain prepare-data`"
+        )
+    if meta["dtype"] not in _DTYPES:
+        raise ValueError(f"{meta_path} has unknown dtype {meta['dtype']!r}; expected one of {_DTYPES}")
+    for k in ("vocab_size", "eos_id", "train_tokens", "val_tokens"):
+        if not isinstance(meta[k], int) or isinstance(meta[k], bool) or meta[k] < 0:
+            raise ValueError(f"{meta_path} is corrupt ({k}={meta[k]!r}); re-run `meshtrain prepare-data`")
+    return meta
+
+
+class TokenDataset:
+    """One split of a prepared data folder, memory-mapped read-only."""
+
+    def __init__(self, path: str | Path, split: str = "train") -> None:
+        """Open ``<path>/<split>.bin`` after checking it against ``meta.json``."""
+        self.path = Path(path)
+        self.split = split
+        self._split_id = _split_id(split)
+        self.meta = read_meta(self.path)
+        n = int(self.meta[f"{split}_tokens"])
+        # Files are little-endian on disk whatever the host.
+        dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")
+        bin_path = self.path / f"{split}.bin"
+        if not bin_path.is_file():
+            raise FileNotFoundError(f"{bin_path} is missing; re-run `meshtrain prepare-data`")
+        size = bin_path.stat().st_size
+        if size != n * dtype.itemsize:
+            raise ValueError(
+                f"{bin_path} is truncated or corrupt: {size} bytes but meta.json says {n} tokens of "
+                f"{dtype.name} ({n * dtype.itemsize} bytes); re-run `meshtrain prepare-data`"
+            )
+        # np.memmap cannot map an empty file; an empty split is still valid (e.g. val_fraction=0).
+        self._tokens: np.ndarray = (
+            np.memmap(bin_path, dtype=dtype, mode="r", shape=(n,)) if n > 0 else np.zeros(0, dtype=dtype)
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids (model embedding size)."""
+        return int(self.meta["vocab_size"])
+
+    @property
+    def eos_id(self) -> int:
+        """Id appended after each document."""
+        return int(self.meta["eos_id"])
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in this split."""
+        return int(self._tokens.shape[0])
+
+    def batch(self, seed: int, step: int, batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The global batch for ``step``: int64 ``(inputs, targets)`` of shape ``[batch_size, seq_len]``.
+
+        Rows are windows at random offsets; ``targets`` is ``inputs`` shifted left by one token. The
+        result depends only on ``(seed, step, split)``.
+        """
+        _check_batch_args(seed, step, batch_size, seq_len)
+        n = self.num_tokens
+        if n < seq_len + 2:
+            raise ValueError(
+                f"the {self.split} split of {self.path} has only {n} tokens, fewer than train.seq_len + 2 = "
+                f"{seq_len + 2}; lower train.seq_len or use more data"
+            )
+        rng = _batch_rng(seed, step, self._split_id)
+        # A window needs seq_len + 1 tokens (inputs plus the one extra target); high is exclusive.
+        offsets = rng.integers(0, n - seq_len, size=batch_size)
+        idx = offsets[:, None] + np.arange(seq_len + 1)
+        window = np.asarray(self._tokens[idx], dtype=np.int64)
+        return torch.from_numpy(window[:, :-1].copy()), torch.from_numpy(window[:, 1:].copy())
+
+    def __repr__(self) -> str:
+        return f"TokenDataset({str(self.path)!r}, split={self.split!r}, num_tokens={self.num_tokens})"
+
+
+class SyntheticDataset:
+    """Tokens generated on the fly (``data.source=synthetic``), for benchmarks without any data files.
+
+    Each row starts at a random token and follows ``next = (mult * prev + incr) % vocab_size``, except
+    that with probability ``noise`` a token is replaced by a random one (and the chain continues from
+    it). A model can learn the rule, so the loss falls, which makes benchmark runs look like training.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 257,
+        split: str = "train",
+        num_tokens: int = 1 << 30,
+        noise: float = 0.1,
+        mult: int = 31,
+        incr: int = 7,
+    ) -> None:
+        """``num_tokens`` is nominal (the stream is unbounded); it only feeds progress/epoch reporting."""
+        if vocab_size < 2:
+            raise ValueError(f"model.vocab_size must be >= 2 for synthetic data, got {vocab_size}")
+        if not 0.0 <= noise <= 1.0:
+            raise ValueError(f"synthetic data noise must be in [0, 1], got {noise}")
+        self.split = split
+        self._split_id = _split_id(split)
+        self._vocab_size = int(vocab_size)
+        self._num_tokens = int(num_tokens)
+        self.noise = float(noise)
+        # A multiplier coprime to the vocabulary makes the rule a permutation (no collapsing chains).
+        m = int(mult) % self._vocab_size or 1
+        while math.gcd(m, self._vocab_size) != 1:
+            m += 1
+        self.mult = m
+        self.incr = int(incr) % self._vocab_size
+        self._tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids."""
+        return self._vocab_size
+
+    @property
+    def eos_id(self) -> int:
+        """Nominal separator id (the last id); the synthetic stream has no documents."""
+        return self._vocab_size - 1
+
+    @property
+    def num_tokens(self) -> int:
+        """Nominal size of the split."""
+        return self._num_tokens
+
+    def _affine_tables(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        # k steps of x -> a*x + b from v give A[k]*v + b*S[k] with A[k] = a^k, S[k] = 1 + a + ... + a^(k-1);
+        # precomputing them lets a whole batch be generated without a Python loop over positions.
+        if n not in self._tables:
+            v, a = self._vocab_size, self.mult
+            A = np.empty(n, dtype=np.int64)
+            S = np.empty(n, dtype=np.int64)
+            A[0], S[0] = 1, 0
+            for k in range(1, n):
+                A[k] = A[k - 1] * a % v
+                S[k] = (S[k - 1] + A[k - 1]) % v
+            self._tables[n] = (A, S)
+        return self._tables[n]
+
+    def batch(self, seed: int, step: int, batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Same contract as :meth:`TokenDataset.batch`: a pure function of ``(seed, step, split)``."""
+        _check_batch_args(seed, step, batch_size, seq_len)
+        n = seq_len + 1
+        rng = _batch_rng(seed, step, self._split_id)
+        restart = rng.random((batch_size, n)) < self.noise
+        restart[:, 0] = True  # every row starts from a random token
+        rand = rng.integers(0, self._vocab_size, size=(batch_size, n), dtype=np.int64)
+        pos = np.arange(n)
+        last = np.maximum.accumulate(np.where(restart, pos, 0), axis=1)  # latest restart at or before t
+        A, S = self._affine_tables(n)
+        k = pos - last
+        start = np.take_along_axis(rand, last, axis=1)
+        toks = (A[k] * start + self.incr * S[k]) % self._vocab_size
+        return torch.from_numpy(toks[:, :-1].copy()), torch.from_numpy(toks[:, 1:].copy())
+
+    def __repr__(self) -> str:
+        return f"SyntheticDataset(vocab_size={self._vocab_size}, split={self.split!r})"
+
+
+def shard_rows(x: torch.Tensor, index: int, count: int) -> torch.Tensor:
+    """Rows of the global batch ``x`` owned by data-parallel coordinate ``index`` of ``count``.
+
+    Returns the contiguous block ``[index * r, (index + 1) * r)`` with ``r = rows // count`` (a view).
+    """
+    if count < 1 or not 0 <= index < count:
+        raise ValueError(f"data-parallel index {index} out of range for {count} shards")
+    rows = x.shape[0]
+    if rows % count:
+        raise ValueError(
+            f"train.global_batch ({rows} rows) is not divisible by the {count} data-parallel shards; "
+            f"choose a multiple of {count}"
+        )
+    r = rows // count
+    return x[index * r : (index + 1) * r]

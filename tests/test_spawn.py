@@ -1,0 +1,61 @@
+"""The spawn harness: results in rank order, a failing rank and a hung rank become test failures."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshtrain.testing.spawn import SpawnError, SpawnTimeout, spawn
+
+pytestmark = pytest.mark.slow
+
+
+def _sum_ranks(rank, world_size, scale):
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return rank, world_size, t.item() * scale
+
+
+def _fail_on_rank_2(rank, world_size):
+    if rank == 2:
+        raise ValueError("rank two is broken")
+    dist.barrier()  # the others wait for a rank that never arrives: the harness must not hang
+    return rank
+
+
+def _hang_on_rank_1(rank, world_size):
+    if rank == 1:
+        while True:
+            time.sleep(0.1)
+    return rank
+
+
+def _crash_on_rank_0(rank, world_size):
+    import os
+
+    if rank == 0:
+        os._exit(3)
+    dist.barrier()
+
+
+def test_results_in_rank_order():
+    out = spawn(_sum_ranks, 4, args=(10.0,))
+    assert out == [(r, 4, 60.0) for r in range(4)]
+
+
+def test_failing_rank_is_reported():
+    start = time.monotonic()
+    with pytest.raises(SpawnError, match=r"rank 2 of 4 failed:(.|\n)*rank two is broken"):
+        spawn(_fail_on_rank_2, 4, timeout=60)
+    assert time.monotonic() - start < 30  # reported at once, not after the timeout
+
+
+def test_hung_rank_times_out():
+    with pytest.raises(SpawnTimeout, match=r"ranks \[1\] of 2 did not finish within 8 s"):
+        spawn(_hang_on_rank_1, 2, timeout=8)
+
+
+def test_crashed_rank_is_reported():
+    with pytest.raises(SpawnError, match=r"rank 0 of 2 exited with code 3"):
+        spawn(_crash_on_rank_0, 2, timeout=60)
