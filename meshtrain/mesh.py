@@ -151,9 +151,13 @@ class Mesh:
         world = tuple(range(self.world_size))
         self._groups["world"] = AxisGroup("world", world, dist.group.WORLD if create and len(world) > 1 else None)
 
+    def describe(self) -> str:
+        """The layout in one short string, e.g. 'pp=2 dp=2 cp=1 tp=2 ep=1 on cpu'."""
+        shape = " ".join(f"{a}={self.shape[a]}" for a in AXES)
+        return f"{shape} ep={self.ep} on {self.device.type}"
+
     def __repr__(self) -> str:
-        shape = " x ".join(f"{a}={self.shape[a]}" for a in AXES)
-        return f"Mesh({shape}, ep={self.ep}, rank={self.rank}, coords={self.coords}, device={self.device})"
+        return f"Mesh({self.describe()}, rank={self.rank}, coords={self.coords})"
 
 
 def default_device() -> torch.device:

@@ -1,0 +1,120 @@
+"""``meshtrain`` command line: train | prepare-data | generate.
+
+    meshtrain train --config FILE [--out DIR] [--nproc N] [section.key=value ...]
+    meshtrain prepare-data [--src DIR] [--out DIR] [--tokenizer byte|tokenizer.json]
+    meshtrain generate --ckpt DIR [--prompt TEXT] [--tokens N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from meshtrain.config import ConfigError, load_config, validate
+from meshtrain.train.checkpoint import CheckpointError
+
+
+def _without_option(argv: list[str], name: str) -> list[str]:
+    """argv minus ``name VALUE`` / ``name=VALUE``."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == name:
+            skip = True
+        elif not a.startswith(name + "="):
+            out.append(a)
+    return out
+
+
+def _train(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="meshtrain train", description="Train a model.")
+    ap.add_argument("--config", help="YAML config file or preset name (tiny, small, llama3-8b, ...)")
+    ap.add_argument("--out", help="run folder: config.yaml, metrics.jsonl, tb/, checkpoints/")
+    ap.add_argument("--nproc", type=int, default=0, help="relaunch under torchrun with N local processes")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100 parallel.tp=2")
+    args = ap.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    if args.nproc and "LOCAL_RANK" not in os.environ:
+        if args.nproc < 1:
+            raise ConfigError(f"--nproc must be >= 1, got {args.nproc}.")
+        validate(cfg, args.nproc)  # a layout that cannot run is refused before any process starts
+        rest = _without_option(argv, "--nproc")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+               "-m", "meshtrain.cli", "train", *rest]
+        return subprocess.call(cmd)
+    from meshtrain.train.trainer import Trainer
+
+    Trainer(cfg, args.out).train()
+    return 0
+
+
+def _generate(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="meshtrain generate", description="Sample text from a checkpoint.")
+    ap.add_argument("--ckpt", required=True, help="a checkpoint folder (step_NNNNNN) or a run folder (--out)")
+    ap.add_argument("--prompt", default="def ")
+    ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--top-k", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    from meshtrain.config import Config, update_from_dict
+    from meshtrain.generate import sample
+    from meshtrain.model.llama import Llama
+    from meshtrain.train.checkpoint import latest_checkpoint, load_model_weights, read_checkpoint_meta
+    from meshtrain.train.tokenizer import load_tokenizer
+
+    path = Path(args.ckpt)
+    if not path.exists():
+        raise ConfigError(f"--ckpt {path} does not exist.")
+    if not (path / "meta.json").exists():
+        found = latest_checkpoint(path / "checkpoints") or latest_checkpoint(path)
+        if found is None:
+            raise CheckpointError(f"--ckpt {path} holds no checkpoint: pass a run's --out folder or a step_* folder.")
+        path = found
+    meta = read_checkpoint_meta(path)
+    cfg = update_from_dict(Config(), meta["config"], str(path / "meta.json"))
+    if not meta.get("tokenizer"):
+        raise CheckpointError(f"{path} was trained on synthetic data: there is no tokenizer to decode with.")
+    tok = load_tokenizer("hf" if meta["tokenizer"] == "hf" else meta["tokenizer"], path)
+    model = Llama(cfg.model)
+    load_model_weights(path, model)
+    ids = sample(model, tok.encode(args.prompt), args.tokens, cfg.train.seq_len, args.temperature, args.top_k,
+                 args.seed)
+    print(args.prompt + tok.decode(ids))
+    return 0
+
+
+def _prepare(argv: list[str]) -> int:
+    from meshtrain.train.prepare import main
+
+    return main(argv)
+
+
+COMMANDS = {"train": _train, "prepare-data": _prepare, "generate": _generate}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print(__doc__.strip())
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\nunknown command '{argv[0]}': choose one of {', '.join(COMMANDS)}", file=sys.stderr)
+            return 2
+        return 0
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
+        # User errors carry the option and the fix; MESHTRAIN_DEBUG=1 shows the traceback too.
+        if os.environ.get("MESHTRAIN_DEBUG"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""Text generation from a trained model (single device)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+@torch.no_grad()
+def sample(model: nn.Module, prompt: list[int], max_new_tokens: int, max_len: int, temperature: float = 0.8,
+           top_k: int = 40, seed: int = 0, stop_id: int | None = None) -> list[int]:
+    """Autoregressive sampling; the context is cropped to the last ``max_len`` tokens.
+
+    ``temperature`` 0 is greedy. ``top_k`` 0 samples from the whole vocabulary.
+    """
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    tokens = list(prompt) or [0]
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        ctx = torch.tensor([tokens[-max_len:]], device=device)
+        logits = model(ctx)[0, -1].float().cpu()
+        if temperature <= 0:
+            nxt = int(logits.argmax())
+        else:
+            logits = logits / temperature
+            if 0 < top_k < logits.numel():
+                kth = torch.topk(logits, top_k).values[-1]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+        if stop_id is not None and nxt == stop_id:
+            break
+        tokens.append(nxt)
+        out.append(nxt)
+    model.train(was_training)
+    return out

@@ -1,0 +1,245 @@
+"""The training loop: one optimizer step = a global batch, split into microbatches, then
+clip -> AdamW -> log -> (validate, checkpoint).
+
+The loss of a step is the mean over every token of the global batch: each microbatch adds
+``sum of its token losses / tokens in the global batch``, so accumulation (and, later, data
+parallelism) gives exactly the single-device mean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from meshtrain import comm
+from meshtrain.config import Config, ConfigError, save_config, validate
+from meshtrain.generate import sample
+from meshtrain.mesh import Mesh, init_distributed
+from meshtrain.model.llama import build_model, cross_entropy_sum
+from meshtrain.plan.costs import flops_per_token, mfu, param_count
+from meshtrain.plan.hardware import peak_flops
+from meshtrain.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from meshtrain.train.data import SyntheticDataset, TokenDataset
+from meshtrain.train.metrics import MetricsLogger, peak_memory_bytes
+from meshtrain.train.optim import build_optimizer, clip_grads, grad_norm_squared, lr_at
+from meshtrain.train.prepare import ensure_prepared
+from meshtrain.train.tokenizer import load_tokenizer
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def resolve_device(kind: str) -> torch.device:
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA device is visible: use train.device=cpu or auto.")
+    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def unigram_loss(tokens: np.ndarray, vocab_size: int) -> float:
+    """Entropy (nats/token) of the training data's unigram distribution: the loss of a model that
+    ignores context. A language model must go well below it."""
+    counts = np.bincount(np.asarray(tokens), minlength=vocab_size).astype(np.float64)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+class Trainer:
+    """Builds everything a run needs from a validated config, then trains."""
+
+    def __init__(self, cfg: Config, out_dir: str | Path | None = None) -> None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        validate(cfg, world_size)  # before any process group starts
+        self.cfg = cfg
+        self.out_dir = Path(out_dir) if out_dir else None
+        t = cfg.train
+        if t.threads:
+            torch.set_num_threads(t.threads)
+        self.device = resolve_device(t.device)
+        init_distributed("cpu" if self.device.type == "cpu" else "cuda")
+        p = cfg.parallel
+        self.mesh = Mesh(pp=p.pp, dp=world_size // (p.pp * p.cp * p.tp), cp=p.cp, tp=p.tp, ep=p.ep,
+                         device=self.device)
+        self.is_logger = self.mesh.rank == 0
+        self.dtype = DTYPES[t.dtype]
+
+        # Data: prepared token files (the stdlib by default) or a synthetic stream.
+        if cfg.data.source == "synthetic":
+            vocab = cfg.model.vocab_size or 257
+            self.train_data = SyntheticDataset(vocab, "train")
+            self.val_data = SyntheticDataset(vocab, "val")
+            self.tokenizer = None
+            self.data_dir = None
+        else:
+            self.data_dir = self._prepare_data()
+            self.train_data = TokenDataset(self.data_dir, "train")
+            self.val_data = TokenDataset(self.data_dir, "val")
+            self.tokenizer = load_tokenizer(self.train_data.meta["tokenizer"], self.data_dir)
+        if cfg.model.vocab_size == 0:
+            cfg.model.vocab_size = self.train_data.vocab_size
+        elif cfg.model.vocab_size < self.train_data.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                f"{self.train_data.vocab_size} ids: set model.vocab_size=0 to take it from the data."
+            )
+
+        self.model = build_model(cfg.model, t.seed, self.device)
+        self.params = [q for q in self.model.parameters() if q.requires_grad]
+        self.optimizer = build_optimizer(self.model, t)
+        self.step = 0
+        self.ckpt_root = self.out_dir / "checkpoints" if self.out_dir else None
+        self._check_out_dir()
+        if t.resume:
+            self._resume()
+        self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
+        self.peak = t.peak_flops or peak_flops(self.device, self.dtype)
+
+    # ------------------------------------------------------------------ setup helpers
+
+    def _prepare_data(self) -> Path:
+        # Rank 0 prepares the default corpus first so the others only read it.
+        if self.mesh.rank == 0:
+            path = ensure_prepared(self.cfg.data.path or None, self.cfg.data.tokenizer)
+        comm.barrier(self.mesh.group("world"))
+        if self.mesh.rank != 0:
+            path = ensure_prepared(self.cfg.data.path or None, self.cfg.data.tokenizer)
+        return path
+
+    def _check_out_dir(self) -> None:
+        if self.ckpt_root is None or self.cfg.train.resume:
+            return
+        if latest_checkpoint(self.ckpt_root) is not None:
+            raise ConfigError(
+                f"--out {self.out_dir} already holds checkpoints of an earlier run: pass train.resume=true to "
+                f"continue it, or choose another --out."
+            )
+
+    def _resume(self) -> None:
+        if self.ckpt_root is None:
+            raise ConfigError("train.resume=true needs --out DIR (where the checkpoints are).")
+        path = latest_checkpoint(self.ckpt_root)
+        if path is None:
+            return  # nothing yet: a fresh start, so a restarted job can always pass resume=true
+        meta = load_checkpoint(path, self.model, self.optimizer)
+        self.step = int(meta["step"])
+
+    # ------------------------------------------------------------------ the step
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """One optimizer step on the global batch of ``step``; returns its metrics."""
+        t = self.cfg.train
+        inputs, targets = self.train_data.batch(t.seed, step, t.global_batch, t.seq_len)
+        n_tokens = int((targets != -100).sum())
+        loss_total = torch.zeros((), dtype=torch.float64)
+        for x, y in zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum), strict=True):
+            x, y = x.to(self.device), y.to(self.device)
+            with self.autocast():
+                logits = self.model(x)
+            loss = cross_entropy_sum(logits, y) / n_tokens
+            loss.backward()
+            loss_total += loss.detach().double().cpu()
+        norm = grad_norm_squared(self.params).sqrt()
+        clip_grads(self.params, t.grad_clip, norm)
+        lr = lr_at(step, t)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": float(loss_total), "lr": lr, "grad_norm": float(norm)}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean token loss on the same ``eval_batches`` validation batches every time."""
+        t = self.cfg.train
+        self.model.eval()
+        total, count = 0.0, 0
+        for i in range(t.eval_batches):
+            x, y = self.val_data.batch(t.seed, i, t.global_batch, t.seq_len)
+            with self.autocast():
+                logits = self.model(x.to(self.device))
+            total += float(cross_entropy_sum(logits, y.to(self.device)))
+            count += y.numel()
+        self.model.train()
+        return total / count
+
+    def save(self) -> Path | None:
+        if self.ckpt_root is None or not self.is_logger:
+            return None
+        files = [self.data_dir / "tokenizer.json"] if self.data_dir and (self.data_dir / "tokenizer.json").exists() \
+            else []
+        extra = {"config": self.cfg.to_dict(), "tokenizer": self.tokenizer.name if self.tokenizer else None,
+                 "tokens_seen": self.step * self.cfg.train.global_batch * self.cfg.train.seq_len}
+        return save_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer, extra,
+                               keep=self.cfg.train.ckpt_keep, files=files)
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self, until: int | None = None) -> list[dict[str, Any]]:
+        """Run from the current step to ``train.steps`` (or stop early after step ``until``, as an
+        interrupted job would); returns every step's metrics record."""
+        cfg, t = self.cfg, self.cfg.train
+        if self.out_dir is not None and self.is_logger:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.out_dir / "config.yaml")
+        log = MetricsLogger(self.out_dir, t.steps, self.step, enabled=self.is_logger, progress=t.progress,
+                            tensorboard=t.tensorboard)
+        tokens_per_step = t.global_batch * t.seq_len
+        if self.is_logger:
+            n = param_count(cfg.model)
+            base = unigram_loss(self.train_data._tokens, cfg.model.vocab_size) \
+                if isinstance(self.train_data, TokenDataset) else math.log(cfg.model.vocab_size)
+            self.baseline = base
+            log.write(f"meshtrain: {n.total / 1e6:.2f}M parameters, {tokens_per_step} tokens/step, "
+                      f"mesh {self.mesh.describe()}, dtype {t.dtype}; unigram baseline loss {base:.3f}")
+        records = []
+        try:
+            while self.step < min(t.steps, until or t.steps):
+                start = time.perf_counter()
+                rec = self.train_step(self.step)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                elapsed = time.perf_counter() - start
+                self.step += 1
+                tps = tokens_per_step / elapsed
+                rec = {"step": self.step, **rec, "tokens_per_s": tps,
+                       "mfu": mfu(tps / self.mesh.world_size, cfg.model, t.seq_len, self.peak),
+                       "step_time_s": elapsed, "peak_mem_bytes": peak_memory_bytes(self.device)}
+                last = self.step == t.steps
+                if (t.eval_every and self.step % t.eval_every == 0) or last:
+                    rec["val_loss"] = self.evaluate()
+                if not math.isfinite(rec["loss"]):
+                    raise FloatingPointError(f"loss is {rec['loss']} at step {self.step}: lower train.lr.")
+                if self.step % t.log_every == 0 or last or "val_loss" in rec:
+                    log.log(rec)
+                records.append(rec)
+                if (t.ckpt_every and self.step % t.ckpt_every == 0) or last:
+                    self.save()
+            if self.is_logger and records and self.step == t.steps:
+                last_rec = records[-1]
+                log.write(f"done: step {self.step}, loss {last_rec['loss']:.4f}, "
+                          f"val_loss {last_rec.get('val_loss', float('nan')):.4f} "
+                          f"(unigram baseline {self.baseline:.3f}), "
+                          f"{np.median([r['tokens_per_s'] for r in records]):,.0f} tokens/s, "
+                          f"MFU {np.median([r['mfu'] for r in records]):.1%}")
+                if t.sample_tokens and self.tokenizer is not None:
+                    log.write("sample:\n" + t.sample_prompt + self.generate(t.sample_prompt, t.sample_tokens))
+        finally:
+            log.close()
+        return records
+
+    def generate(self, prompt: str, n_tokens: int, temperature: float = 0.8, top_k: int = 40) -> str:
+        ids = sample(self.model, self.tokenizer.encode(prompt), n_tokens, self.cfg.train.seq_len,
+                     temperature=temperature, top_k=top_k, seed=self.cfg.train.seed)
+        return self.tokenizer.decode(ids)

@@ -1,0 +1,73 @@
+"""Config loading and the errors a user sees for bad input."""
+
+import pytest
+
+from meshtrain.config import ConfigError, load_config, preset_names, validate
+
+
+def test_presets_load_and_overrides_apply():
+    assert {"tiny", "small", "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b",
+            "llama3-405b"} <= set(preset_names())
+    cfg = load_config("tiny", ["train.steps=7", "train.lr=1e-4", "model.tie_embeddings=true"])
+    assert cfg.train.steps == 7 and cfg.train.lr == 1e-4 and cfg.model.tie_embeddings is True
+    assert load_config("llama3-70b").model.d_model == 8192
+
+
+def test_yaml_file_with_preset(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("preset: tiny\ntrain:\n  steps: 3\n")
+    cfg = load_config(f)
+    assert cfg.train.steps == 3 and cfg.model.d_model == 32
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.stpes=3", "Unknown config key 'train.stpes'. Did you mean 'train.steps'?"),
+    ("modle.d_model=3", "Unknown config section 'modle'. Did you mean 'model'?"),
+    ("train.steps=ten", "train.steps must be an integer, got 'ten'."),
+    ("train.lr=abc", "train.lr must be a number, got 'abc'."),
+    ("model.tie_embeddings=maybe", "model.tie_embeddings must be true or false, got 'maybe'."),
+    ("model.n_heads=5", "model.n_heads=5 must divide model.d_model=32"),
+    ("model.n_kv_heads=3", "model.n_kv_heads=3 must divide model.n_heads=4"),
+    ("train.seq_len=100", "train.seq_len=100 exceeds model.max_seq_len=64"),
+    ("train.grad_accum=3", "train.global_batch=8 must be divisible by data-parallel size 1 x train.grad_accum=3"),
+    ("parallel.zero=4", "parallel.zero must be 0, 1, 2 or 3, got 4."),
+    ("train.dtype=fp16", "train.dtype must be fp32 or bf16"),
+    ("steps=3", "the key must be section.key"),
+    ("train.steps", "must look like section.key=value"),
+])
+def test_bad_values_get_clear_errors(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", [override])
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("override", ["parallel.tp=2", "parallel.pp=2", "parallel.cp=2", "parallel.zero=1",
+                                      "parallel.sp=true", "parallel.schedule=afab", "parallel.microbatches=4"])
+def test_parallelisms_not_built_yet_are_refused(override):
+    with pytest.raises(ConfigError, match="not yet supported"):
+        load_config("tiny", [override])
+
+
+def test_world_size_must_match_layout():
+    cfg = load_config("tiny")
+    cfg.parallel.dp = 2
+    with pytest.raises(ConfigError, match=r"World size 4 does not match the layout .*\(--nproc 2\)"):
+        validate(cfg, world_size=4)
+    cfg.parallel.dp = 0
+    with pytest.raises(ConfigError, match=r"data parallelism \(parallel.dp=4\) is not yet supported"):
+        validate(cfg, world_size=4)
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "nope.yaml"))
+    with pytest.raises(ConfigError, match="No config file or preset named 'nope'"):
+        load_config("nope")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("train:\n  stepz: 3\n")
+    with pytest.raises(ConfigError, match="Did you mean 'train.steps'"):
+        load_config(wrong)

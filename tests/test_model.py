@@ -1,0 +1,60 @@
+"""The plain model: causality, deterministic layout-independent init, the shared parameter count."""
+
+import torch
+
+from meshtrain.config import ModelConfig
+from meshtrain.model.llama import Llama, build_model, init_weights
+from meshtrain.plan.costs import flops_per_token, param_count
+
+CFG = ModelConfig(vocab_size=257, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
+
+
+def test_causal_future_tokens_do_not_change_earlier_logits():
+    model = build_model(CFG, seed=0)
+    x = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(1))
+    y = x.clone()
+    y[:, 10:] = (y[:, 10:] + 1) % 257  # change every token from position 10 on
+    with torch.no_grad():
+        a, b = model(x), model(y)
+    assert torch.equal(a[:, :10], b[:, :10])
+    assert not torch.allclose(a[:, 10:], b[:, 10:])  # and the later ones do change
+
+
+def test_init_depends_only_on_seed_and_names():
+    a, b, c = build_model(CFG, seed=3), build_model(CFG, seed=3), build_model(CFG, seed=4)
+    for (n, p), (_, q), (_, r) in zip(a.named_parameters(), b.named_parameters(), c.named_parameters(), strict=True):
+        assert torch.equal(p, q), n
+        if p.dim() == 2:
+            assert not torch.equal(p, r), n
+    # A module holding only some layers (as a pipeline stage will) gets the same values for them.
+    partial = Llama(CFG)
+    del partial.layers["0"]
+    init_weights(partial, CFG, seed=3)
+    assert torch.equal(partial.layers["1"].attention.wq.weight, a.layers["1"].attention.wq.weight)
+
+
+def test_param_count_matches_the_module():
+    for cfg in (CFG, ModelConfig(vocab_size=257, d_model=64, n_layers=3, n_heads=8, tie_embeddings=True)):
+        model = Llama(cfg)
+        assert param_count(cfg).total == sum(p.numel() for p in model.parameters())
+
+
+def test_llama2_13b_has_13_billion_parameters_and_6n_flops():
+    from meshtrain.config import load_config
+
+    cfg = load_config("llama2-13b").model
+    n = param_count(cfg).total
+    assert abs(n - 13.0e9) / 13.0e9 < 0.02  # the published 13.0B (the scaling book uses 13.1e9)
+    f = flops_per_token(cfg, seq_len=4096)
+    assert 6 * n < f < 6 * n * 1.2  # 6N plus the attention term
+
+
+def test_bf16_autocast_runs_and_is_close():
+    model = build_model(CFG, seed=0)
+    x = torch.randint(0, 257, (2, 16))
+    with torch.no_grad():
+        ref = model(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = model(x)
+    assert low.dtype == torch.bfloat16
+    assert (low.float() - ref).abs().max() < 0.05 * ref.abs().max()
