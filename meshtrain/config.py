@@ -290,6 +290,11 @@ def _need(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def _head_counts(d_model: int) -> list[int]:
+    """Head counts that divide d_model into an even head dimension (RoPE rotates pairs)."""
+    return [h for h in range(1, min(d_model, 128) + 1) if d_model % h == 0 and (d_model // h) % 2 == 0]
+
+
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Check every value that can be checked without data or devices; raise ConfigError."""
     m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
@@ -299,7 +304,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _need(
         m.d_model % m.n_heads == 0,
         f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}: "
-        f"pick n_heads from {[h for h in range(1, min(m.d_model, 64) + 1) if m.d_model % h == 0]}.",
+        f"pick n_heads from {_head_counts(m.d_model)}.",
     )
     _need(m.head_dim % 2 == 0, f"head dimension d_model/n_heads = {m.head_dim} must be even for RoPE.")
     _need(m.n_kv_heads >= 0, "model.n_kv_heads must be >= 0 (0 means n_heads).")

@@ -161,7 +161,7 @@ class Mesh:
 
 
 def default_device() -> torch.device:
-    """CUDA device of this local rank when available, else CPU (the only place that decides)."""
+    """CUDA device of this local rank when available, else CPU (for a Mesh built without a device)."""
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")

@@ -203,7 +203,7 @@ def test_val_fallback_keeps_both_splits_non_empty(tmp_path: Path, corpus: Path) 
 
 
 def test_prepare_argument_errors(tmp_path: Path, corpus: Path) -> None:
-    with pytest.raises(FileNotFoundError, match=r"does not exist \(option data.source\)"):
+    with pytest.raises(FileNotFoundError, match=r"does not exist \(option --src of prepare-data\)"):
         prepare_data(tmp_path / "nope", tmp_path / "o")
     with pytest.raises(ValueError, match="data.val_fraction"):
         prepare_data(corpus, tmp_path / "o", val_fraction=0.7)
@@ -273,7 +273,7 @@ def test_cli(tmp_path: Path, corpus: Path, capsys: pytest.CaptureFixture[str]) -
     assert prep.main(["--src", str(corpus), "--out", str(out)]) == 0
     assert "already prepared" in capsys.readouterr().out
     assert prep.main(["--src", str(tmp_path / "missing"), "--out", str(tmp_path / "x")]) == 1
-    assert "data.source" in capsys.readouterr().err
+    assert "--src" in capsys.readouterr().err
 
 
 def test_default_dirs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

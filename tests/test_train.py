@@ -137,3 +137,30 @@ def test_cli_refuses_bad_layouts_before_starting_processes():
     assert r.returncode == 2 and "data.path /nonexistent/folder does not exist" in r.stderr
     r = _cli("generate", "--ckpt", "/nonexistent")
     assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def test_cli_nproc_relaunches_under_torchrun(tmp_path):
+    out = tmp_path / "torchrun"
+    r = _cli("train", "--nproc", "1", "--config", "tiny", "--out", str(out), "data.source=synthetic",
+             "train.steps=2", "train.progress=false")
+    assert r.returncode == 0, r.stderr
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_synthetic_source_trains_without_files():
+    cfg = load_config("tiny", ["data.source=synthetic", "train.steps=30", "train.progress=false",
+                               "train.tensorboard=false", "train.peak_flops=1e11", "train.lr=0.01"])
+    records = Trainer(cfg).train()
+    assert cfg.model.vocab_size == 257
+    assert records[-1]["loss"] < records[0]["loss"] - 1.0  # the affine pattern is learnable
+
+
+def test_data_without_validation_split_trains_and_says_so(tmp_path, capsys):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(3):
+        (src / f"m{i}.py").write_text(f"def f{i}(x):\n    return x * {i}\n" * 40)
+    prepare_data(src, tmp_path / "data", val_fraction=0.0)
+    records = Trainer(_cfg(str(tmp_path / "data"), "train.steps=2")).train()
+    assert "val_loss" not in records[-1]
+    assert "no validation loss" in capsys.readouterr().out

@@ -23,11 +23,11 @@ class MetricsLogger:
 
     def __init__(self, out_dir: Path | None, total_steps: int, start_step: int = 0, enabled: bool = True,
                  progress: bool = True, tensorboard: bool = True) -> None:
-        self.enabled = enabled and out_dir is not None
+        self.enabled = enabled  # the logging rank prints; files are written only with an out_dir
         self._jsonl = None
         self._tb = None
         self._bar = None
-        if self.enabled:
+        if self.enabled and out_dir is not None:
             path = out_dir / "metrics.jsonl"
             kept = []
             if start_step > 0 and path.exists():  # resuming: keep the lines of steps already done

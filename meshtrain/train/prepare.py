@@ -39,14 +39,16 @@ def default_source_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def default_data_dir(tokenizer: str = "byte") -> Path:
+def default_data_dir(tokenizer: str = "byte", val_fraction: float = 0.02) -> Path:
     """Cache folder for the prepared standard library: ``$MESHTRAIN_CACHE`` or ``~/.cache/meshtrain``.
 
-    The subfolder name records the tokenizer and Python version, since both change the tokens.
+    The subfolder name records the tokenizer, Python version and a non-default validation fraction,
+    since each changes the tokens.
     """
     base = os.environ.get("MESHTRAIN_CACHE") or "~/.cache/meshtrain"
     v = sys.version_info
-    return Path(base).expanduser() / f"stdlib-{tokenizer_tag(tokenizer)}-py{v.major}{v.minor}"
+    val = "" if val_fraction == 0.02 else f"-val{val_fraction:g}"
+    return Path(base).expanduser() / f"stdlib-{tokenizer_tag(tokenizer)}-py{v.major}{v.minor}{val}"
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -175,8 +177,8 @@ def prepare_data(
         raise ValueError(f"data.val_fraction must be between 0 and 0.5, got {val_fraction}")
     if not src.is_dir():
         if src.exists():
-            raise FileNotFoundError(f"data source {src} is not a folder (option data.source)")
-        raise FileNotFoundError(f"data source folder {src} does not exist (option data.source)")
+            raise FileNotFoundError(f"data source {src} is not a folder (option --src of prepare-data)")
+        raise FileNotFoundError(f"data source folder {src} does not exist (option --src of prepare-data)")
     if out.exists() and not (out / "meta.json").is_file():
         if not out.is_dir() or any(out.iterdir()):
             # Never clobber something that is not ours (e.g. the user pointed --out at their sources).
@@ -188,7 +190,7 @@ def prepare_data(
     files = list_source_files(src, extensions, exclude_dirs)
     if not files:
         raise ValueError(
-            f"no files with extensions {', '.join(extensions)} found under {src} (option data.source)"
+            f"no files with extensions {', '.join(extensions)} found under {src} (option --src of prepare-data)"
         )
     dtype = token_dtype(tok.vocab_size)
 
@@ -285,17 +287,17 @@ def _publish(tmp: Path, out: Path, overwrite: bool) -> dict[str, Any]:
     return _read_meta(out)
 
 
-def ensure_prepared(path: str | None, tokenizer: str = "byte") -> Path:
+def ensure_prepared(path: str | None, tokenizer: str = "byte", val_fraction: float = 0.02) -> Path:
     """Resolve the ``data.path`` option to a prepared data folder, preparing the default if needed.
 
     Empty/None -> the cached standard-library corpus (prepared on first use). A folder with meta.json is
     returned as is. Anything else raises with the command that fixes it.
     """
     if not path:
-        out = default_data_dir(tokenizer)
+        out = default_data_dir(tokenizer, val_fraction)
         if not (out / "meta.json").is_file():
             log.info("preparing the Python standard library as training data into %s", out)
-            prepare_data(default_source_dir(), out, tokenizer=tokenizer)
+            prepare_data(default_source_dir(), out, tokenizer=tokenizer, val_fraction=val_fraction)
         return out
     p = Path(path).expanduser()
     if not p.exists():

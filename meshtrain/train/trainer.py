@@ -90,6 +90,8 @@ class Trainer:
                 f"{self.train_data.vocab_size} ids: set model.vocab_size=0 to take it from the data."
             )
 
+        # A split too small for one sequence (e.g. prepared with val_fraction=0) means no validation.
+        self.can_validate = self.val_data.num_tokens >= t.seq_len + 2
         self.model = build_model(cfg.model, t.seed, self.device)
         self.params = [q for q in self.model.parameters() if q.requires_grad]
         self.optimizer = build_optimizer(self.model, t)
@@ -106,10 +108,10 @@ class Trainer:
     def _prepare_data(self) -> Path:
         # Rank 0 prepares the default corpus first so the others only read it.
         if self.mesh.rank == 0:
-            path = ensure_prepared(self.cfg.data.path or None, self.cfg.data.tokenizer)
+            path = ensure_prepared(self.cfg.data.path or None, self.cfg.data.tokenizer, self.cfg.data.val_fraction)
         comm.barrier(self.mesh.group("world"))
         if self.mesh.rank != 0:
-            path = ensure_prepared(self.cfg.data.path or None, self.cfg.data.tokenizer)
+            path = ensure_prepared(self.cfg.data.path or None, self.cfg.data.tokenizer, self.cfg.data.val_fraction)
         return path
 
     def _check_out_dir(self) -> None:
@@ -161,16 +163,18 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean token loss on the same ``eval_batches`` validation batches every time."""
+        """Mean token loss on the same ``eval_batches`` validation batches every time (in the
+        microbatches of training, so it needs no more memory)."""
         t = self.cfg.train
         self.model.eval()
         total, count = 0.0, 0
         for i in range(t.eval_batches):
-            x, y = self.val_data.batch(t.seed, i, t.global_batch, t.seq_len)
-            with self.autocast():
-                logits = self.model(x.to(self.device))
-            total += float(cross_entropy_sum(logits, y.to(self.device)))
-            count += y.numel()
+            inputs, targets = self.val_data.batch(t.seed, i, t.global_batch, t.seq_len)
+            for x, y in zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum), strict=True):
+                with self.autocast():
+                    logits = self.model(x.to(self.device))
+                total += float(cross_entropy_sum(logits, y.to(self.device)))
+                count += int((y != -100).sum())
         self.model.train()
         return total / count
 
@@ -201,6 +205,8 @@ class Trainer:
             base = unigram_loss(self.train_data._tokens, cfg.model.vocab_size) \
                 if isinstance(self.train_data, TokenDataset) else math.log(cfg.model.vocab_size)
             self.baseline = base
+            if not self.can_validate:
+                log.write("the validation split is too small for one sequence: no validation loss.")
             log.write(f"meshtrain: {n.total / 1e6:.2f}M parameters, {tokens_per_step} tokens/step, "
                       f"mesh {self.mesh.describe()}, dtype {t.dtype}; unigram baseline loss {base:.3f}")
         records = []
@@ -217,7 +223,7 @@ class Trainer:
                        "mfu": mfu(tps / self.mesh.world_size, cfg.model, t.seq_len, self.peak),
                        "step_time_s": elapsed, "peak_mem_bytes": peak_memory_bytes(self.device)}
                 last = self.step == t.steps
-                if (t.eval_every and self.step % t.eval_every == 0) or last:
+                if self.can_validate and ((t.eval_every and self.step % t.eval_every == 0) or last):
                     rec["val_loss"] = self.evaluate()
                 if not math.isfinite(rec["loss"]):
                     raise FloatingPointError(f"loss is {rec['loss']} at step {self.step}: lower train.lr.")
