@@ -67,7 +67,11 @@ class ParallelConfig:
     pp: int = 1
     cp: int = 1
     ep: int = 1
-    zero: int = 0
+    zero: int = 0  # 0: plain DP (all-reduce); 1: shard optimizer state; 2: + gradients; 3: + parameters (FSDP)
+    zero_layout: str = "flat"  # flat (balanced by elements) | per_tensor (whole tensors per rank; Muon needs it)
+    dp_shard: int = 0  # HSDP: shard within groups of this many dp ranks, replicate across them; 0: all of dp
+    bucket_mb: float = 25.0  # DP gradient bucket size
+    reshard_after_forward: bool = True  # ZeRO-3: free gathered parameters after forward, re-gather for backward
     sp: bool = False
     schedule: str = "1f1b"
     microbatches: int = 1
@@ -82,7 +86,7 @@ class TrainConfig:
     global_batch: int = 8  # sequences per optimizer step, over all data-parallel ranks
     grad_accum: int = 1  # microbatches accumulated per optimizer step
     seq_len: int = 128
-    optimizer: str = "adamw"
+    optimizer: str = "adamw"  # adamw | muon (Newton-Schulz on 2-D hidden weights, AdamW for the rest)
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
@@ -90,6 +94,9 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    recompute: str = "none"  # activation checkpointing per block: none | full | selective
     grad_clip: float = 1.0  # 0 disables clipping
     dtype: str = "fp32"  # compute dtype: fp32 or bf16 (autocast); parameters stay fp32
     device: str = "auto"  # auto: cuda when available, else cpu
@@ -329,7 +336,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _need(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio must be in [0, 1].")
     _need(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1).")
     _need(t.grad_clip >= 0, "train.grad_clip must be >= 0 (0 disables clipping).")
-    _need(t.optimizer in ("adamw",), f"train.optimizer must be 'adamw', got '{t.optimizer}'.")
+    _need(t.optimizer in ("adamw", "muon"), f"train.optimizer must be 'adamw' or 'muon', got '{t.optimizer}'.")
+    _need(t.recompute in ("none", "full", "selective"),
+          f"train.recompute must be none, full or selective, got '{t.recompute}'.")
+    _need(t.muon_lr > 0 and 0 <= t.muon_momentum < 1, "train.muon_lr must be > 0 and train.muon_momentum in [0, 1).")
     _need(t.dtype in ("fp32", "bf16"), f"train.dtype must be fp32 or bf16, got '{t.dtype}'.")
     _need(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got '{t.device}'.")
     _need(d.source in ("files", "synthetic"), f"data.source must be 'files' or 'synthetic', got '{d.source}'.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -10,24 +11,58 @@ from torch import nn
 from meshtrain.config import TrainConfig
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices (linear and embedding weights), not vectors (norm scales): the usual LLM recipe."""
-    decay, no_decay, seen = [], [], set()
-    for p in model.parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        (decay if p.dim() >= 2 else no_decay).append(p)
+@dataclass(frozen=True)
+class OptimParam:
+    """What the optimizer updates: ``tensor`` is the whole parameter, or the piece of it this rank owns
+    under ZeRO; ``name`` and ``shape`` are the logical (single-device) parameter's."""
+
+    name: str
+    tensor: torch.Tensor
+    shape: tuple[int, ...]
+
+    @property
+    def is_whole(self) -> bool:
+        return tuple(self.tensor.shape) == self.shape
+
+
+def model_params(model: nn.Module) -> list[OptimParam]:
+    """Every trainable parameter of a (non-sharded) model, tied ones once."""
+    return [OptimParam(n, p, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def adamw_groups(params: list[OptimParam], weight_decay: float) -> list[dict]:
+    """Decay matrices (linear and embedding weights), not vectors (norm scales): the usual LLM recipe.
+    The logical shape decides, so a 1-D ZeRO piece of a matrix still decays."""
+    decay = [p.tensor for p in params if len(p.shape) >= 2]
+    no_decay = [p.tensor for p in params if len(p.shape) < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW over fp32 parameters; fused on CUDA, foreach (multi-tensor) elsewhere."""
-    on_cuda = next(model.parameters()).is_cuda
+def build_adamw(params: list[OptimParam], cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW over fp32 tensors; fused on CUDA, foreach (multi-tensor) elsewhere."""
+    on_cuda = params[0].tensor.is_cuda
     return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+        adamw_groups(params, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
         fused=on_cuda, foreach=not on_cuda,
     )
+
+
+def build_optimizer(params: list[OptimParam], cfg: TrainConfig) -> torch.optim.Optimizer:
+    """The optimizer named by ``train.optimizer`` over ``params`` (see ``model_params``)."""
+    if cfg.optimizer == "muon":
+        from meshtrain.train.muon import build_muon
+
+        return build_muon(params, cfg)
+    return build_adamw(params, cfg)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig) -> float:
+    """Apply the schedule to every param group; a group's ``lr_scale`` (e.g. Muon's muon_lr / lr)
+    multiplies it, so one schedule drives both optimizers of a hybrid."""
+    lr = lr_at(step, cfg)
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+    return lr
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

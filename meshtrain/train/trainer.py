@@ -28,7 +28,7 @@ from meshtrain.plan.hardware import peak_flops
 from meshtrain.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from meshtrain.train.data import SyntheticDataset, TokenDataset
 from meshtrain.train.metrics import MetricsLogger, peak_memory_bytes
-from meshtrain.train.optim import build_optimizer, clip_grads, grad_norm_squared, lr_at
+from meshtrain.train.optim import build_optimizer, clip_grads, grad_norm_squared, model_params, set_lr
 from meshtrain.train.prepare import ensure_prepared
 from meshtrain.train.tokenizer import load_tokenizer
 
@@ -94,7 +94,7 @@ class Trainer:
         self.can_validate = self.val_data.num_tokens >= t.seq_len + 2
         self.model = build_model(cfg.model, t.seed, self.device)
         self.params = [q for q in self.model.parameters() if q.requires_grad]
-        self.optimizer = build_optimizer(self.model, t)
+        self.optimizer = build_optimizer(model_params(self.model), t)
         self.step = 0
         self.ckpt_root = self.out_dir / "checkpoints" if self.out_dir else None
         self._check_out_dir()
@@ -154,9 +154,7 @@ class Trainer:
             loss_total += loss.detach().double().cpu()
         norm = grad_norm_squared(self.params).sqrt()
         clip_grads(self.params, t.grad_clip, norm)
-        lr = lr_at(step, t)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        lr = set_lr(self.optimizer, step, t)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": float(loss_total), "lr": lr, "grad_norm": float(norm)}
