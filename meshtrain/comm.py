@@ -9,6 +9,7 @@ fixed here, per rank and per call:
 op                 ``bytes`` (payload)          ``wire_bytes`` (ring, sent)
 =================  ===========================  =============================
 all_reduce         size of the tensor           2 (n-1)/n x bytes
+reduce             size of the tensor           (n-1)/n x bytes (to one rank)
 all_gather         size of the gathered output  (n-1)/n x bytes
 reduce_scatter     size of the full input       (n-1)/n x bytes
 all_to_all         size of the input            bytes sent to other ranks
@@ -81,12 +82,25 @@ METER = CommMeter()
 
 
 class Handle:
-    """An in-flight async collective. ``wait()`` blocks until it is done (and charges the wait)."""
+    """An in-flight async collective. ``wait()`` blocks until it is done (and charges the wait).
+
+    ``started`` and ``completed`` (perf_counter seconds, set by the backend's completion callback
+    where it has one) let benchmarks measure how much communication ran under compute.
+    """
 
     def __init__(self, work: object | None, stats: OpStats | None = None) -> None:
         self._work = work
         self._stats = stats
         self.started = time.perf_counter()
+        self.completed: float | None = None if work is not None else self.started
+        if work is not None and hasattr(work, "get_future"):
+            try:
+                work.get_future().then(self._mark_done)
+            except RuntimeError:  # a backend without futures for this op
+                pass
+
+    def _mark_done(self, fut: object) -> None:
+        self.completed = time.perf_counter()
 
     def wait(self) -> None:
         if self._work is not None:
@@ -126,6 +140,16 @@ def all_reduce(tensor: torch.Tensor, group: AxisGroup, op: str = "sum", async_op
     n, b = group.size, _nbytes(tensor)
     return _run(group, "all_reduce", tensor, b, 2 * (n - 1) / n * b,
                 lambda a: dist.all_reduce(tensor, _OPS[op], group=group.pg, async_op=a), async_op)
+
+
+def reduce(tensor: torch.Tensor, group: AxisGroup, dst_index: int, op: str = "sum",
+           async_op: bool = False) -> Handle | None:
+    """Reduce ``tensor`` over the group into the group's ``dst_index``-th rank (others' copies are scratch)."""
+    if group.size == 1:
+        return _done(async_op)
+    n, b = group.size, _nbytes(tensor)
+    return _run(group, "reduce", tensor, b, (n - 1) / n * b,
+                lambda a: dist.reduce(tensor, group.ranks[dst_index], _OPS[op], group=group.pg, async_op=a), async_op)
 
 
 def all_gather(output: torch.Tensor, tensor: torch.Tensor, group: AxisGroup, async_op: bool = False) -> Handle | None:
@@ -223,7 +247,8 @@ def all_reduce_scalars(values: list[float], group: AxisGroup, op: str = "sum",
     if group.size == 1:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    all_reduce(t, group, op)
+    # Metered as "metrics" so per-step byte checks of the training collectives stay exact.
+    _run(group, "metrics", t, _nbytes(t), 0.0, lambda a: dist.all_reduce(t, _OPS[op], group=group.pg), False)
     return t.tolist()
 
 

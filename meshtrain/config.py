@@ -94,7 +94,7 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
-    muon_lr: float = 0.02
+    muon_lr: float = 0.0  # 0: train.lr (Muon's update is scaled to AdamW's RMS, so one lr fits both)
     muon_momentum: float = 0.95
     recompute: str = "none"  # activation checkpointing per block: none | full | selective
     grad_clip: float = 1.0  # 0 disables clipping
@@ -339,7 +339,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _need(t.optimizer in ("adamw", "muon"), f"train.optimizer must be 'adamw' or 'muon', got '{t.optimizer}'.")
     _need(t.recompute in ("none", "full", "selective"),
           f"train.recompute must be none, full or selective, got '{t.recompute}'.")
-    _need(t.muon_lr > 0 and 0 <= t.muon_momentum < 1, "train.muon_lr must be > 0 and train.muon_momentum in [0, 1).")
+    _need(t.muon_lr >= 0 and 0 <= t.muon_momentum < 1,
+          "train.muon_lr must be >= 0 (0: train.lr) and train.muon_momentum in [0, 1).")
     _need(t.dtype in ("fp32", "bf16"), f"train.dtype must be fp32 or bf16, got '{t.dtype}'.")
     _need(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got '{t.device}'.")
     _need(d.source in ("files", "synthetic"), f"data.source must be 'files' or 'synthetic', got '{d.source}'.")
@@ -389,9 +390,7 @@ def check_supported(cfg: Config, dp: int) -> None:
     p = cfg.parallel
     defaults = ParallelConfig()
     unsupported = []
-    if dp > 1:
-        unsupported.append(f"data parallelism (parallel.dp={dp})")
-    for name in ("tp", "pp", "cp", "ep", "zero", "sp", "schedule", "microbatches"):
+    for name in ("tp", "pp", "cp", "ep", "sp", "schedule", "microbatches"):
         if getattr(p, name) != getattr(defaults, name):
             unsupported.append(f"parallel.{name}={getattr(p, name)}")
     if unsupported:

@@ -15,7 +15,7 @@ def sample(model: nn.Module, prompt: list[int], max_new_tokens: int, max_len: in
     """
     was_training = model.training
     model.eval()
-    device = next(model.parameters()).device
+    device = next(iter(model.buffers())).device  # buffers stay whole under every sharding
     gen = torch.Generator(device="cpu").manual_seed(seed)
     tokens = list(prompt) or [0]
     out: list[int] = []

@@ -3,7 +3,9 @@
 Ranks form a grid (pp, dp, cp, tp) with tp innermost, so tensor-parallel neighbours are
 consecutive ranks (one node, fast links) and pipeline stages are outermost (slow links are
 fine for p2p). Expert parallelism is carved out of the dp x cp ranks: ep innermost inside
-that flattened axis, "edp" (the ranks holding the same experts) outside it.
+that flattened axis, "edp" (the ranks holding the same experts) outside it. For HSDP the dp axis
+splits into dp_replicate (outer) x dp_shard (inner): parameters are sharded over
+"dp_shard_cp" (dp_shard x cp) and replicated over "dp_replicate".
 
 Every parallelism asks the mesh for its group by axis name (``mesh.group("tp")``,
 ``mesh.group("dp", "cp")``); nothing else creates process groups. At world size 1 no
@@ -42,10 +44,13 @@ class AxisGroup:
 class Mesh:
     """A (pp, dp, cp, tp) rank grid over torch.distributed, plus the ep/edp split of dp x cp."""
 
-    def __init__(self, pp: int = 1, dp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1,
+    def __init__(self, pp: int = 1, dp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1, dp_shard: int = 0,
                  *, rank: int | None = None, device: torch.device | None = None) -> None:
         self.shape = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
         self.ep = ep
+        self.dp_shard = dp_shard or dp
+        if dp % self.dp_shard:
+            raise ValueError(f"parallel.dp_shard={dp_shard} must divide parallel.dp={dp} (HSDP shard groups).")
         self.world_size = pp * dp * cp * tp
         initialized = dist.is_available() and dist.is_initialized()
         if initialized and dist.get_world_size() != self.world_size:
@@ -74,6 +79,7 @@ class Mesh:
             rest //= self.shape[axis]
         flat = coords["dp"] * self.shape["cp"] + coords["cp"]
         coords["ep"], coords["edp"] = flat % self.ep, flat // self.ep
+        coords["dp_shard"], coords["dp_replicate"] = coords["dp"] % self.dp_shard, coords["dp"] // self.dp_shard
         return coords
 
     def rank_at(self, **coords: int) -> int:
@@ -88,6 +94,10 @@ class Mesh:
             return self.ep
         if axis == "edp":
             return self.shape["dp"] * self.shape["cp"] // self.ep
+        if axis == "dp_shard":
+            return self.dp_shard
+        if axis == "dp_replicate":
+            return self.shape["dp"] // self.dp_shard
         return self.shape[axis]
 
     def coord(self, axis: str) -> int:
@@ -116,8 +126,8 @@ class Mesh:
 
     @staticmethod
     def _key(axes: tuple[str, ...]) -> str:
-        if axes == ("world",):
-            return "world"
+        if axes in (("world",), ("dp_shard", "cp"), ("dp_replicate",)):
+            return "world" if axes == ("world",) else "_".join(axes)
         order = list(AXES) + ["edp", "ep"]
         return "_".join(sorted(axes, key=order.index))
 
@@ -130,6 +140,8 @@ class Mesh:
                     v for k, v in c.items() if k in AXES and k not in a))))
         fams.append(("ep", self._partition_by(lambda c: (c["pp"], c["tp"], c["edp"]))))
         fams.append(("edp", self._partition_by(lambda c: (c["pp"], c["tp"], c["ep"]))))
+        fams.append(("dp_shard_cp", self._partition_by(lambda c: (c["pp"], c["tp"], c["dp_replicate"]))))
+        fams.append(("dp_replicate", self._partition_by(lambda c: (c["pp"], c["tp"], c["dp_shard"], c["cp"]))))
         return fams
 
     def _partition_by(self, key_fn) -> list[tuple[int, ...]]:

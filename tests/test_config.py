@@ -41,7 +41,7 @@ def test_bad_values_get_clear_errors(override, message):
     assert message in str(e.value)
 
 
-@pytest.mark.parametrize("override", ["parallel.tp=2", "parallel.pp=2", "parallel.cp=2", "parallel.zero=1",
+@pytest.mark.parametrize("override", ["parallel.tp=2", "parallel.pp=2", "parallel.cp=2",
                                       "parallel.sp=true", "parallel.schedule=afab", "parallel.microbatches=4"])
 def test_parallelisms_not_built_yet_are_refused(override):
     with pytest.raises(ConfigError, match="not yet supported"):
@@ -54,8 +54,9 @@ def test_world_size_must_match_layout():
     with pytest.raises(ConfigError, match=r"World size 4 does not match the layout .*\(--nproc 2\)"):
         validate(cfg, world_size=4)
     cfg.parallel.dp = 0
-    with pytest.raises(ConfigError, match=r"data parallelism \(parallel.dp=4\) is not yet supported"):
-        validate(cfg, world_size=4)
+    validate(cfg, world_size=4)  # dp fills the world
+    with pytest.raises(ConfigError, match=r"global_batch=8 must be divisible by data-parallel size 16"):
+        validate(cfg, world_size=16)
 
 
 def test_missing_file_and_bad_yaml(tmp_path):

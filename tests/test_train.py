@@ -130,9 +130,11 @@ def test_cli_train_writes_run_folder_and_generate_reads_it(stdlib_data, tmp_path
 
 
 def test_cli_refuses_bad_layouts_before_starting_processes():
-    r = _cli("train", "--config", "tiny", "--nproc", "2")
+    r = _cli("train", "--config", "tiny", "--nproc", "2", "parallel.tp=2")
     assert r.returncode == 2
-    assert "data parallelism (parallel.dp=2) is not yet supported" in r.stderr
+    assert "parallel.tp=2 is not yet supported" in r.stderr
+    r = _cli("train", "--config", "tiny", "parallel.dp=2", "--nproc", "4")
+    assert r.returncode == 2 and "World size 4 does not match the layout" in r.stderr
     r = _cli("train", "--config", "tiny", "data.path=/nonexistent/folder")
     assert r.returncode == 2 and "data.path /nonexistent/folder does not exist" in r.stderr
     r = _cli("generate", "--ckpt", "/nonexistent")

@@ -52,7 +52,7 @@ def latest_checkpoint(root: Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
-def _unique_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def model_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Parameters by name with tied tensors stored once; returns (tensors, aliases name -> stored name)."""
     tensors, aliases, first = {}, {}, {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -68,10 +68,20 @@ def _param_names(model: nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()}
 
 
-def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    extra: dict[str, Any], keep: int = 0, files: list[Path] = ()) -> Path:
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Optimizer state of a non-sharded model as ``{"<param name>/<key>": tensor}``."""
+    names = _param_names(model)
+    return {f"{names[id(p)]}/{key}": v.detach().cpu().contiguous()
+            for p, state in optimizer.state.items() for key, v in state.items() if torch.is_tensor(v)}
+
+
+def save_checkpoint(root: Path, step: int, model: nn.Module | None, optimizer: torch.optim.Optimizer | None,
+                    extra: dict[str, Any], keep: int = 0, files: list[Path] = (),
+                    state: tuple[dict, dict, dict] | None = None) -> Path:
     """Write checkpoint ``step`` under ``root`` atomically; keep the newest ``keep`` (0: all).
 
+    The tensors come from ``model``/``optimizer`` or, for sharded layouts, ready-made as
+    ``state = (tensors by name, aliases, optimizer tensors by "name/key")`` of the logical model.
     ``files`` are copied in as they are (e.g. a tokenizer.json that generation will need).
     """
     root.mkdir(parents=True, exist_ok=True)
@@ -80,14 +90,12 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        tensors, aliases = _unique_state(model)
+        if state is None:
+            tensors, aliases = model_state(model)
+            optim = optimizer_state(model, optimizer)
+        else:
+            tensors, aliases, optim = state
         save_file(tensors, str(tmp / "model.safetensors"))
-        names = _param_names(model)
-        optim = {}
-        for p, state in optimizer.state.items():
-            for key, value in state.items():
-                if torch.is_tensor(value):
-                    optim[f"{names[id(p)]}/{key}"] = value.detach().cpu().contiguous().reshape(value.shape)
         save_file(optim, str(tmp / "optim.safetensors"))
         rng = {"torch_cpu": torch.get_rng_state()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -139,9 +147,7 @@ def _load_tensors(file: Path) -> dict[str, torch.Tensor]:
 def load_model_weights(path: Path, model: nn.Module) -> dict[str, Any]:
     """Load parameters by name into ``model`` (whose shapes must match); returns the meta."""
     meta = read_checkpoint_meta(path)
-    tensors = _load_tensors(path / "model.safetensors")
-    for alias, name in meta.get("aliases", {}).items():
-        tensors.setdefault(alias, tensors[name])
+    tensors = read_model_state(path)
     params = dict(model.named_parameters(remove_duplicate=False))
     missing = sorted(set(params) - set(tensors))
     if missing:
@@ -157,28 +163,50 @@ def load_model_weights(path: Path, model: nn.Module) -> dict[str, Any]:
     return meta
 
 
+def read_optimizer_state(path: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """``{param name: {key: tensor}}`` from a checkpoint's optim.safetensors."""
+    by_name: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in _load_tensors(path / "optim.safetensors").items():
+        pname, _, field = key.rpartition("/")
+        by_name.setdefault(pname, {})[field] = t
+    return by_name
+
+
+def read_model_state(path: Path) -> dict[str, torch.Tensor]:
+    """Every parameter by name (tied names included) from a checkpoint's model.safetensors."""
+    meta = read_checkpoint_meta(path)
+    tensors = _load_tensors(path / "model.safetensors")
+    for alias, name in meta.get("aliases", {}).items():
+        tensors.setdefault(alias, tensors[name])
+    return tensors
+
+
+def restore_rng(path: Path) -> None:
+    rng = _load_tensors(path / "rng.safetensors")
+    torch.set_rng_state(rng["torch_cpu"])
+    if "torch_cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["torch_cuda"])
+
+
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Restore model, optimizer state and RNG from a checkpoint folder; returns its meta."""
     meta = load_model_weights(path, model)
-    optim = _load_tensors(path / "optim.safetensors")
-    names = _param_names(model)
-    by_name: dict[str, dict[str, torch.Tensor]] = {}
-    for key, t in optim.items():
-        pname, _, field = key.rpartition("/")
-        by_name.setdefault(pname, {})[field] = t
+    apply_optimizer_state(optimizer, _param_names(model), read_optimizer_state(path))
+    restore_rng(path)
+    return meta
+
+
+def apply_optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str],
+                          by_name: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Install per-name state for the optimizer's tensors (``names``: id(tensor) -> logical name)."""
     optimizer.state.clear()
     # AdamW keeps its step counter on the parameter's device when fused or capturable, else on the CPU.
     step_on_device = bool(optimizer.defaults.get("fused") or optimizer.defaults.get("capturable"))
     for group in optimizer.param_groups:
         for p in group["params"]:
-            state = by_name.get(names[id(p)])
+            state = by_name.get(names.get(id(p), ""))
             if state is None:
                 continue
             optimizer.state[p] = {
                 k: v if (k == "step" and not step_on_device) else v.to(p.device) for k, v in state.items()
             }
-    rng = _load_tensors(path / "rng.safetensors")
-    torch.set_rng_state(rng["torch_cpu"])
-    if "torch_cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["torch_cuda"])
-    return meta

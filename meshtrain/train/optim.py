@@ -19,6 +19,7 @@ class OptimParam:
     name: str
     tensor: torch.Tensor
     shape: tuple[int, ...]
+    offset: int = 0  # where the piece starts in the flattened logical parameter
 
     @property
     def is_whole(self) -> bool:
@@ -76,10 +77,9 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 @torch.no_grad()
-def grad_norm_squared(params: list[torch.Tensor]) -> torch.Tensor:
-    """Sum of squared gradient entries, in fp32. Parallel layouts add the sums of their shards
+def grad_norm_squared(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of squared gradient entries, in fp32. Sharded layouts add the sums of their shards
     (one all-reduce) before the square root, so the norm is that of the whole model."""
-    grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float32)
     norms = torch._foreach_norm([g.float() for g in grads], 2.0)
@@ -87,9 +87,9 @@ def grad_norm_squared(params: list[torch.Tensor]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_grads(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+def clip_grads(grads: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
     """Scale gradients so their global norm is at most ``max_norm`` (0: no clipping)."""
-    if max_norm <= 0:
+    if max_norm <= 0 or not grads:
         return
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    torch._foreach_mul_([p.grad for p in params if p.grad is not None], coef.to(params[0].device))
+    torch._foreach_mul_(grads, coef.to(grads[0].device))

@@ -23,12 +23,22 @@ from meshtrain.config import Config, ConfigError, save_config, validate
 from meshtrain.generate import sample
 from meshtrain.mesh import Mesh, init_distributed
 from meshtrain.model.llama import build_model, cross_entropy_sum
+from meshtrain.parallel.data import wrap
+from meshtrain.parallel.state import gather_state, load_state
 from meshtrain.plan.costs import flops_per_token, mfu, param_count
 from meshtrain.plan.hardware import peak_flops
-from meshtrain.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from meshtrain.train.data import SyntheticDataset, TokenDataset
+from meshtrain.train.checkpoint import (
+    latest_checkpoint,
+    model_state,
+    read_checkpoint_meta,
+    read_model_state,
+    read_optimizer_state,
+    restore_rng,
+    save_checkpoint,
+)
+from meshtrain.train.data import SyntheticDataset, TokenDataset, shard_rows
 from meshtrain.train.metrics import MetricsLogger, peak_memory_bytes
-from meshtrain.train.optim import build_optimizer, clip_grads, grad_norm_squared, model_params, set_lr
+from meshtrain.train.optim import build_optimizer, clip_grads, grad_norm_squared, set_lr
 from meshtrain.train.prepare import ensure_prepared
 from meshtrain.train.tokenizer import load_tokenizer
 
@@ -66,7 +76,8 @@ class Trainer:
         init_distributed("cpu" if self.device.type == "cpu" else "cuda")
         p = cfg.parallel
         self.mesh = Mesh(pp=p.pp, dp=world_size // (p.pp * p.cp * p.tp), cp=p.cp, tp=p.tp, ep=p.ep,
-                         device=self.device)
+                         dp_shard=p.dp_shard, device=self.device)
+        self.dp_group = self.mesh.group("dp", "cp")
         self.is_logger = self.mesh.rank == 0
         self.dtype = DTYPES[t.dtype]
 
@@ -92,9 +103,16 @@ class Trainer:
 
         # A split too small for one sequence (e.g. prepared with val_fraction=0) means no validation.
         self.can_validate = self.val_data.num_tokens >= t.seq_len + 2
+        # The plain model, then each transformation in turn: recompute, then the data-parallel family.
         self.model = build_model(cfg.model, t.seed, self.device)
-        self.params = [q for q in self.model.parameters() if q.requires_grad]
-        self.optimizer = build_optimizer(model_params(self.model), t)
+        self.shapes = {n: tuple(q.shape) for n, q in self.model.named_parameters()}
+        _, self.aliases = model_state(self.model)
+        if t.recompute != "none":
+            from meshtrain.parallel.recompute import apply_recompute
+
+            apply_recompute(self.model, t.recompute)
+        self.sync = wrap(self.model, self.mesh, p, self.dtype)
+        self.optimizer = build_optimizer(self.sync.optim_params(), t)
         self.step = 0
         self.ckpt_root = self.out_dir / "checkpoints" if self.out_dir else None
         self._check_out_dir()
@@ -129,7 +147,9 @@ class Trainer:
         path = latest_checkpoint(self.ckpt_root)
         if path is None:
             return  # nothing yet: a fresh start, so a restarted job can always pass resume=true
-        meta = load_checkpoint(path, self.model, self.optimizer)
+        meta = read_checkpoint_meta(path)
+        load_state(self.sync, self.optimizer, read_model_state(path), read_optimizer_state(path))
+        restore_rng(path)
         self.step = int(meta["step"])
 
     # ------------------------------------------------------------------ the step
@@ -139,25 +159,43 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
+    def local_batch(self, data, step: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """This rank's rows of the global batch of ``step``, and the global batch's token count."""
+        t = self.cfg.train
+        inputs, targets = data.batch(t.seed, step, t.global_batch, t.seq_len)
+        n_tokens = int((targets != -100).sum())
+        dp, index = self.mesh.size("dp"), self.mesh.coord("dp")
+        return shard_rows(inputs, index, dp), shard_rows(targets, index, dp), n_tokens
+
     def train_step(self, step: int) -> dict[str, float]:
         """One optimizer step on the global batch of ``step``; returns its metrics."""
         t = self.cfg.train
-        inputs, targets = self.train_data.batch(t.seed, step, t.global_batch, t.seq_len)
-        n_tokens = int((targets != -100).sum())
+        inputs, targets, n_tokens = self.local_batch(self.train_data, step)
         loss_total = torch.zeros((), dtype=torch.float64)
-        for x, y in zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum), strict=True):
+        micro = list(zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum), strict=True))
+        for i, (x, y) in enumerate(micro):
             x, y = x.to(self.device), y.to(self.device)
-            with self.autocast():
-                logits = self.model(x)
-            loss = cross_entropy_sum(logits, y) / n_tokens
-            loss.backward()
+            # Gradients are communicated only with the last microbatch (ZeRO-2/3 reduce every one).
+            with self.sync.no_sync() if i < len(micro) - 1 else contextlib.nullcontext():
+                with self.sync.forward_context(), self.autocast():
+                    logits = self.model(x)
+                # Each rank divides by the global token count, so the sum over ranks is the global mean.
+                loss = cross_entropy_sum(logits, y) / n_tokens
+                loss.backward()
             loss_total += loss.detach().double().cpu()
-        norm = grad_norm_squared(self.params).sqrt()
-        clip_grads(self.params, t.grad_clip, norm)
+        self.sync.finish_grads()
+        grads = self.sync.grads()
+        norm_sq = float(grad_norm_squared(grads))
+        if self.sync.norm_group is not None:  # sharded gradients: add the shards' sums
+            norm_sq = comm.all_reduce_scalars([norm_sq], self.sync.norm_group, device=self.device)[0]
+        norm = torch.tensor(norm_sq, dtype=torch.float32).sqrt()
+        clip_grads(grads, t.grad_clip, norm)
         lr = set_lr(self.optimizer, step, t)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": float(loss_total), "lr": lr, "grad_norm": float(norm)}
+        self.sync.after_step()
+        self.sync.zero_grad()
+        loss = comm.all_reduce_scalars([float(loss_total)], self.dp_group, device=self.device)[0]
+        return {"loss": loss, "lr": lr, "grad_norm": float(norm)}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -167,24 +205,29 @@ class Trainer:
         self.model.eval()
         total, count = 0.0, 0
         for i in range(t.eval_batches):
-            inputs, targets = self.val_data.batch(t.seed, i, t.global_batch, t.seq_len)
+            inputs, targets, _ = self.local_batch(self.val_data, i)
             for x, y in zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum), strict=True):
-                with self.autocast():
+                with self.sync.forward_context(), self.autocast():
                     logits = self.model(x.to(self.device))
                 total += float(cross_entropy_sum(logits, y.to(self.device)))
                 count += int((y != -100).sum())
         self.model.train()
+        total, count = comm.all_reduce_scalars([total, count], self.dp_group, device=self.device)
         return total / count
 
     def save(self) -> Path | None:
-        if self.ckpt_root is None or not self.is_logger:
+        if self.ckpt_root is None:
             return None
+        params, optim = gather_state(self.sync, self.optimizer, self.shapes)  # collective under sharding
+        if not self.is_logger:
+            return None
+        params = {n: v for n, v in params.items() if n not in self.aliases}
         files = [self.data_dir / "tokenizer.json"] if self.data_dir and (self.data_dir / "tokenizer.json").exists() \
             else []
         extra = {"config": self.cfg.to_dict(), "tokenizer": self.tokenizer.name if self.tokenizer else None,
                  "tokens_seen": self.step * self.cfg.train.global_batch * self.cfg.train.seq_len}
-        return save_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer, extra,
-                               keep=self.cfg.train.ckpt_keep, files=files)
+        return save_checkpoint(self.ckpt_root, self.step, None, None, extra, keep=self.cfg.train.ckpt_keep,
+                               files=files, state=(params, self.aliases, optim))
 
     # ------------------------------------------------------------------ the loop
 
@@ -237,8 +280,10 @@ class Trainer:
                           f"(unigram baseline {self.baseline:.3f}), "
                           f"{np.median([r['tokens_per_s'] for r in records]):,.0f} tokens/s, "
                           f"MFU {np.median([r['mfu'] for r in records]):.1%}")
-                if t.sample_tokens and self.tokenizer is not None:
-                    log.write("sample:\n" + t.sample_prompt + self.generate(t.sample_prompt, t.sample_tokens))
+            if self.step == t.steps and t.sample_tokens and self.tokenizer is not None:
+                # Every rank samples the same tokens (sharded weights are gathered collectively).
+                text = self.generate(t.sample_prompt, t.sample_tokens)
+                log.write("sample:\n" + t.sample_prompt + text)
         finally:
             log.close()
         return records

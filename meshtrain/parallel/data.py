@@ -1,0 +1,183 @@
+"""Data parallelism: every rank holds the whole model, sees its slice of the global batch, and the
+gradients are summed over the data-parallel group.
+
+Gradients live in flat buckets (``parallel.bucket_mb``), filled in the order backward produces
+them (last layer first). A post-accumulate-grad hook counts each bucket's parameters; when the
+last one is ready the bucket's all-reduce starts asynchronously, so communication runs under the
+rest of backward. ``finish_grads`` waits for all of them before the optimizer step. Inside
+``no_sync()`` (all microbatches but the last) nothing is sent: gradients just accumulate.
+
+The loss of each rank is already divided by the token count of the *global* batch (see the
+trainer), so the SUM over ranks is the single-device gradient: no extra division.
+
+``wrap`` picks the member of the family from ``parallel.zero``: this module (0), ``zero.py``
+(1, 2) or ``fsdp.py`` (3).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from meshtrain import comm
+from meshtrain.config import ParallelConfig
+from meshtrain.mesh import AxisGroup, Mesh
+from meshtrain.train.optim import OptimParam, model_params
+
+
+class GradSync:
+    """What the trainer needs from any data-parallel strategy (plain DP, ZeRO-1/2/3, HSDP)."""
+
+    norm_group: AxisGroup | None = None  # where partial grad-norm sums are added (sharded grads)
+    handles: list[comm.Handle]  # the async collectives of the last step, for overlap measurement
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """Entered around each microbatch's forward (ZeRO-3 uses it to manage gathered weights)."""
+        return contextlib.nullcontext()
+
+    def optim_params(self) -> list[OptimParam]:
+        raise NotImplementedError
+
+    def finish_grads(self) -> None:
+        """Wait for gradient communication; afterwards optim_params' ``.grad`` are the global sums."""
+
+    def after_step(self) -> None:
+        """Bring every rank's parameters up to date after the optimizer step."""
+
+    def zero_grad(self) -> None:
+        raise NotImplementedError
+
+    def grads(self) -> list[torch.Tensor]:
+        return [p.tensor.grad for p in self.optim_params() if p.tensor.grad is not None]
+
+    def state_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Bytes per rank of parameters, gradients and optimizer state, each storage counted once."""
+        return tensor_bytes(self.param_tensors(), self.grad_tensors(), optimizer)
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return self.grads()
+
+
+def tensor_bytes(params: list[torch.Tensor], grads: list[torch.Tensor],
+                 optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Sum of live bytes by kind; views of one buffer count the buffer once."""
+    def total(tensors: list[torch.Tensor]) -> int:
+        seen: dict[int, int] = {}
+        for t in tensors:
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+        return sum(seen.values())
+
+    state = [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
+    return {"params": total(params), "grads": total(grads), "optim": total(state)}
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter], device: torch.device) -> None:
+        self.params = params
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=device)
+        self.pending = len(params)
+        self.handle: comm.Handle | None = None
+        offset = 0
+        for p in params:
+            # The gradient is a view into the bucket: backward accumulates straight into what is sent.
+            p.grad = self.buffer[offset: offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+
+class DataParallel(GradSync):
+    """Plain data parallelism (``parallel.zero=0``) over ``group`` with bucketed, overlapped all-reduce."""
+
+    def __init__(self, model: nn.Module, group: AxisGroup, bucket_mb: float = 25.0) -> None:
+        self.model = model
+        self.group = group
+        self.handles = []
+        self._sync = True
+        params = [p for p in model.parameters() if p.requires_grad]
+        device = params[0].device
+        limit = max(int(bucket_mb * 2**20 / 4), 1)
+        self.buckets: list[_Bucket] = []
+        current: list[nn.Parameter] = []
+        for p in reversed(params):  # backward produces the last layers' gradients first
+            current.append(p)
+            if sum(q.numel() for q in current) >= limit:
+                self.buckets.append(_Bucket(current, device))
+                current = []
+        if current:
+            self.buckets.append(_Bucket(current, device))
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        if group.size > 1:
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (every microbatch but the last)."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if not self._sync:
+            return
+        bucket = self._bucket_of[id(p)]
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.handle = comm.all_reduce(bucket.buffer, self.group, async_op=True)
+        self.handles.append(bucket.handle)
+
+    def finish_grads(self) -> None:
+        if self.group.size == 1:
+            return
+        for b in self.buckets:
+            if b.handle is None:  # some parameter got no gradient this step: send the bucket anyway
+                self._launch(b)
+            b.handle.wait()
+            b.handle = None
+            b.pending = len(b.params)
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            b.buffer.zero_()
+        self.handles = []
+
+    def optim_params(self) -> list[OptimParam]:
+        return model_params(self.model)
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        return [p for p in self.model.parameters()]
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return [b.buffer for b in self.buckets]
+
+
+def wrap(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, compute_dtype: torch.dtype = torch.float32) -> GradSync:
+    """Apply the data-parallel member chosen by ``parallel.zero`` to ``model`` on ``mesh``.
+
+    Gradients are reduced over dp x cp (context-parallel ranks hold the same weights too).
+    ZeRO-3 gathers parameters in ``compute_dtype``; everything else stays fp32.
+    """
+    if cfg.zero == 0:
+        return DataParallel(model, mesh.group("dp", "cp"), cfg.bucket_mb)
+    if cfg.zero in (1, 2):
+        from meshtrain.parallel.zero import ZeroOptimizer
+
+        return ZeroOptimizer(model, mesh, stage=cfg.zero, layout=cfg.zero_layout)
+    from meshtrain.parallel.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel(model, mesh, reshard_after_forward=cfg.reshard_after_forward,
+                                    compute_dtype=compute_dtype)

@@ -1,0 +1,268 @@
+"""ZeRO-3 / FSDP (and HSDP): parameters, gradients and optimizer state are all sharded.
+
+Each sharding unit (``units.py``: a block, the embedding, the head) keeps only its flat fp32
+shard (1/N of the unit, padded). Just before the unit runs, its shard is all-gathered (in the
+compute dtype) into a full flat buffer and the modules' weights become views of it; the next
+unit's gather is started at the same time (prefetch), so it travels under this unit's compute.
+After forward the buffer's storage is freed (``reshard_after_forward``) and gathered again when
+backward reaches the unit. When all of the unit's gradients are in, they are reduce-scattered
+(in fp32) into the shard's gradient and the buffer is freed again.
+
+Two mechanisms make the free-and-regather work with autograd:
+
+- the gathered buffer enters the graph through ``_Gathered``, an autograd function whose
+  backward is the reduce-scatter, so gradients of every view flow back into one flat gradient;
+- a saved-tensors hook stores a *reference* (unit, offset, stride) instead of any tensor that
+  lives in a gathered buffer, and rebuilds the view when backward unpacks it (after the
+  re-gather), so autograd never pins the full weights between forward and backward.
+
+With HSDP the shard group is dp_shard x cp; the shard gradients are then all-reduced over
+dp_replicate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from meshtrain import comm
+from meshtrain.mesh import AxisGroup, Mesh
+from meshtrain.parallel.data import GradSync
+from meshtrain.parallel.units import Unit, model_units
+from meshtrain.train.optim import OptimParam
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class _Gathered(torch.autograd.Function):
+    """Identity on the gathered buffer in forward; in backward, hand its gradient to the unit."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, full: torch.Tensor, unit: _ShardedUnit) -> torch.Tensor:
+        ctx.unit = unit
+        return full
+
+    @staticmethod
+    def backward(ctx, grad_full: torch.Tensor) -> tuple[None, None, None]:
+        ctx.unit.reduce_grad(grad_full)
+        return None, None, None
+
+
+class _ShardedUnit:
+    def __init__(self, unit: Unit, model: nn.Module, group: AxisGroup, rank: int, dtype: torch.dtype,
+                 reshard_after_forward: bool) -> None:
+        self.unit, self.group, self.dtype = unit, group, dtype
+        self.reshard_after_forward = reshard_after_forward
+        n = group.size
+        numel = unit.numel
+        self.shard_numel = -(-numel // n)
+        self.padded = self.shard_numel * n
+        self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        device = unit.params[0][1].device
+        flat = torch.zeros(self.padded, dtype=torch.float32, device=device)
+        offsets, off = {}, 0
+        for _, p in unit.params:
+            flat[off: off + p.numel()] = p.detach().reshape(-1)
+            offsets[id(p)] = off
+            off += p.numel()
+        self.offsets = [(name, offsets[id(p)], tuple(p.shape)) for name, p in unit.params]
+        # This rank's fp32 master shard and its gradient: all that persists between steps.
+        self.shard = flat[self.lo: self.hi].clone().requires_grad_(True)
+        self.grad = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
+        # Every (module, attribute) that held one of the unit's parameters (tied weights twice).
+        mine = {id(p) for _, p in unit.params}
+        self.slots = []
+        for m in model.modules():
+            for attr, p in list(m._parameters.items()):
+                if p is not None and id(p) in mine:
+                    self.slots.append((m, attr, offsets[id(p)], tuple(p.shape)))
+        for m, attr, _, _ in self.slots:
+            m._parameters.pop(attr, None)
+        self.full: torch.Tensor | None = None  # the gathered buffer of the current microbatch
+        self.fresh = True  # the next forward starts a new microbatch: a new graph node
+        self.materialized = False
+        self.fetch: comm.Handle | None = None
+        self.fetch_buf: torch.Tensor | None = None
+        self.pending: list[tuple[comm.Handle, torch.Tensor]] = []
+
+    # ------------------------------------------------------------------ gather / free
+
+    def _gather_into(self, buf: torch.Tensor, async_op: bool) -> comm.Handle | None:
+        return comm.all_gather(buf, self.shard.detach().to(self.dtype), self.group, async_op=async_op)
+
+    def prefetch(self) -> None:
+        """Start this unit's all-gather without waiting for it."""
+        if self.fetch is not None or self.materialized:
+            return
+        if self.fresh:
+            self.fetch_buf = torch.empty(self.padded, dtype=self.dtype, device=self.shard.device)
+        else:  # re-gather into the same storage, so the views and saved references stay valid
+            self.full.untyped_storage().resize_(self.padded * self.full.element_size())
+            self.fetch_buf = self.full.detach()
+        self.fetch = self._gather_into(self.fetch_buf, async_op=True)
+
+    def _wait_fetch(self) -> torch.Tensor:
+        if self.fetch is None:
+            self.prefetch()
+        self.fetch.wait()
+        buf, self.fetch, self.fetch_buf = self.fetch_buf, None, None
+        return buf
+
+    def materialize(self) -> None:
+        """Make the modules' weights valid: a new graph node at a microbatch's first use, else a re-gather."""
+        if self.fresh:
+            buf = self._wait_fetch()
+            self.full = _Gathered.apply(self.shard, buf, self)
+            self.fresh = False
+            for m, attr, off, shape in self.slots:
+                setattr(m, attr, self.full[off: off + _numel(shape)].view(shape))
+        elif not self.materialized:
+            self._wait_fetch()
+        self.materialized = True
+
+    def reshard(self) -> None:
+        """Free the gathered storage (the views stay, pointing at nothing until the next gather)."""
+        if self.full is not None and self.materialized:
+            self.full.untyped_storage().resize_(0)
+        self.materialized = False
+
+    # ------------------------------------------------------------------ gradients
+
+    def reduce_grad(self, grad_full: torch.Tensor) -> None:
+        out = torch.empty(self.shard_numel, dtype=torch.float32, device=grad_full.device)
+        h = comm.reduce_scatter(out, grad_full.float().contiguous(), self.group, async_op=True)
+        self.pending.append((h, out))
+        self.reshard()  # backward through this unit is over: nothing needs the full weights now
+
+    def drain(self) -> list[comm.Handle]:
+        done = []
+        for h, out in self.pending:
+            h.wait()
+            self.grad += out
+            done.append(h)
+        self.pending = []
+        return done
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+class FullyShardedDataParallel(GradSync):
+    """ZeRO-3 over dp x cp (HSDP: sharded over dp_shard x cp, replicated over dp_replicate)."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, reshard_after_forward: bool = True,
+                 compute_dtype: torch.dtype = torch.float32) -> None:
+        self.model = model
+        self.group = mesh.group("dp_shard", "cp")
+        self.replicas = mesh.group("dp_replicate")
+        self.norm_group = self.group
+        self.handles = []
+        me = self.group.index(mesh.rank)
+        self.units = [_ShardedUnit(u, model, self.group, me, compute_dtype, reshard_after_forward)
+                      for u in model_units(model)]
+        self._by_storage: dict[int, _ShardedUnit] = {}
+        for i, su in enumerate(self.units):
+            nxt = self.units[i + 1] if i + 1 < len(self.units) else None
+            prev = self.units[i - 1] if i > 0 else None
+            for m in su.unit.modules:
+                m.register_forward_pre_hook(self._pre_forward(su, nxt))
+            su.unit.modules[-1].register_forward_hook(self._post_forward(su))
+            su.unit.modules[-1].register_full_backward_pre_hook(self._pre_backward(su, prev))
+        self._pieces = []
+        for su in self.units:
+            for name, off, shape in su.offsets:
+                a, b = max(off, su.lo), min(off + _numel(shape), su.hi)
+                if a < b:
+                    piece = su.shard.detach()[a - su.lo: b - su.lo]
+                    piece.grad = su.grad[a - su.lo: b - su.lo]
+                    self._pieces.append(OptimParam(name, piece, shape, offset=a - off))
+
+    # ------------------------------------------------------------------ hooks
+
+    def _pre_forward(self, su: _ShardedUnit, nxt: _ShardedUnit | None):
+        def hook(module, args):
+            su.materialize()
+            if su.fresh is False and self._by_storage.get(_ptr(su.full)) is not su:
+                self._by_storage[_ptr(su.full)] = su
+            if nxt is not None and not _in_backward():
+                nxt.prefetch()  # the next unit's gather travels under this unit's compute
+        return hook
+
+    def _post_forward(self, su: _ShardedUnit):
+        def hook(module, args, output):
+            # Not during a recomputation in backward: the weights are needed right after.
+            if su.reshard_after_forward and not _in_backward():
+                su.reshard()
+        return hook
+
+    def _pre_backward(self, su: _ShardedUnit, prev: _ShardedUnit | None):
+        def hook(module, grad_output):
+            su.materialize()
+            if prev is not None:
+                prev.prefetch()
+        return hook
+
+    def _pack(self, t: torch.Tensor):
+        su = self._by_storage.get(_ptr(t))
+        if su is None or su.full is None or not su.materialized or _ptr(su.full) != _ptr(t):
+            return t
+        return (su, t.storage_offset(), tuple(t.shape), t.stride())
+
+    @staticmethod
+    def _unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        su, offset, shape, stride = packed
+        su.materialize()
+        return su.full.detach().as_strided(shape, stride, offset)
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        """Wrap each microbatch's forward: new graph nodes per unit, and weights saved by reference."""
+        for su in self.units:
+            su.fresh = True
+        self._by_storage.clear()
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+    # ------------------------------------------------------------------ step
+
+    def finish_grads(self) -> None:
+        for su in self.units:
+            self.handles.extend(su.drain())
+            su.reshard()
+        if self.replicas.size > 1:
+            for su in self.units:
+                comm.all_reduce(su.grad, self.replicas)
+
+    def zero_grad(self) -> None:
+        self.handles = []
+        for su in self.units:
+            su.grad.zero_()
+
+    def optim_params(self) -> list[OptimParam]:
+        return self._pieces
+
+    def grads(self) -> list[torch.Tensor]:
+        return [su.grad for su in self.units]
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        live = [su.shard for su in self.units]
+        live += [su.full for su in self.units if su.full is not None and su.materialized]
+        return live
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return self.grads()
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()

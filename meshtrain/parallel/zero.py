@@ -1,0 +1,241 @@
+"""ZeRO-1 and ZeRO-2: every rank holds all parameters but only a shard of the optimizer state
+(stage 1) and, in stage 2, only a shard of the gradients.
+
+An all-reduce is a reduce-scatter followed by an all-gather (seed 001). ZeRO splits the two
+around the optimizer step: gradients are reduce-scattered so each rank gets the summed
+gradient of the part it owns, it updates that part, and the updated parameters are all-gathered.
+Same bytes as DP's all-reduce, 1/N of the optimizer state.
+
+Two shard layouts:
+
+- ``flat``: each sharding unit (``units.py``) is one flat fp32 buffer padded to a multiple of N;
+  rank r owns elements [r*s, (r+1)*s). Balanced to the element, and it cuts tensors.
+- ``per_tensor``: whole tensors are assigned to ranks (largest first, to the least-loaded rank);
+  gradients are reduced to their owner and parameters broadcast from it. Needed by optimizers
+  that look at a whole matrix (Muon's orthogonalisation).
+
+Stage 1 keeps the full gradients and communicates once per step (after the last microbatch);
+stage 2 reduces every microbatch and drops the full gradient as soon as it has been sent.
+With HSDP the shard group is dp_shard x cp, and shards are then all-reduced over dp_replicate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from meshtrain import comm
+from meshtrain.mesh import Mesh
+from meshtrain.parallel.data import GradSync
+from meshtrain.parallel.units import Unit, model_units
+from meshtrain.train.optim import OptimParam
+
+
+def assign_owners(sizes: list[int], n: int) -> list[int]:
+    """Whole tensors to ranks: largest first, each to the least-loaded rank (ties: lowest rank)."""
+    load = [0] * n
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(n), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += sizes[i]
+    return owner
+
+
+class _FlatUnit:
+    """One unit's parameters and gradients as padded flat buffers, with this rank's shard."""
+
+    def __init__(self, unit: Unit, n: int, rank: int, keep_full_grad: bool) -> None:
+        self.unit = unit
+        self.params = [p for _, p in unit.params]
+        numel = unit.numel
+        self.shard = -(-numel // n)
+        device = self.params[0].device
+        self.param_buf = torch.zeros(self.shard * n, dtype=torch.float32, device=device)
+        self.lo, self.hi = rank * self.shard, (rank + 1) * self.shard
+        self.offsets = []
+        off = 0
+        for p in self.params:
+            view = self.param_buf[off: off + p.numel()].view_as(p)
+            view.copy_(p.detach())
+            p.data = view  # the model's parameters now live in the unit buffer
+            self.offsets.append(off)
+            off += p.numel()
+        if keep_full_grad:  # stage 1: full gradients accumulate in place; the shard is a view of them
+            self.grad_buf = torch.zeros_like(self.param_buf)
+            for p, o in zip(self.params, self.offsets, strict=True):
+                p.grad = self.grad_buf[o: o + p.numel()].view_as(p)
+            self.grad_shard = self.grad_buf[self.lo: self.hi]
+        else:  # stage 2: only the shard persists
+            self.grad_buf = None
+            self.grad_shard = torch.zeros(self.shard, dtype=torch.float32, device=device)
+
+    def pieces(self) -> list[OptimParam]:
+        """The parts of each parameter inside this rank's shard, as views the optimizer updates in place."""
+        out = []
+        for (name, p), o in zip(self.unit.params, self.offsets, strict=True):
+            a, b = max(o, self.lo), min(o + p.numel(), self.hi)
+            if a >= b:
+                continue
+            piece = self.param_buf[a:b]
+            piece.grad = self.grad_shard[a - self.lo: b - self.lo]
+            out.append(OptimParam(name, piece, tuple(p.shape), offset=a - o))
+        return out
+
+
+class ZeroOptimizer(GradSync):
+    """ZeRO stage 1 or 2 over the mesh's dp x cp ranks (sharded over dp_shard x cp for HSDP)."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, stage: int, layout: str = "flat") -> None:
+        if stage not in (1, 2) or layout not in ("flat", "per_tensor"):
+            raise ValueError(f"ZeroOptimizer: stage must be 1 or 2 and layout flat or per_tensor, "
+                             f"got {stage}, {layout}.")
+        self.model, self.stage, self.layout = model, stage, layout
+        self.group = mesh.group("dp_shard", "cp")
+        self.replicas = mesh.group("dp_replicate")
+        self.norm_group = self.group
+        self.handles = []
+        self._sync = True
+        n, me = self.group.size, self.group.index(mesh.rank)
+        self.units = model_units(model)
+        self._unit_of = {id(p): i for i, u in enumerate(self.units) for _, p in u.params}
+        self._pending = [0] * len(self.units)
+        self._inflight: list[list[tuple]] = [[] for _ in self.units]
+        if layout == "flat":
+            self.flat = [_FlatUnit(u, n, me, keep_full_grad=stage == 1) for u in self.units]
+            self._pieces = [op for f in self.flat for op in f.pieces()]
+        else:
+            named = [(name, p) for u in self.units for name, p in u.params]
+            owners = assign_owners([p.numel() for _, p in named], n)
+            self.owner = {id(p): o for (_, p), o in zip(named, owners, strict=True)}
+            self._pieces = [OptimParam(name, p, tuple(p.shape)) for name, p in named if self.owner[id(p)] == me]
+            self._acc = {id(op.tensor): torch.zeros_like(op.tensor) for op in self._pieces} if stage == 2 else {}
+        self.me = me
+        for u in self.units:
+            for _, p in u.params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    # ------------------------------------------------------------------ backward
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Stage 1 accumulates full gradients locally; stage 2 must still send every microbatch."""
+        self._sync = self.stage == 2
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if not self._sync:
+            return
+        i = self._unit_of[id(p)]
+        self._pending[i] += 1
+        if self._pending[i] == len(self.units[i].params):
+            self._pending[i] = 0
+            self._launch(i)
+
+    def _launch(self, i: int) -> None:
+        self._drain(i)  # stage 2: the previous microbatch's reduction of this unit must land first
+        unit = self.units[i]
+        if self.layout == "flat":
+            f = self.flat[i]
+            if self.stage == 1:
+                h = comm.reduce_scatter(f.grad_shard, f.grad_buf, self.group, async_op=True)
+                self._inflight[i].append((h, None, None))
+            else:
+                grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device)
+                         for _, p in unit.params]
+                pad = f.param_buf.numel() - unit.numel
+                full = torch.cat(grads + [grads[0].new_zeros(pad)])
+                for _, p in unit.params:
+                    p.grad = None  # the full gradient lives only until it has been sent
+                out = torch.empty_like(f.grad_shard)
+                h = comm.reduce_scatter(out, full, self.group, async_op=True)
+                self._inflight[i].append((h, out, full))
+        else:
+            for _, p in unit.params:
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                owner = self.owner[id(p)]
+                h = comm.reduce(g, self.group, owner, async_op=True)
+                if self.stage == 2:
+                    p.grad = None
+                self._inflight[i].append((h, p, g))
+        self.handles.extend(x[0] for x in self._inflight[i])
+
+    def _drain(self, i: int) -> None:
+        for h, a, b in self._inflight[i]:
+            h.wait()
+            if self.stage == 2 and self.layout == "flat":
+                self.flat[i].grad_shard += a
+            elif self.stage == 2 and self.owner[id(a)] == self.me:
+                self._acc[id(a)] += b
+        self._inflight[i] = []
+
+    def finish_grads(self) -> None:
+        for i in range(len(self.units)):
+            if not self._inflight[i] and self._sync:
+                self._launch(i)  # a unit that received no gradient this step still takes part
+            self._drain(i)
+        if self.layout == "per_tensor":
+            for op in self._pieces:
+                if self.stage == 2:
+                    op.tensor.grad = self._acc[id(op.tensor)]
+        grads = self.grads()
+        if self.replicas.size > 1:  # HSDP: the shards are replicated; sum them across replicas
+            for g in grads:
+                comm.all_reduce(g, self.replicas)
+
+    # ------------------------------------------------------------------ step
+
+    def after_step(self) -> None:
+        """Every rank gets the parameters the others updated."""
+        hs = []
+        if self.layout == "flat":
+            for f in self.flat:
+                hs.append(comm.all_gather(f.param_buf, f.param_buf[f.lo: f.hi], self.group, async_op=True))
+        else:
+            for u in self.units:
+                for _, p in u.params:
+                    hs.append(comm.broadcast(p.data, self.group, self.owner[id(p)], async_op=True))
+        for h in hs:
+            h.wait()
+
+    def zero_grad(self) -> None:
+        self.handles = []
+        if self.layout == "flat":
+            for f in self.flat:
+                (f.grad_buf if f.grad_buf is not None else f.grad_shard).zero_()
+        else:
+            for u in self.units:
+                for _, p in u.params:
+                    if self.stage == 1 and p.grad is not None:
+                        p.grad.zero_()
+            for acc in self._acc.values():
+                acc.zero_()
+            if self.stage == 2:
+                for op in self._pieces:
+                    op.tensor.grad = None
+
+    # ------------------------------------------------------------------ views
+
+    def optim_params(self) -> list[OptimParam]:
+        return self._pieces
+
+    def grads(self) -> list[torch.Tensor]:
+        if self.layout == "flat":
+            return [f.grad_shard for f in self.flat]
+        return [op.tensor.grad for op in self._pieces if op.tensor.grad is not None]
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        return [p for u in self.units for _, p in u.params]
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        if self.layout == "flat":
+            return [f.grad_buf if f.grad_buf is not None else f.grad_shard for f in self.flat]
+        if self.stage == 1:
+            return [p.grad for u in self.units for _, p in u.params if p.grad is not None]
+        return list(self._acc.values())
