@@ -36,7 +36,7 @@ def _train(argv: list[str]) -> int:
     ap.add_argument("--out", help="run folder: config.yaml, metrics.jsonl, tb/, checkpoints/")
     ap.add_argument("--nproc", type=int, default=0, help="relaunch under torchrun with N local processes")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100 parallel.tp=2")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides may come before or after the options
     cfg = load_config(args.config, args.overrides)
     if args.nproc and "LOCAL_RANK" not in os.environ:
         if args.nproc < 1:
@@ -46,9 +46,16 @@ def _train(argv: list[str]) -> int:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
                "-m", "meshtrain.cli", "train", *rest]
         return subprocess.call(cmd)
+    import torch.distributed as dist
+
     from meshtrain.train.trainer import Trainer
 
-    Trainer(cfg, args.out).train()
+    try:
+        Trainer(cfg, args.out).train()
+    finally:
+        if dist.is_initialized():  # an orderly shutdown: every rank done before any tears down
+            dist.barrier()
+            dist.destroy_process_group()
     return 0
 
 

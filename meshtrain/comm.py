@@ -48,6 +48,7 @@ class CommMeter:
 
     stats: dict[tuple[str, str], OpStats] = field(default_factory=lambda: defaultdict(OpStats))
     trace: list[tuple[str, str, tuple[int, ...], str]] | None = None
+    timing: bool = False  # record when each async collective completes (benchmarks measure overlap)
 
     def record(self, group: AxisGroup, op: str, tensor: torch.Tensor, nbytes: int, wire: float) -> None:
         s = self.stats[(group.name, op)]
@@ -93,7 +94,7 @@ class Handle:
         self._stats = stats
         self.started = time.perf_counter()
         self.completed: float | None = None if work is not None else self.started
-        if work is not None and hasattr(work, "get_future"):
+        if work is not None and METER.timing and hasattr(work, "get_future"):
             try:
                 work.get_future().then(self._mark_done)
             except RuntimeError:  # a backend without futures for this op

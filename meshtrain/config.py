@@ -350,7 +350,20 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         lo = 0 if name == "dp" else 1
         _need(getattr(p, name) >= lo, f"parallel.{name} must be >= {lo}, got {getattr(p, name)}.")
     _need(p.zero in (0, 1, 2, 3), f"parallel.zero must be 0, 1, 2 or 3, got {p.zero}.")
+    _need(p.zero_layout in ("flat", "per_tensor"),
+          f"parallel.zero_layout must be flat or per_tensor, got '{p.zero_layout}'.")
+    _need(not (p.zero == 3 and p.zero_layout == "per_tensor"),
+          "parallel.zero=3 shards flat units; parallel.zero_layout=per_tensor applies to zero=1 or 2.")
+    _need(not (t.optimizer == "muon" and p.zero in (1, 2) and p.zero_layout == "flat"),
+          "train.optimizer=muon orthogonalises whole matrices: with parallel.zero=1 or 2 set "
+          "parallel.zero_layout=per_tensor.")
+    _need(not (t.optimizer == "muon" and p.zero == 3),
+          "train.optimizer=muon needs whole matrices: use parallel.zero=1 or 2 with zero_layout=per_tensor.")
+    _need(p.bucket_mb > 0, f"parallel.bucket_mb must be positive, got {p.bucket_mb}.")
+    _need(p.dp_shard >= 0, f"parallel.dp_shard must be >= 0 (0: shard over all of dp), got {p.dp_shard}.")
     dp = resolve_dp(cfg, world_size)
+    _need(p.dp_shard == 0 or dp % p.dp_shard == 0 or world_size is None,
+          f"parallel.dp_shard={p.dp_shard} must divide the data-parallel size {dp} (HSDP shard groups).")
     _need(
         t.global_batch % (dp * t.grad_accum) == 0,
         f"train.global_batch={t.global_batch} must be divisible by data-parallel size {dp} x "

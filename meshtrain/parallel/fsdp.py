@@ -23,6 +23,7 @@ dp_replicate.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -34,23 +35,32 @@ from meshtrain.parallel.data import GradSync
 from meshtrain.parallel.units import Unit, model_units
 from meshtrain.train.optim import OptimParam
 
+# The embedding's input (token ids) needs no gradient, so its backward pre-hook fires on the output
+# gradient alone, which is all we use: torch's warning about that is noise here.
+warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect")
+
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
 class _Gathered(torch.autograd.Function):
-    """Identity on the gathered buffer in forward; in backward, hand its gradient to the unit."""
+    """Puts the unit's gathered buffer into the graph; in backward, hands its gradient to the unit.
+
+    The buffer is taken from the unit rather than passed in: an output that is an input (or a view
+    of one) would forbid the in-place re-gather into its storage in backward.
+    """
 
     @staticmethod
-    def forward(ctx, shard: torch.Tensor, full: torch.Tensor, unit: _ShardedUnit) -> torch.Tensor:
+    def forward(ctx, shard: torch.Tensor, unit: _ShardedUnit) -> torch.Tensor:
         ctx.unit = unit
-        return full
+        buf, unit.incoming = unit.incoming, None
+        return buf
 
     @staticmethod
-    def backward(ctx, grad_full: torch.Tensor) -> tuple[None, None, None]:
+    def backward(ctx, grad_full: torch.Tensor) -> tuple[None, None]:
         ctx.unit.reduce_grad(grad_full)
-        return None, None, None
+        return None, None
 
 
 class _ShardedUnit:
@@ -84,6 +94,7 @@ class _ShardedUnit:
         for m, attr, _, _ in self.slots:
             m._parameters.pop(attr, None)
         self.full: torch.Tensor | None = None  # the gathered buffer of the current microbatch
+        self.incoming: torch.Tensor | None = None
         self.fresh = True  # the next forward starts a new microbatch: a new graph node
         self.materialized = False
         self.fetch: comm.Handle | None = None
@@ -97,11 +108,14 @@ class _ShardedUnit:
 
     def prefetch(self) -> None:
         """Start this unit's all-gather without waiting for it."""
-        if self.fetch is not None or self.materialized:
+        if self.fetch is not None:
             return
-        if self.fresh:
+        if self.fresh:  # a new forward: a new buffer (an earlier forward's is no longer needed)
+            self.reshard()
             self.fetch_buf = torch.empty(self.padded, dtype=self.dtype, device=self.shard.device)
         else:  # re-gather into the same storage, so the views and saved references stay valid
+            if self.materialized:
+                return
             self.full.untyped_storage().resize_(self.padded * self.full.element_size())
             self.fetch_buf = self.full.detach()
         self.fetch = self._gather_into(self.fetch_buf, async_op=True)
@@ -116,8 +130,8 @@ class _ShardedUnit:
     def materialize(self) -> None:
         """Make the modules' weights valid: a new graph node at a microbatch's first use, else a re-gather."""
         if self.fresh:
-            buf = self._wait_fetch()
-            self.full = _Gathered.apply(self.shard, buf, self)
+            self.incoming = self._wait_fetch()
+            self.full = _Gathered.apply(self.shard, self)
             self.fresh = False
             for m, attr, off, shape in self.slots:
                 setattr(m, attr, self.full[off: off + _numel(shape)].view(shape))

@@ -75,3 +75,79 @@ def mfu(tokens_per_s: float, cfg: ModelConfig, seq_len: int, peak_flops: float) 
     if peak_flops <= 0:
         return 0.0
     return tokens_per_s * flops_per_token(cfg, seq_len) / peak_flops
+
+
+# ----------------------------------------------------------------------------- data-parallel family
+# Bytes are the comm meter's payload bytes per rank per optimizer step (see meshtrain/comm.py), so
+# the runtime can be checked against them exactly; times divide them by a bandwidth in the planner.
+
+
+def unit_numels(cfg: ModelConfig) -> list[int]:
+    """Parameters per sharding unit (meshtrain/parallel/units.py): embedding, each block, head
+    (final norm + output); with tied embeddings, embedding and head are one unit at the end."""
+    pc = param_count(cfg)
+    block = (pc.attention + pc.mlp) // cfg.n_layers + 2 * cfg.d_model
+    emb = cfg.vocab_size * cfg.d_model
+    if cfg.tie_embeddings:
+        return [block] * cfg.n_layers + [emb + cfg.d_model]
+    return [emb] + [block] * cfg.n_layers + [cfg.d_model + emb]
+
+
+def _padded(numel: int, n: int) -> int:
+    return -(-numel // n) * n
+
+
+def dp_comm_bytes(cfg: ModelConfig, zero: int, dp: int, grad_accum: int = 1, layout: str = "flat",
+                  dp_shard: int = 0, compute_bytes: int = 4, reshard_after_forward: bool = True
+                  ) -> dict[tuple[str, str], int]:
+    """Payload bytes per rank per step of each (group, collective) of the data-parallel family.
+
+    - DP: one all-reduce of the fp32 gradients, once per step (accumulation communicates last).
+    - ZeRO-1: reduce-scatter of the gradients + all-gather of the updated parameters, per unit,
+      each padded to a multiple of the shard group; ZeRO-2 reduce-scatters every microbatch.
+      The per-tensor layout reduces each tensor to its owner and broadcasts it back instead.
+    - ZeRO-3: all-gather of each unit in forward and again in backward (if resharded after
+      forward), in the compute dtype, and a reduce-scatter of its fp32 gradient, every microbatch.
+    - HSDP (dp_shard < dp): the above within a shard group, plus an all-reduce of the gradient
+      shards over the replicas.
+    """
+    psi = param_count(cfg).total
+    if zero == 0:
+        return {("dp_cp", "all_reduce"): 4 * psi} if dp > 1 else {}
+    n = dp_shard or dp
+    out: dict[tuple[str, str], int] = {}
+    units = unit_numels(cfg)
+    sent_per_step = grad_accum if zero >= 2 else 1
+    if n > 1:
+        if zero in (1, 2) and layout == "per_tensor":
+            out[("dp_shard_cp", "reduce")] = sent_per_step * 4 * psi
+            out[("dp_shard_cp", "broadcast")] = 4 * psi
+        else:
+            padded = sum(_padded(u, n) for u in units)
+            out[("dp_shard_cp", "reduce_scatter")] = sent_per_step * 4 * padded
+            if zero in (1, 2):
+                out[("dp_shard_cp", "all_gather")] = 4 * padded
+            else:
+                gathers = 2 if reshard_after_forward else 1
+                out[("dp_shard_cp", "all_gather")] = grad_accum * gathers * compute_bytes * padded
+    if dp // n > 1:
+        shard = psi if (zero in (1, 2) and layout == "per_tensor") else sum(_padded(u, n) for u in units) // n
+        if layout == "per_tensor" and zero in (1, 2):
+            raise ValueError("per-tensor HSDP bytes depend on the ownership; not modelled")
+        out[("dp_replicate", "all_reduce")] = 4 * shard
+    return out
+
+
+def dp_state_bytes(cfg: ModelConfig, zero: int, dp: int, dp_shard: int = 0, optim_bytes_per_param: int = 8
+                   ) -> dict[str, float]:
+    """Per-rank bytes of fp32 parameters, fp32 gradients and optimizer state (AdamW: two fp32
+    moments, K = 8 bytes per parameter) for each ZeRO stage: the ZeRO paper's 2+2+K, 2+2+K/N,
+    2+(2+K)/N and (4+K)/N with our dtypes (4-byte parameters and gradients, no separate master)."""
+    psi = param_count(cfg).total
+    n = (dp_shard or dp) if zero > 0 else 1
+    padded = sum(_padded(u, n) for u in unit_numels(cfg)) if zero > 0 else psi
+    return {
+        "params": 4.0 * (padded / n if zero == 3 else padded),
+        "grads": 4.0 * (padded / n if zero >= 2 else padded),
+        "optim": optim_bytes_per_param * (padded / n if zero >= 1 else psi),
+    }

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -40,11 +41,12 @@ def _worker(fn: Callable, rank: int, world_size: int, store: str, threads: int, 
 
         torch.set_num_threads(threads)
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
-        try:
-            out = fn(rank, world_size, *args, **kwargs)
-        finally:
-            dist.destroy_process_group()
-        results.put((rank, True, out))
+        out = fn(rank, world_size, *args, **kwargs)
+        # By value: torch's queue pickler would share tensors through file descriptors that die with
+        # this process, which may exit before the parent reads them.
+        results.put((rank, True, pickle.dumps(out)))
+        dist.barrier()  # no rank tears its connections down while a peer still talks to it
+        dist.destroy_process_group()
     except BaseException:  # noqa: B036 - any failure must reach the parent
         results.put((rank, False, traceback.format_exc()))
 
@@ -119,13 +121,18 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: dic
         ]
         for p in procs:
             p.start()
+        ok = False
         try:
             outputs = _collect(procs, results, world_size, timeout)
+            ok = True
         finally:
-            for p in procs:
+            if ok:  # every rank reported: let them finish their shutdown barrier
+                for p in procs:
+                    p.join(timeout=30)
+            for p in procs:  # after a failure (or a stuck shutdown) nothing is left running
                 if p.is_alive():
                     p.kill()
             for p in procs:
                 p.join(timeout=10)
             results.close()
-    return [outputs[r] for r in range(world_size)]
+    return [pickle.loads(outputs[r]) for r in range(world_size)]
