@@ -50,12 +50,16 @@ def _train(argv: list[str]) -> int:
 
     from meshtrain.train.trainer import Trainer
 
-    try:
-        Trainer(cfg, args.out).train()
-    finally:
-        if dist.is_initialized():  # an orderly shutdown: every rank done before any tears down
-            dist.barrier()
-            dist.destroy_process_group()
+    Trainer(cfg, args.out).train()
+    if dist.is_initialized():  # an orderly shutdown: every rank done before any tears down
+        dist.barrier()
+        dist.destroy_process_group()
+        # Under CPU load a gloo worker sometimes aborts in C++ static destructors at interpreter exit
+        # ("terminate called without an active exception"), after all work is done and written.
+        # Leave without that finalisation so torchrun sees the run's real outcome.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

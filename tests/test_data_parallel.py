@@ -202,7 +202,8 @@ def test_cli_zero3_on_4_processes_matches_one_process(data, tmp_path):
         args = [sys.executable, "-m", "meshtrain.cli", "train", "--config", "tiny", "--out", str(out),
                 f"data.path={data}", *BASE, *extra]
         r = subprocess.run(args, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-3000:]
+        clues = [ln for ln in r.stderr.splitlines() if any(w in ln for w in ("terminate", "Error", "exitcode"))]
+        assert r.returncode == 0, "\n".join(clues[:20]) + "\n" + r.stderr[-2000:]
         return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
     one = run(tmp_path / "one")
