@@ -22,6 +22,7 @@ Collectives over a group of size 1 return at once and are not counted: nothing m
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -94,14 +95,15 @@ class Handle:
         self._stats = stats
         self.started = time.perf_counter()
         self.completed: float | None = None if work is not None else self.started
-        if work is not None and METER.timing and hasattr(work, "get_future"):
+        if work is not None and METER.timing:
             try:
                 work.get_future().then(self._mark_done)
-            except RuntimeError:  # a backend without futures for this op
-                pass
+            except (RuntimeError, AttributeError):  # no future for this op (gloo's reduce_scatter): poll it
+                _Poller.watch(self)
 
-    def _mark_done(self, fut: object) -> None:
-        self.completed = time.perf_counter()
+    def _mark_done(self, fut: object = None) -> None:
+        if self.completed is None:
+            self.completed = time.perf_counter()
 
     def wait(self) -> None:
         if self._work is not None:
@@ -113,6 +115,36 @@ class Handle:
 
     def is_completed(self) -> bool:
         return self._work is None or self._work.is_completed()
+
+
+class _Poller:
+    """Timing only (``METER.timing``): a background thread that notes when futureless work completes."""
+
+    _pending: list[Handle] = []
+    _lock = threading.Lock()
+    _thread: threading.Thread | None = None
+
+    @classmethod
+    def watch(cls, handle: Handle) -> None:
+        with cls._lock:
+            cls._pending.append(handle)
+            if cls._thread is None:
+                cls._thread = threading.Thread(target=cls._run, daemon=True)
+                cls._thread.start()
+
+    @classmethod
+    def _run(cls) -> None:
+        while True:
+            with cls._lock:
+                still = []
+                for h in cls._pending:
+                    work = h._work
+                    if work is None or work.is_completed():
+                        h._mark_done()
+                    else:
+                        still.append(h)
+                cls._pending = still
+            time.sleep(0.0002)
 
 
 def _nbytes(t: torch.Tensor) -> int:
