@@ -361,6 +361,20 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
           "train.optimizer=muon needs whole matrices: use parallel.zero=1 or 2 with zero_layout=per_tensor.")
     _need(p.bucket_mb > 0, f"parallel.bucket_mb must be positive, got {p.bucket_mb}.")
     _need(p.dp_shard >= 0, f"parallel.dp_shard must be >= 0 (0: shard over all of dp), got {p.dp_shard}.")
+    _need(not (p.sp and p.tp == 1), "parallel.sp=true needs parallel.tp > 1 (it shards the sequence over tp).")
+    _need(not (p.sp and t.seq_len % p.tp), f"parallel.sp=true splits train.seq_len={t.seq_len} over "
+          f"parallel.tp={p.tp}: choose a seq_len divisible by tp.")
+    _need(not (t.optimizer == "muon" and p.tp > 1),
+          "train.optimizer=muon orthogonalises whole matrices; with parallel.tp > 1 each rank holds only a "
+          "slice. Use adamw with tensor parallelism.")
+    if p.tp > 1:
+        _need(m.n_heads % p.tp == 0, f"parallel.tp={p.tp} must divide model.n_heads={m.n_heads} "
+              f"(attention is split by heads).")
+        _need(m.kv_heads % p.tp == 0, f"parallel.tp={p.tp} must divide model.n_kv_heads={m.kv_heads}: each rank "
+              f"keeps whole key/value heads for its query heads (kv heads are not replicated across ranks). "
+              f"Use tp <= n_kv_heads, or more kv heads.")
+        _need(m.hidden_dim % p.tp == 0, f"parallel.tp={p.tp} must divide the MLP hidden size {m.hidden_dim} "
+              f"(model.ffn_hidden).")
     dp = resolve_dp(cfg, world_size)
     _need(p.dp_shard == 0 or dp % p.dp_shard == 0 or world_size is None,
           f"parallel.dp_shard={p.dp_shard} must divide the data-parallel size {dp} (HSDP shard groups).")
@@ -403,7 +417,7 @@ def check_supported(cfg: Config, dp: int) -> None:
     p = cfg.parallel
     defaults = ParallelConfig()
     unsupported = []
-    for name in ("tp", "pp", "cp", "ep", "sp", "schedule", "microbatches"):
+    for name in ("pp", "cp", "ep", "schedule", "microbatches"):
         if getattr(p, name) != getattr(defaults, name):
             unsupported.append(f"parallel.{name}={getattr(p, name)}")
     if unsupported:

@@ -124,6 +124,9 @@ class Llama(nn.Module):
         self.output: nn.Module | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # Sequence parallelism shards the hidden states' sequence between the blocks; RoPE is applied
+        # after the gather, so the tables must cover the whole sequence.
+        self.seq_shards = 1
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -135,7 +138,7 @@ class Llama(nn.Module):
         holds non-contiguous chunks); by default 0..T-1.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        t = h.shape[1]
+        t = tokens.shape[1] if tokens.dim() == 2 else h.shape[1] * self.seq_shards
         if positions is None:
             cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         else:

@@ -81,6 +81,7 @@ class _ShardedUnit:
             offsets[id(p)] = off
             off += p.numel()
         self.offsets = [(name, offsets[id(p)], tuple(p.shape)) for name, p in unit.params]
+        self.logical = {name: getattr(p, "_logical", None) for name, p in unit.params}
         # This rank's fp32 master shard and its gradient: all that persists between steps.
         self.shard = flat[self.lo: self.hi].clone().requires_grad_(True)
         self.grad = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
@@ -198,7 +199,8 @@ class FullyShardedDataParallel(GradSync):
                 if a < b:
                     piece = su.shard.detach()[a - su.lo: b - su.lo]
                     piece.grad = su.grad[a - su.lo: b - su.lo]
-                    self._pieces.append(OptimParam(name, piece, shape, offset=a - off))
+                    shape_l, tp, replicas = su.logical[name] or (shape, None, 1)
+                    self._pieces.append(OptimParam(name, piece, tuple(shape_l), a - off, shape, tp, replicas))
 
     # ------------------------------------------------------------------ hooks
 

@@ -1,10 +1,11 @@
-"""Logical (single-device) state from any data-parallel layout, and back: how checkpoints stay
-layout-independent.
+"""Logical (single-device) state from any layout, and back: how checkpoints stay layout-independent.
 
-Every optimizer tensor is an ``OptimParam``: a piece of a logical parameter at a known offset.
-Saving rebuilds each logical tensor by adding the pieces of all ranks (one all-reduce per tensor
-over the shard group; replicated layouts need none). Loading slices each rank's pieces out of the
-full tensors. A checkpoint written by one layout therefore loads into any other.
+Every optimizer tensor is an ``OptimParam``: a piece (ZeRO) of a local tensor (tensor parallel) of a
+logical parameter. Saving rebuilds each logical tensor in two stages, each an all-reduce of zeros
+with this rank's part filled in: over the ZeRO shard group to rebuild the local tensor, then over
+the tensor-parallel group to place the local slices in the logical tensor. Replicated layouts skip
+a stage. Loading cuts each rank's piece out of the full tensors. A checkpoint written by one layout
+therefore loads into any other.
 """
 
 from __future__ import annotations
@@ -12,56 +13,84 @@ from __future__ import annotations
 import torch
 
 from meshtrain import comm
+from meshtrain.mesh import AxisGroup
 from meshtrain.parallel.data import GradSync
 from meshtrain.train.checkpoint import apply_optimizer_state
+from meshtrain.train.optim import OptimParam
 
 
-def _scatter_full(full: torch.Tensor, piece: torch.Tensor, offset: int) -> torch.Tensor:
-    return full.reshape(-1)[offset: offset + piece.numel()].view_as(piece)
+def _piece_of(local: torch.Tensor, op: OptimParam) -> torch.Tensor:
+    return local.reshape(-1)[op.offset: op.offset + op.tensor.numel()].view_as(op.tensor)
+
+
+def _local_from_logical(full: torch.Tensor, op: OptimParam) -> torch.Tensor:
+    if op.tp is None:
+        return full
+    local = torch.zeros(op.local, dtype=full.dtype, device=full.device)
+    local.narrow(op.tp.dim, 0, op.tp.length).copy_(full.narrow(op.tp.dim, op.tp.start, op.tp.length))
+    return local
+
+
+def _active(group: AxisGroup | None) -> bool:
+    return group is not None and group.size > 1
 
 
 @torch.no_grad()
-def gather_state(sync: GradSync, optimizer: torch.optim.Optimizer, shapes: dict[str, tuple[int, ...]]
-                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def gather_state(sync: GradSync, optimizer: torch.optim.Optimizer, shapes: dict[str, tuple[int, ...]],
+                 tp_group: AxisGroup | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(parameters by name, optimizer state by "name/key"), full and on CPU, on every rank.
 
     ``shapes`` lists every logical parameter (the same order on every rank, collectives follow it).
     """
     pieces = sync.optim_params()
-    group = sync.norm_group
-    by_name: dict[str, list] = {}
+    zgroup = sync.norm_group
+    by_name: dict[str, list[OptimParam]] = {}
     for op in pieces:
         by_name.setdefault(op.name, []).append(op)
-    keys_here = {name: sorted({k for op in ops for k, v in optimizer.state.get(op.tensor, {}).items()
-                               if torch.is_tensor(v)}) for name, ops in by_name.items()}
-    if group is None or group.size == 1:
-        keys = keys_here
-    else:  # a rank that owns nothing of a tensor must still know its state keys to take part
-        keys = {}
-        for d in comm.gather_objects(keys_here, group):
-            for name, ks in d.items():
-                keys.setdefault(name, sorted(set(ks) | set(keys.get(name, []))))
+    # What each logical tensor looks like here: local shape, TP placement, state keys. A rank that
+    # owns no piece of a tensor (per-tensor ZeRO) learns it from the others.
+    info = {name: (ops[0].local, ops[0].tp, sorted({k for op in ops for k, v in optimizer.state.get(op.tensor, {})
+                                                   .items() if torch.is_tensor(v)}))
+            for name, ops in by_name.items()}
+    if _active(zgroup):
+        merged: dict = {}
+        for d in comm.gather_objects(info, zgroup):
+            for name, (local, tp, keys) in d.items():
+                old = merged.get(name)
+                merged[name] = (local, tp, sorted(set(keys) | set(old[2] if old else [])))
+        info = merged
+    device = pieces[0].tensor.device if pieces else torch.device("cpu")
+
+    def logical(name: str, shape: tuple[int, ...], value_of) -> torch.Tensor:
+        local_shape, tp, _ = info.get(name, (shape, None, []))
+        local = torch.zeros(local_shape, dtype=torch.float32, device=device)
+        for op in by_name.get(name, []):
+            v = value_of(op)
+            if v is not None:
+                _piece_of(local, op).copy_(v)
+        if _active(zgroup):
+            comm.all_reduce(local, zgroup)
+        if tp is None:
+            return local.cpu()
+        full = torch.zeros(shape, dtype=torch.float32, device=device)
+        full.narrow(tp.dim, tp.start, tp.length).copy_(local.narrow(tp.dim, 0, tp.length))
+        if _active(tp_group):
+            comm.all_reduce(full, tp_group)
+        return full.cpu()
+
     params, optim = {}, {}
     for name, shape in shapes.items():
-        ops = by_name.get(name, [])
-        full = torch.zeros(shape, dtype=torch.float32, device=_device(pieces))
-        for op in ops:
-            _scatter_full(full, op.tensor, op.offset).copy_(op.tensor)
-        _sum(full, group)
-        params[name] = full.cpu()
-        for key in keys.get(name, []):
-            states = [optimizer.state[op.tensor][key] for op in ops if op.tensor in optimizer.state]
-            if states and states[0].dim() == 0 or (not states and key == "step"):
-                value = torch.tensor(max([float(s) for s in states], default=0.0))
-                _max(value, group)
-                optim[f"{name}/{key}"] = value.to(states[0].dtype if states else torch.float32)
+        params[name] = logical(name, shape, lambda op: op.tensor)
+        for key in info.get(name, (None, None, []))[2]:
+            states = [optimizer.state[op.tensor][key] for op in by_name.get(name, []) if op.tensor in optimizer.state]
+            if key == "step" or (states and states[0].dim() == 0):  # a counter, the same everywhere
+                value = torch.tensor(max([float(s) for s in states], default=0.0), device=device)
+                if _active(zgroup):
+                    comm.all_reduce(value, zgroup, op="max")
+                optim[f"{name}/{key}"] = value.cpu()
                 continue
-            full = torch.zeros(shape, dtype=torch.float32, device=_device(pieces))
-            for op in ops:
-                if op.tensor in optimizer.state:
-                    _scatter_full(full, op.tensor, op.offset).copy_(optimizer.state[op.tensor][key])
-            _sum(full, group)
-            optim[f"{name}/{key}"] = full.cpu()
+            optim[f"{name}/{key}"] = logical(
+                name, shape, lambda op, k=key: optimizer.state[op.tensor][k] if op.tensor in optimizer.state else None)
     return params, optim
 
 
@@ -77,7 +106,7 @@ def load_state(sync: GradSync, optimizer: torch.optim.Optimizer, params: dict[st
         if tuple(full.shape) != op.shape:
             raise ValueError(f"{op.name} has shape {tuple(full.shape)} in the checkpoint but {op.shape} in the "
                              f"model: check the model config.")
-        op.tensor.copy_(_scatter_full(full.to(op.tensor.device), op.tensor, op.offset))
+        op.tensor.copy_(_piece_of(_local_from_logical(full.to(op.tensor.device), op), op))
     sync.after_step()  # ranks that do not own a piece get it from its owner
     sliced, names = {}, {}
     for i, op in enumerate(pieces):
@@ -86,20 +115,7 @@ def load_state(sync: GradSync, optimizer: torch.optim.Optimizer, params: dict[st
             continue
         key = f"piece{i}"
         names[id(op.tensor)] = key
-        sliced[key] = {k: (v if v.dim() == 0 else _scatter_full(v, op.tensor, op.offset).clone())
+        sliced[key] = {k: (v.float() if k == "step" and v.dim() == 0 else
+                           _piece_of(_local_from_logical(v, op), op).clone())
                        for k, v in state.items()}
     apply_optimizer_state(optimizer, names, sliced)
-
-
-def _device(pieces: list) -> torch.device:
-    return pieces[0].tensor.device if pieces else torch.device("cpu")
-
-
-def _sum(t: torch.Tensor, group) -> None:
-    if group is not None and group.size > 1:
-        comm.all_reduce(t, group)
-
-
-def _max(t: torch.Tensor, group) -> None:
-    if group is not None and group.size > 1:
-        comm.all_reduce(t, group, op="max")

@@ -31,7 +31,7 @@ from meshtrain import comm
 from meshtrain.mesh import Mesh
 from meshtrain.parallel.data import GradSync
 from meshtrain.parallel.units import Unit, model_units
-from meshtrain.train.optim import OptimParam
+from meshtrain.train.optim import OptimParam, describe
 
 
 def assign_owners(sizes: list[int], n: int) -> list[int]:
@@ -82,7 +82,7 @@ class _FlatUnit:
                 continue
             piece = self.param_buf[a:b]
             piece.grad = self.grad_shard[a - self.lo: b - self.lo]
-            out.append(OptimParam(name, piece, tuple(p.shape), offset=a - o))
+            out.append(describe(name, p, piece, offset=a - o))
         return out
 
 
@@ -111,7 +111,7 @@ class ZeroOptimizer(GradSync):
             named = [(name, p) for u in self.units for name, p in u.params]
             owners = assign_owners([p.numel() for _, p in named], n)
             self.owner = {id(p): o for (_, p), o in zip(named, owners, strict=True)}
-            self._pieces = [OptimParam(name, p, tuple(p.shape)) for name, p in named if self.owner[id(p)] == me]
+            self._pieces = [describe(name, p) for name, p in named if self.owner[id(p)] == me]
             self._acc = {id(op.tensor): torch.zeros_like(op.tensor) for op in self._pieces} if stage == 2 else {}
         self.me = me
         for u in self.units:

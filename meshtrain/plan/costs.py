@@ -151,3 +151,30 @@ def dp_state_bytes(cfg: ModelConfig, zero: int, dp: int, dp_shard: int = 0, opti
         "grads": 4.0 * (padded / n if zero >= 2 else padded),
         "optim": optim_bytes_per_param * (padded / n if zero >= 1 else psi),
     }
+
+
+# ----------------------------------------------------------------------------- tensor parallelism
+
+
+def tp_comm_bytes(cfg: ModelConfig, tp: int, sp: bool, tokens: int, grad_accum: int = 1, act_bytes: int = 4
+                  ) -> dict[tuple[str, str], int]:
+    """Payload bytes per rank per step on the tp axis (meshtrain/parallel/tensor.py).
+
+    ``tokens`` is the tokens of one microbatch on this rank (rows x seq_len); S = tokens x d_model x
+    act_bytes is one activation. Per microbatch, without SP: forward all-reduces after the embedding
+    and after each block's attention and MLP (2L + 1), backward all-reduces the input gradients of
+    each block's two column-parallel entries and of the head (2L + 1). With SP each all-reduce
+    becomes a reduce-scatter plus an all-gather of the same S (the same volume, split). The loss
+    adds three fp32 all-reduces of one value per token (max, sum of exp, target logit); once per step
+    the replicated norm weights' gradients ((2L + 1) x d fp32) are all-reduced.
+    """
+    if tp == 1:
+        return {}
+    s = tokens * cfg.d_model * act_bytes
+    per_dir = (2 * cfg.n_layers + 1) * s
+    loss = 3 * 4 * tokens
+    norms = (2 * cfg.n_layers + 1) * cfg.d_model * 4
+    if sp:
+        return {("tp", "all_gather"): grad_accum * 2 * per_dir, ("tp", "reduce_scatter"): grad_accum * 2 * per_dir,
+                ("tp", "all_reduce"): grad_accum * loss + norms}
+    return {("tp", "all_reduce"): grad_accum * (2 * per_dir + loss) + norms}

@@ -12,23 +12,52 @@ from meshtrain.config import TrainConfig
 
 
 @dataclass(frozen=True)
+class TPSlice:
+    """Where a tensor-parallel parameter sits in its logical tensor: ``logical.narrow(dim, start,
+    length) == local.narrow(dim, 0, length)`` (the local tensor may carry padding rows after that)."""
+
+    dim: int
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
 class OptimParam:
-    """What the optimizer updates: ``tensor`` is the whole parameter, or the piece of it this rank owns
-    under ZeRO; ``name`` and ``shape`` are the logical (single-device) parameter's."""
+    """What the optimizer updates: ``tensor`` is the whole parameter, or the piece of it this rank owns.
+
+    ``name`` and ``shape`` are the logical (single-device) parameter's. ``offset`` is where the piece
+    starts in the flattened *local* parameter (ZeRO cuts pieces), whose shape is ``local_shape``;
+    ``tp`` places the local parameter in the logical one (tensor parallelism), and ``replicas`` says
+    how many tensor-parallel ranks hold the same values (norm weights: tp; sharded weights: 1).
+    """
 
     name: str
     tensor: torch.Tensor
     shape: tuple[int, ...]
-    offset: int = 0  # where the piece starts in the flattened logical parameter
+    offset: int = 0
+    local_shape: tuple[int, ...] | None = None
+    tp: TPSlice | None = None
+    replicas: int = 1
 
     @property
     def is_whole(self) -> bool:
         return tuple(self.tensor.shape) == self.shape
 
+    @property
+    def local(self) -> tuple[int, ...]:
+        return self.local_shape if self.local_shape is not None else self.shape
+
+
+def describe(name: str, p: torch.Tensor, tensor: torch.Tensor | None = None, offset: int = 0) -> OptimParam:
+    """The OptimParam for (a piece of) parameter ``p``, reading the logical placement that tensor
+    parallelism attaches to parameters (``p._logical``: (shape, TPSlice | None, replicas))."""
+    shape, tp, replicas = getattr(p, "_logical", (tuple(p.shape), None, 1))
+    return OptimParam(name, p if tensor is None else tensor, tuple(shape), offset, tuple(p.shape), tp, replicas)
+
 
 def model_params(model: nn.Module) -> list[OptimParam]:
     """Every trainable parameter of a (non-sharded) model, tied ones once."""
-    return [OptimParam(n, p, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad]
+    return [describe(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
 def adamw_groups(params: list[OptimParam], weight_decay: float) -> list[dict]:

@@ -103,10 +103,19 @@ class Trainer:
 
         # A split too small for one sequence (e.g. prepared with val_fraction=0) means no validation.
         self.can_validate = self.val_data.num_tokens >= t.seq_len + 2
-        # The plain model, then each transformation in turn: recompute, then the data-parallel family.
+        # The plain model, then each transformation in turn: tensor parallelism, recompute, then the
+        # data-parallel family.
         self.model = build_model(cfg.model, t.seed, self.device)
         self.shapes = {n: tuple(q.shape) for n, q in self.model.named_parameters()}
         _, self.aliases = model_state(self.model)
+        self.tp_group = self.mesh.group("tp")
+        self.tp = None
+        self.loss_fn = cross_entropy_sum
+        if p.tp > 1:
+            from meshtrain.parallel.tensor import parallelize
+
+            self.tp = parallelize(self.model, self.mesh, sp=p.sp)
+            self.loss_fn = self.tp.loss_fn
         if t.recompute != "none":
             from meshtrain.parallel.recompute import apply_recompute
 
@@ -180,15 +189,15 @@ class Trainer:
                 with self.sync.forward_context(), self.autocast():
                     logits = self.model(x)
                 # Each rank divides by the global token count, so the sum over ranks is the global mean.
-                loss = cross_entropy_sum(logits, y) / n_tokens
+                loss = self.loss_fn(logits, y) / n_tokens
                 loss.backward()
             loss_total += loss.detach().double().cpu()
         self.sync.finish_grads()
+        pieces = [op for op in self.sync.optim_params() if op.tensor.grad is not None]
+        if self.tp is not None:  # norm weights are replicated over tp: add (SP) or average their grads
+            self.tp.sync_replicated_grads([op.tensor.grad for op in pieces if op.replicas > 1])
         grads = self.sync.grads()
-        norm_sq = float(grad_norm_squared(grads))
-        if self.sync.norm_group is not None:  # sharded gradients: add the shards' sums
-            norm_sq = comm.all_reduce_scalars([norm_sq], self.sync.norm_group, device=self.device)[0]
-        norm = torch.tensor(norm_sq, dtype=torch.float32).sqrt()
+        norm = self.grad_norm(pieces)
         clip_grads(grads, t.grad_clip, norm)
         lr = set_lr(self.optimizer, step, t)
         self.optimizer.step()
@@ -196,6 +205,18 @@ class Trainer:
         self.sync.zero_grad()
         loss = comm.all_reduce_scalars([float(loss_total)], self.dp_group, device=self.device)[0]
         return {"loss": loss, "lr": lr, "grad_norm": float(norm)}
+
+    def grad_norm(self, pieces: list) -> torch.Tensor:
+        """Global gradient norm: each rank's pieces, replicated ones counted once, summed over the
+        ZeRO shard group and the tensor-parallel group."""
+        plain = [op.tensor.grad for op in pieces if op.replicas == 1]
+        norm_sq = float(grad_norm_squared(plain)) if plain else 0.0
+        for r in sorted({op.replicas for op in pieces} - {1}):
+            norm_sq += float(grad_norm_squared([op.tensor.grad for op in pieces if op.replicas == r])) / r
+        groups = [g for g in (self.sync.norm_group, self.tp_group) if g is not None and g.size > 1]
+        for g in groups:
+            norm_sq = comm.all_reduce_scalars([norm_sq], g, device=self.device)[0]
+        return torch.tensor(norm_sq, dtype=torch.float32).sqrt()
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -209,7 +230,7 @@ class Trainer:
             for x, y in zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum), strict=True):
                 with self.sync.forward_context(), self.autocast():
                     logits = self.model(x.to(self.device))
-                total += float(cross_entropy_sum(logits, y.to(self.device)))
+                total += float(self.loss_fn(logits, y.to(self.device)))
                 count += int((y != -100).sum())
         self.model.train()
         total, count = comm.all_reduce_scalars([total, count], self.dp_group, device=self.device)
@@ -218,7 +239,8 @@ class Trainer:
     def save(self) -> Path | None:
         if self.ckpt_root is None:
             return None
-        params, optim = gather_state(self.sync, self.optimizer, self.shapes)  # collective under sharding
+        # Collective under sharding: every rank takes part, rank 0 writes.
+        params, optim = gather_state(self.sync, self.optimizer, self.shapes, self.tp_group)
         if not self.is_logger:
             return None
         params = {n: v for n, v in params.items() if n not in self.aliases}
@@ -289,6 +311,15 @@ class Trainer:
         return records
 
     def generate(self, prompt: str, n_tokens: int, temperature: float = 0.8, top_k: int = 40) -> str:
+        logits_fn, pad = None, 1
+        if self.tp is not None:
+            from meshtrain.parallel.tensor import gather_vocab
+
+            def logits_fn(x):
+                return gather_vocab(x, self.model.output)
+
+            pad = self.tp_group.size if self.tp.sp else 1
         ids = sample(self.model, self.tokenizer.encode(prompt), n_tokens, self.cfg.train.seq_len,
-                     temperature=temperature, top_k=top_k, seed=self.cfg.train.seed)
+                     temperature=temperature, top_k=top_k, seed=self.cfg.train.seed, logits_fn=logits_fn,
+                     pad_multiple=pad)
         return self.tokenizer.decode(ids)
