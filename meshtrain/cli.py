@@ -106,7 +106,13 @@ def _prepare(argv: list[str]) -> int:
     return main(argv)
 
 
-COMMANDS = {"train": _train, "prepare-data": _prepare, "generate": _generate}
+def _schedule(argv: list[str]) -> int:
+    from meshtrain.parallel.pipeline.cli import main
+
+    return main(argv)
+
+
+COMMANDS = {"train": _train, "prepare-data": _prepare, "generate": _generate, "schedule": _schedule}
 
 
 def main(argv: list[str] | None = None) -> int:

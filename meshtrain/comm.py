@@ -235,11 +235,13 @@ def broadcast(tensor: torch.Tensor, group: AxisGroup, src_index: int = 0, async_
 
 @dataclass
 class P2P:
-    """One side of a point-to-point transfer: ``op`` is "send" or "recv", ``peer`` a global rank."""
+    """One side of a point-to-point transfer: ``op`` is "send" or "recv", ``peer`` a global rank;
+    ``tag`` tells apart messages between the same pair of ranks."""
 
     op: str
     tensor: torch.Tensor
     peer: int
+    tag: int = 0
 
 
 def batch_p2p(ops: list[P2P], group: AxisGroup) -> list[Handle]:
@@ -251,7 +253,7 @@ def batch_p2p(ops: list[P2P], group: AxisGroup) -> list[Handle]:
         b = _nbytes(o.tensor)
         METER.record(group, o.op, o.tensor, b, b if o.op == "send" else 0)
         fn = dist.isend if o.op == "send" else dist.irecv
-        p2p.append(dist.P2POp(fn, o.tensor, o.peer, group=group.pg))
+        p2p.append(dist.P2POp(fn, o.tensor, o.peer, group=group.pg, tag=o.tag))
     stats = METER.stats[(group.name, ops[0].op)]
     return [Handle(w, stats) for w in dist.batch_isend_irecv(p2p)]
 

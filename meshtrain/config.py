@@ -73,8 +73,9 @@ class ParallelConfig:
     bucket_mb: float = 25.0  # DP gradient bucket size
     reshard_after_forward: bool = True  # ZeRO-3: free gathered parameters after forward, re-gather for backward
     sp: bool = False
-    schedule: str = "1f1b"
-    microbatches: int = 1
+    schedule: str = "1f1b"  # afab | 1f1b | interleaved | zb-h1 | dualpipev
+    microbatches: int = 1  # pipeline microbatches per optimizer step (each rank's rows are split into them)
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved >= 2; dualpipev uses 2)
 
 
 @dataclass
@@ -376,6 +377,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         _need(m.hidden_dim % p.tp == 0, f"parallel.tp={p.tp} must divide the MLP hidden size {m.hidden_dim} "
               f"(model.ffn_hidden).")
     dp = resolve_dp(cfg, world_size)
+    if p.pp > 1:
+        _check_pipeline(cfg, dp)
     _need(p.dp_shard == 0 or dp % p.dp_shard == 0 or world_size is None,
           f"parallel.dp_shard={p.dp_shard} must divide the data-parallel size {dp} (HSDP shard groups).")
     _need(
@@ -384,6 +387,29 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         f"train.grad_accum={t.grad_accum}: each microbatch needs a whole number of sequences per rank.",
     )
     check_supported(cfg, dp)
+
+
+def _check_pipeline(cfg: Config, dp: int) -> None:
+    """What pipeline parallelism needs from the rest of the config (before any process starts)."""
+    from meshtrain.parallel.pipeline.schedules import build_schedule
+
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    try:
+        sched = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _need(m.n_layers >= sched.n_stages, f"{sched.n_stages} pipeline stages (parallel.pp x virtual stages) need at "
+          f"least as many layers; model.n_layers={m.n_layers}.")
+    _need(p.zero in (0, 1), f"parallel.zero={p.zero} does not combine with parallel.pp > 1: ZeRO-2 would "
+          f"reduce-scatter gradients after every one of the {p.microbatches} pipeline microbatches and ZeRO-3 would "
+          f"also re-gather every weight for each of them. Use parallel.zero=0 or 1 with pipelines.")
+    _need(not m.tie_embeddings, "model.tie_embeddings=true with parallel.pp > 1 would split one weight between "
+          "the first and the last stage; untie them (the default) for pipelines.")
+    _need(t.grad_accum == 1, "with parallel.pp > 1 the pipeline microbatches are the accumulation: set "
+          "train.grad_accum=1 and use parallel.microbatches.")
+    rows = t.global_batch // dp
+    _need(rows % p.microbatches == 0, f"each data-parallel rank's {rows} sequences (train.global_batch / dp) must "
+          f"split evenly into parallel.microbatches={p.microbatches}.")
 
 
 def resolve_dp(cfg: Config, world_size: int | None = None) -> int:
@@ -417,7 +443,7 @@ def check_supported(cfg: Config, dp: int) -> None:
     p = cfg.parallel
     defaults = ParallelConfig()
     unsupported = []
-    for name in ("pp", "cp", "ep", "schedule", "microbatches"):
+    for name in ("cp", "ep"):
         if getattr(p, name) != getattr(defaults, name):
             unsupported.append(f"parallel.{name}={getattr(p, name)}")
     if unsupported:

@@ -37,10 +37,13 @@ def _active(group: AxisGroup | None) -> bool:
 
 @torch.no_grad()
 def gather_state(sync: GradSync, optimizer: torch.optim.Optimizer, shapes: dict[str, tuple[int, ...]],
-                 tp_group: AxisGroup | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+                 tp_group: AxisGroup | None = None, pp_group: AxisGroup | None = None
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(parameters by name, optimizer state by "name/key"), full and on CPU, on every rank.
 
     ``shapes`` lists every logical parameter (the same order on every rank, collectives follow it).
+    Under pipeline parallelism each tensor lives on one stage: a final all-reduce over ``pp_group``
+    (zeros elsewhere) brings it to every rank.
     """
     pieces = sync.optim_params()
     zgroup = sync.norm_group
@@ -52,9 +55,14 @@ def gather_state(sync: GradSync, optimizer: torch.optim.Optimizer, shapes: dict[
     info = {name: (ops[0].local, ops[0].tp, sorted({k for op in ops for k, v in optimizer.state.get(op.tensor, {})
                                                    .items() if torch.is_tensor(v)}))
             for name, ops in by_name.items()}
-    if _active(zgroup):
+    here: set[str] = set()
+    for g in (zgroup, pp_group):
+        if g is pp_group:
+            here = set(info)  # the tensors of this pipeline stage (known to the whole ZeRO group)
+        if not _active(g):
+            continue
         merged: dict = {}
-        for d in comm.gather_objects(info, zgroup):
+        for d in comm.gather_objects(info, g):
             for name, (local, tp, keys) in d.items():
                 old = merged.get(name)
                 merged[name] = (local, tp, sorted(set(keys) | set(old[2] if old else [])))
@@ -62,6 +70,13 @@ def gather_state(sync: GradSync, optimizer: torch.optim.Optimizer, shapes: dict[
     device = pieces[0].tensor.device if pieces else torch.device("cpu")
 
     def logical(name: str, shape: tuple[int, ...], value_of) -> torch.Tensor:
+        full = _logical_here(name, shape, value_of) if name in here or not _active(pp_group) else \
+            torch.zeros(shape, dtype=torch.float32, device=device)
+        if _active(pp_group):
+            comm.all_reduce(full, pp_group)
+        return full.cpu()
+
+    def _logical_here(name: str, shape: tuple[int, ...], value_of) -> torch.Tensor:
         local_shape, tp, _ = info.get(name, (shape, None, []))
         local = torch.zeros(local_shape, dtype=torch.float32, device=device)
         for op in by_name.get(name, []):
@@ -71,12 +86,12 @@ def gather_state(sync: GradSync, optimizer: torch.optim.Optimizer, shapes: dict[
         if _active(zgroup):
             comm.all_reduce(local, zgroup)
         if tp is None:
-            return local.cpu()
+            return local
         full = torch.zeros(shape, dtype=torch.float32, device=device)
         full.narrow(tp.dim, tp.start, tp.length).copy_(local.narrow(tp.dim, 0, tp.length))
         if _active(tp_group):
             comm.all_reduce(full, tp_group)
-        return full.cpu()
+        return full
 
     params, optim = {}, {}
     for name, shape in shapes.items():
@@ -85,8 +100,9 @@ def gather_state(sync: GradSync, optimizer: torch.optim.Optimizer, shapes: dict[
             states = [optimizer.state[op.tensor][key] for op in by_name.get(name, []) if op.tensor in optimizer.state]
             if key == "step" or (states and states[0].dim() == 0):  # a counter, the same everywhere
                 value = torch.tensor(max([float(s) for s in states], default=0.0), device=device)
-                if _active(zgroup):
-                    comm.all_reduce(value, zgroup, op="max")
+                for g in (zgroup, pp_group):
+                    if _active(g):
+                        comm.all_reduce(value, g, op="max")
                 optim[f"{name}/{key}"] = value.cpu()
                 continue
             optim[f"{name}/{key}"] = logical(

@@ -178,3 +178,17 @@ def tp_comm_bytes(cfg: ModelConfig, tp: int, sp: bool, tokens: int, grad_accum: 
         return {("tp", "all_gather"): grad_accum * 2 * per_dir, ("tp", "reduce_scatter"): grad_accum * 2 * per_dir,
                 ("tp", "all_reduce"): grad_accum * loss + norms}
     return {("tp", "all_reduce"): grad_accum * (2 * per_dir + loss) + norms}
+
+
+# ----------------------------------------------------------------------------- pipeline partitioning
+
+
+def stage_part_flops(cfg: ModelConfig, seq_len: int) -> tuple[float, float, float]:
+    """Forward FLOPs per token of (the embedding, one block, the final norm + head + loss).
+
+    The embedding is a lookup (no matmul); the head is a d x V matmul plus a softmax over V.
+    """
+    pc = param_count(cfg)
+    block = 2.0 * (pc.attention + pc.mlp) / cfg.n_layers + attention_flops_per_token(cfg, seq_len) / cfg.n_layers
+    head = 2.0 * cfg.vocab_size * cfg.d_model + 5.0 * cfg.vocab_size
+    return 0.0, block, head

@@ -103,8 +103,8 @@ class Trainer:
 
         # A split too small for one sequence (e.g. prepared with val_fraction=0) means no validation.
         self.can_validate = self.val_data.num_tokens >= t.seq_len + 2
-        # The plain model, then each transformation in turn: tensor parallelism, recompute, then the
-        # data-parallel family.
+        # The plain model, then each transformation in turn: tensor parallelism, the pipeline split,
+        # recompute, then the data-parallel family.
         self.model = build_model(cfg.model, t.seed, self.device)
         self.shapes = {n: tuple(q.shape) for n, q in self.model.named_parameters()}
         _, self.aliases = model_state(self.model)
@@ -116,12 +116,29 @@ class Trainer:
 
             self.tp = parallelize(self.model, self.mesh, sp=p.sp)
             self.loss_fn = self.tp.loss_fn
+        self.pp_group = self.mesh.group("pp")
+        self.pipeline = None
+        if p.pp > 1:
+            from meshtrain.parallel.pipeline.engine import split
+            from meshtrain.parallel.pipeline.partition import partition_model
+            from meshtrain.parallel.pipeline.schedules import build_schedule
+
+            self.schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
+            self.partition = partition_model(cfg.model, t.seq_len, self.schedule.n_stages)
+            self.stages = split(self.model, self.mesh, self.schedule, self.partition)
         if t.recompute != "none":
             from meshtrain.parallel.recompute import apply_recompute
 
             apply_recompute(self.model, t.recompute)
         self.sync = wrap(self.model, self.mesh, p, self.dtype)
         self.optimizer = build_optimizer(self.sync.optim_params(), t)
+        if p.pp > 1:
+            from meshtrain.parallel.pipeline.engine import PipelineEngine
+
+            rows = t.global_batch // self.mesh.size("dp") // p.microbatches
+            seq = t.seq_len // (p.tp if p.sp else 1)
+            self.pipeline = PipelineEngine(self.schedule, self.stages, self.mesh, (rows, seq, cfg.model.d_model),
+                                           torch.float32, self.loss_fn, self.sync, self.autocast)
         self.step = 0
         self.ckpt_root = self.out_dir / "checkpoints" if self.out_dir else None
         self._check_out_dir()
@@ -180,6 +197,11 @@ class Trainer:
         """One optimizer step on the global batch of ``step``; returns its metrics."""
         t = self.cfg.train
         inputs, targets, n_tokens = self.local_batch(self.train_data, step)
+        if self.pipeline is not None:
+            m = self.cfg.parallel.microbatches
+            loss = self.pipeline.run(list(inputs.chunk(m)), list(targets.chunk(m)), n_tokens)
+            loss = comm.all_reduce_scalars([loss], self.pp_group, device=self.device)[0]
+            return self._update(step, loss)
         loss_total = torch.zeros((), dtype=torch.float64)
         micro = list(zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum), strict=True))
         for i, (x, y) in enumerate(micro):
@@ -192,6 +214,11 @@ class Trainer:
                 loss = self.loss_fn(logits, y) / n_tokens
                 loss.backward()
             loss_total += loss.detach().double().cpu()
+        return self._update(step, float(loss_total))
+
+    def _update(self, step: int, loss_total: float) -> dict[str, float]:
+        """After the gradients of a step are in: sync, clip, optimizer step; returns the step's metrics."""
+        t = self.cfg.train
         self.sync.finish_grads()
         pieces = [op for op in self.sync.optim_params() if op.tensor.grad is not None]
         if self.tp is not None:  # norm weights are replicated over tp: add (SP) or average their grads
@@ -213,7 +240,7 @@ class Trainer:
         norm_sq = float(grad_norm_squared(plain)) if plain else 0.0
         for r in sorted({op.replicas for op in pieces} - {1}):
             norm_sq += float(grad_norm_squared([op.tensor.grad for op in pieces if op.replicas == r])) / r
-        groups = [g for g in (self.sync.norm_group, self.tp_group) if g is not None and g.size > 1]
+        groups = [g for g in (self.sync.norm_group, self.tp_group, self.pp_group) if g is not None and g.size > 1]
         for g in groups:
             norm_sq = comm.all_reduce_scalars([norm_sq], g, device=self.device)[0]
         return torch.tensor(norm_sq, dtype=torch.float32).sqrt()
@@ -227,12 +254,19 @@ class Trainer:
         total, count = 0.0, 0
         for i in range(t.eval_batches):
             inputs, targets, _ = self.local_batch(self.val_data, i)
+            if self.pipeline is not None:
+                m = self.cfg.parallel.microbatches
+                s, c = self.pipeline.forward_only(list(inputs.chunk(m)), list(targets.chunk(m)))
+                total, count = total + s, count + c
+                continue
             for x, y in zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum), strict=True):
                 with self.sync.forward_context(), self.autocast():
                     logits = self.model(x.to(self.device))
                 total += float(self.loss_fn(logits, y.to(self.device)))
                 count += int((y != -100).sum())
         self.model.train()
+        if self.pipeline is not None:  # only the last stage's ranks computed the loss
+            total, count = comm.all_reduce_scalars([total, count], self.pp_group, device=self.device)
         total, count = comm.all_reduce_scalars([total, count], self.dp_group, device=self.device)
         return total / count
 
@@ -240,7 +274,7 @@ class Trainer:
         if self.ckpt_root is None:
             return None
         # Collective under sharding: every rank takes part, rank 0 writes.
-        params, optim = gather_state(self.sync, self.optimizer, self.shapes, self.tp_group)
+        params, optim = gather_state(self.sync, self.optimizer, self.shapes, self.tp_group, self.pp_group)
         if not self.is_logger:
             return None
         params = {n: v for n, v in params.items() if n not in self.aliases}
@@ -268,6 +302,10 @@ class Trainer:
             base = unigram_loss(self.train_data._tokens, cfg.model.vocab_size) \
                 if isinstance(self.train_data, TokenDataset) else math.log(cfg.model.vocab_size)
             self.baseline = base
+            if self.pipeline is not None:
+                log.write(f"pipeline: {self.schedule.name}, {self.schedule.n_stages} stages over pp="
+                          f"{self.schedule.pp}, {self.schedule.microbatches} microbatches\n"
+                          + self.partition.table(self.schedule.placement))
             if not self.can_validate:
                 log.write("the validation split is too small for one sequence: no validation loss.")
             log.write(f"meshtrain: {n.total / 1e6:.2f}M parameters, {tokens_per_step} tokens/step, "
@@ -302,7 +340,9 @@ class Trainer:
                           f"(unigram baseline {self.baseline:.3f}), "
                           f"{np.median([r['tokens_per_s'] for r in records]):,.0f} tokens/s, "
                           f"MFU {np.median([r['mfu'] for r in records]):.1%}")
-            if self.step == t.steps and t.sample_tokens and self.tokenizer is not None:
+            if self.step == t.steps and t.sample_tokens and self.tokenizer is not None and self.pipeline is not None:
+                log.write("(no sample under pipeline parallelism: run `meshtrain generate --ckpt` on the checkpoint)")
+            elif self.step == t.steps and t.sample_tokens and self.tokenizer is not None:
                 # Every rank samples the same tokens (sharded weights are gathered collectively).
                 text = self.generate(t.sample_prompt, t.sample_tokens)
                 log.write("sample:\n" + t.sample_prompt + text)

@@ -1,0 +1,240 @@
+"""Run a pipeline schedule on a clock: timelines, makespan, bubble, in-flight activations, and charts.
+
+Each rank executes its action list strictly in order; an action starts when its rank is free and its dependencies
+(``schedules.dependencies``) have finished, plus ``p2p`` when a dependency ran on another rank. Costs are per stage
+action: ``F`` forward, ``B`` full backward, and for split backwards ``I = B - W`` and ``W``.
+
+``bubble_of_timelines``, ``text_chart`` and ``png_chart`` only read ``(start, end, Action)`` timelines, so they work on
+measured timelines recorded by the engine as well as on simulated ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from meshtrain.parallel.pipeline.schedules import Action, Key, PipelineSchedule, dependencies, done_key
+
+Timeline = list[tuple[float, float, Action]]
+
+
+@dataclass
+class SimResult:
+    """A simulated (or measured) run.
+
+    ``bubble`` is the idle fraction ``1 - busy / (pp * makespan)``. ``peak_inflight[r]`` is the most (mb, stage) on
+    rank r whose F is done and whose B (or W, for split backwards) is not; ``peak_before_input[r]`` counts only those
+    whose B or I is not done yet (the full activations; equal to ``peak_inflight`` without split backwards).
+    """
+
+    timelines: list[Timeline]
+    makespan: float
+    bubble: float
+    peak_inflight: list[int]
+    peak_before_input: list[int] = field(default_factory=list)
+    busy: list[float] = field(default_factory=list)
+
+    @property
+    def idle_time(self) -> float:
+        """Mean idle time per rank: ``makespan - mean(busy)``; the bubble in time units rather than as a fraction."""
+        return self.makespan - sum(self.busy) / len(self.busy) if self.busy else 0.0
+
+
+def _per_stage(v: float | Sequence[float], n: int, what: str) -> list[float]:
+    if isinstance(v, int | float):
+        return [float(v)] * n
+    out = [float(x) for x in v]
+    if len(out) != n:
+        raise ValueError(f"costs[{what!r}] must give one cost per stage ({n}), got {len(out)}")
+    return out
+
+
+def _cost_table(s: PipelineSchedule, f: float, b: float, w: float | None,
+                costs: Mapping[str, float | Sequence[float]] | None) -> dict[str, list[float]]:
+    n = s.n_stages
+    if costs is not None:
+        unknown = set(costs) - {"F", "B", "I", "W"}
+        if unknown:
+            raise ValueError(f"costs has unknown kinds {sorted(unknown)}: use F, B, W (and optionally I)")
+        f, b = costs.get("F", f), costs.get("B", b)
+        w = costs.get("W", w)
+    tf, tb = _per_stage(f, n, "F"), _per_stage(b, n, "B")
+    tw = [x / 2 for x in tb] if w is None else _per_stage(w, n, "W")
+    if costs is not None and "I" in costs:
+        ti = _per_stage(costs["I"], n, "I")
+    else:
+        ti = [x - y for x, y in zip(tb, tw, strict=True)]
+    if any(x < 0 for x in tf + tb + tw + ti):
+        raise ValueError("action costs must be >= 0 (and w <= b, since I costs b - w)")
+    return {"F": tf, "B": tb, "I": ti, "W": tw}
+
+
+def inflight_peaks(timelines: Sequence[Timeline]) -> tuple[list[int], list[int]]:
+    """Per rank: (peak F-done-and-B-or-W-pending, peak F-done-and-B-or-I-pending), in each rank's execution order."""
+    peaks, peaks_full = [], []
+    for tl in timelines:
+        held = full = peak = peak_full = 0
+        for _, _, a in sorted(tl, key=lambda e: e[0]):  # stable: ties keep the recorded order
+            if a.kind == "F":
+                held, full = held + 1, full + 1
+            elif a.kind == "B":
+                held, full = held - 1, full - 1
+            elif a.kind == "I":
+                full -= 1
+            else:
+                held -= 1
+            peak, peak_full = max(peak, held), max(peak_full, full)
+        peaks.append(peak)
+        peaks_full.append(peak_full)
+    return peaks, peaks_full
+
+
+def bubble_of_timelines(timelines: Sequence[Timeline]) -> tuple[float, float]:
+    """``(makespan, bubble)`` of per-rank ``(start, end, Action)`` timelines, simulated or measured.
+
+    The makespan runs from the earliest start to the latest end over all ranks; the bubble is the idle fraction
+    ``1 - busy / (n_ranks * makespan)`` (a rank with an empty timeline is idle throughout).
+    """
+    spans = [(st, en) for tl in timelines for st, en, _ in tl]
+    if not spans:
+        return 0.0, 0.0
+    makespan = max(en for _, en in spans) - min(st for st, _ in spans)
+    if makespan <= 0:
+        return 0.0, 0.0
+    busy = sum(en - st for st, en in spans)
+    return makespan, 1.0 - busy / (len(timelines) * makespan)
+
+
+def simulate(s: PipelineSchedule, f: float = 1.0, b: float = 2.0, w: float | None = None, p2p: float = 0.0, *,
+             costs: Mapping[str, float | Sequence[float]] | None = None) -> SimResult:
+    """Run ``s`` with per-stage action costs and return its timelines, makespan, bubble and in-flight peaks.
+
+    ``f``/``b`` are the forward / full-backward costs; for split schedules ``W`` costs ``w`` (default ``b / 2``) and
+    ``I`` costs ``b - w``. ``costs={"F": [...], "B": [...], "W": [...]}`` (per stage; optional ``"I"``, scalars
+    allowed) overrides them, e.g. with measured costs. ``p2p`` is added to every cross-rank dependency.
+    Raises ``RuntimeError("deadlock ...")`` naming each rank's stuck action when no rank can progress.
+    """
+    table = _cost_table(s, f, b, w, costs)
+    n = s.n_stages
+    finish: dict[Key, tuple[float, int]] = {}  # key -> (end time, rank)
+    ptr = [0] * s.pp
+    free = [0.0] * s.pp
+    timelines: list[Timeline] = [[] for _ in range(s.pp)]
+    # Each rank's next start depends only on finished actions, so visiting ranks in any order gives the same times.
+    while True:
+        progressed = False
+        for r, acts in enumerate(s.actions):
+            while ptr[r] < len(acts):
+                a = acts[ptr[r]]
+                start = free[r]
+                deps = dependencies(a, n)
+                if any(d not in finish for d in deps):
+                    break
+                for d in deps:
+                    end, dr = finish[d]
+                    start = max(start, end + (p2p if dr != r else 0.0))
+                end = start + table[a.kind][a.stage]
+                timelines[r].append((start, end, a))
+                finish[done_key(a)] = (end, r)
+                free[r] = end
+                ptr[r] += 1
+                progressed = True
+        if all(p == len(acts) for p, acts in zip(ptr, s.actions, strict=True)):
+            break
+        if not progressed:
+            stuck = []
+            for r, acts in enumerate(s.actions):
+                if ptr[r] < len(acts):
+                    a = acts[ptr[r]]
+                    missing = [f"{'B/I' if k[0] == 'BI' else k[0]}{k[1]}@{k[2]}" for k in dependencies(a, n)
+                               if k not in finish]
+                    stuck.append(f"rank {r} at {a} waiting for {', '.join(missing)}")
+            raise RuntimeError(f"deadlock in schedule {s.name!r}: " + "; ".join(stuck))
+    makespan, bubble = bubble_of_timelines(timelines)
+    peaks, peaks_full = inflight_peaks(timelines)
+    busy = [sum(en - st for st, en, _ in tl) for tl in timelines]
+    return SimResult(timelines, makespan, bubble, peaks, peaks_full, busy)
+
+
+# ------------------------------------------------------------------------------------------------------- charts
+
+
+def _timelines_of(x: SimResult | Sequence[Timeline]) -> list[Timeline]:
+    return list(x.timelines if isinstance(x, SimResult) else x)
+
+
+def text_chart(result_or_timelines: SimResult | Sequence[Timeline], width: int = 100) -> str:
+    """One row per rank, time scaled to ``width`` columns, then a line with the bubble.
+
+    A block shows its kind (F, B, I, W) in upper case for even microbatches and lower case for odd ones, so that
+    adjacent blocks stay apart; ``.`` is idle.
+    """
+    timelines = _timelines_of(result_or_timelines)
+    makespan, bubble = bubble_of_timelines(timelines)
+    starts = [st for tl in timelines for st, _, _ in tl]
+    t0 = min(starts) if starts else 0.0
+    scale = width / makespan if makespan > 0 else 0.0
+    label = len(str(len(timelines) - 1))
+    lines = []
+    for r, tl in enumerate(timelines):
+        row = ["."] * width
+        for st, en, a in tl:
+            # Round both ends: neighbouring blocks then share a boundary and real gaps stay visible.
+            c0, c1 = round((st - t0) * scale), round((en - t0) * scale)
+            ch = a.kind if a.mb % 2 == 0 else a.kind.lower()
+            for c in range(c0, min(max(c1, c0 + 1), width)):
+                row[c] = ch
+        lines.append(f"rank {r:>{label}} |{''.join(row)}|")
+    busy = sum(en - st for tl in timelines for st, en, _ in tl)
+    capacity = len(timelines) * makespan
+    lines.append(f"bubble {bubble:.2%} (makespan {makespan:.4g}, idle {capacity - busy:.4g} of {capacity:.4g} "
+                 f"rank-time; upper case = even microbatch, lower case = odd, . = idle)")
+    return "\n".join(lines)
+
+
+_COLOURS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868"}
+_NAMES = {"F": "forward", "B": "backward", "I": "backward-input", "W": "backward-weight"}
+
+
+def png_chart(timelines: SimResult | Sequence[Timeline], path: str | Path, title: str) -> None:
+    """Write a Gantt chart of the timelines to ``path``: one row per rank, colour by kind, microbatch in each box.
+
+    Stages of a rank's second (and later) model chunks are drawn lighter; the bubble is added to the title.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: plotting is optional
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    tls = _timelines_of(timelines)
+    makespan, bubble = bubble_of_timelines(tls)
+    starts = [st for tl in tls for st, _, _ in tl]
+    t0 = min(starts) if starts else 0.0
+    n = len(tls)
+    fig = Figure(figsize=(14, 1.2 + 0.55 * n))
+    FigureCanvasAgg(fig)  # Agg, without touching pyplot's global backend
+    ax = fig.add_subplot()
+    inch_per_unit = 12.5 / makespan if makespan > 0 else 0.0
+    kinds = set()
+    later_chunks = False
+    for r, tl in enumerate(tls):
+        for st, en, a in tl:
+            kinds.add(a.kind)
+            chunk = a.stage // max(n, 1)  # chunk index for interleaved and V placements
+            later_chunks |= chunk > 0
+            ax.broken_barh([(st - t0, en - st)], (r - 0.4, 0.8), facecolors=_COLOURS.get(a.kind, "grey"),
+                           edgecolors="black", linewidth=0.4, alpha=1.0 if chunk % 2 == 0 else 0.55)
+            text = str(a.mb)
+            if (en - st) * inch_per_unit * 72 >= 6 * len(text) + 2:  # only when the number fits in the box
+                ax.text(st - t0 + (en - st) / 2, r, text, ha="center", va="center", fontsize=7, color="white")
+    ax.set_xlim(0, makespan if makespan > 0 else 1)
+    ax.set_ylim(n - 0.5, -0.5)
+    ax.set_yticks(range(n), [f"rank {r}" for r in range(n)])
+    ax.set_xlabel("time")
+    ax.set_title(f"{title} (bubble {bubble:.1%}, makespan {makespan:.4g})")
+    handles = [Patch(facecolor=_COLOURS[k], label=_NAMES[k]) for k in "FBIW" if k in kinds]
+    if later_chunks:
+        handles.append(Patch(facecolor="grey", alpha=0.55, label="lighter: chunk 1, 3, ..."))
+    ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.005, 0.5), fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
