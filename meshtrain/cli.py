@@ -3,6 +3,7 @@
     meshtrain train --config FILE [--out DIR] [--nproc N] [section.key=value ...]
     meshtrain prepare-data [--src DIR] [--out DIR] [--tokenizer byte|tokenizer.json]
     meshtrain generate --ckpt DIR [--prompt TEXT] [--tokens N]
+    meshtrain schedule --pp 4 --microbatches 8 --schedule 1f1b [--png out.png]
 """
 
 from __future__ import annotations

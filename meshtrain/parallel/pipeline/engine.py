@@ -9,9 +9,9 @@ model. ``PipelineEngine.run`` executes one optimizer step's actions:
   previous stage's rank (or handed over in memory when that stage is on the same rank); the last
   stage computes the loss. The output is sent on, asynchronously.
 - B(mb, s): backward from the loss (last stage) or from the gradient received from the next stage;
-  the input gradient is sent back. I / W split B: I computes only the input gradient (and sends it),
-  W later computes the weight gradients from the kept graph (here W re-traverses the graph from the
-  stage output, so it costs about a full backward: correct, not yet faster).
+  the input gradient is sent back. I / W split B: I computes the input gradient (and sends it) and
+  the cheap parameters' gradients; the stage's linear layers stash what their weight gradients need,
+  and W does those weight matmuls later (``wgrad.py``).
 
 Sends are non-blocking (waited at the end of the step), receives block; every message carries a
 tag from (kind, microbatch, stage), so any schedule the simulator accepts cannot deadlock and
@@ -36,6 +36,7 @@ from meshtrain.mesh import Mesh
 from meshtrain.model.llama import Llama
 from meshtrain.parallel.pipeline.partition import Partition
 from meshtrain.parallel.pipeline.schedules import Action, PipelineSchedule
+from meshtrain.parallel.pipeline.wgrad import WeightGradStore, defer_weight_grads
 
 
 class PipelineStage(nn.Module):
@@ -103,11 +104,17 @@ class PipelineEngine:
         self.loss_fn, self.sync, self.autocast = loss_fn, sync, autocast
         self.rank = mesh.coord("pp")
         self.last = schedule.n_stages - 1
-        # The last backward-with-weights of each stage: data-parallel sync is enabled for it only.
-        self.final_w = {}
+        # The last backward actions of each stage (B, or I and W): data-parallel sync is enabled for
+        # them only, so a stage's gradients are sent as soon as its last microbatch is done.
+        self.final: set[Action] = set()
+        last_of: dict[tuple[int, str], Action] = {}
         for a in schedule.actions[self.rank]:
-            if a.kind in ("B", "W"):
-                self.final_w[a.stage] = a
+            last_of[(a.stage, a.kind)] = a
+        self.final = {a for (_, kind), a in last_of.items() if kind in ("B", "I", "W")}
+        self.wgrad = WeightGradStore()
+        if schedule.split_backward:
+            for stage in stages.values():
+                defer_weight_grads(stage, self.wgrad)
         self.trace = StepTrace()
 
     def _peer(self, stage: int) -> int:
@@ -121,6 +128,7 @@ class PipelineEngine:
         for h in comm.batch_p2p([comm.P2P("recv", t, self._peer(from_stage), self._tag(kind, mb, to_stage))],
                                 self.group):
             h.wait()
+        self._ready = time.perf_counter()  # waiting for a peer is bubble, not work
         return t
 
     def _send(self, t: torch.Tensor, kind: int, mb: int, to_stage: int) -> None:
@@ -135,7 +143,7 @@ class PipelineEngine:
         self.trace = StepTrace()
         loss_total = 0.0
         for a in self.s.actions[self.rank]:
-            t0 = time.perf_counter()
+            t0 = self._ready = time.perf_counter()
             slot = slots.setdefault((a.mb, a.stage), _Slot())
             if a.kind == "F":
                 loss_total += self._forward(a, slot, inputs, targets, n_tokens, local)
@@ -143,7 +151,7 @@ class PipelineEngine:
                 self._backward_input(a, slot, local, with_weights=a.kind == "B")
             else:
                 self._backward_weights(a, slot)
-            self.trace.actions.append((t0, time.perf_counter(), a))
+            self.trace.actions.append((max(t0, self._ready), time.perf_counter(), a))
         for h in self._sends:
             h.wait()
         return loss_total
@@ -178,7 +186,7 @@ class PipelineEngine:
         return self._recv(1, a.mb, a.stage + 1, a.stage)
 
     def _sync_ctx(self, a: Action):
-        return contextlib.nullcontext() if self.final_w.get(a.stage) == a else self.sync.no_sync()
+        return contextlib.nullcontext() if a in self.final else self.sync.no_sync()
 
     def _backward_input(self, a: Action, slot: _Slot, local, with_weights: bool) -> None:
         g = self._grad_out(a, local)
@@ -189,10 +197,19 @@ class PipelineEngine:
                 torch.autograd.backward(slot.out, g)
             grad_in = slot.inp.grad if needs_input else None
             slot.out = None
-        elif needs_input:
-            (grad_in,) = torch.autograd.grad(slot.out, [slot.inp], g, retain_graph=True)
         else:
-            grad_in = None
+            # I: the input gradient and the cheap parameters' gradients now; the linear layers stash
+            # what their weight gradients need for W.
+            others = [p for p in self.stages[a.stage].parameters() if p.requires_grad and not _is_linear_weight(p)]
+            inputs = ([slot.inp] if needs_input else []) + others
+            self.wgrad.key = (a.mb, a.stage)
+            try:
+                with self._sync_ctx(a):
+                    torch.autograd.backward(slot.out, g, inputs=inputs)
+            finally:
+                self.wgrad.key = None
+            grad_in = slot.inp.grad if needs_input else None
+            slot.out = None
         if needs_input:
             if self.s.placement[a.stage - 1] == self.rank:
                 local[(1, a.mb, a.stage - 1)] = grad_in
@@ -202,9 +219,8 @@ class PipelineEngine:
             slot.inp = None
 
     def _backward_weights(self, a: Action, slot: _Slot) -> None:
-        params = [p for p in self.stages[a.stage].parameters() if p.requires_grad]
         with self._sync_ctx(a):
-            torch.autograd.backward(slot.out, slot.grad_out, inputs=params)
+            self.wgrad.apply((a.mb, a.stage))
         slot.out = slot.inp = slot.grad_out = None
 
     @torch.no_grad()
@@ -232,3 +248,8 @@ class PipelineEngine:
                                                           self._tag(2, mb, s + 1))], self.group):
                             h.wait()
         return total, count
+
+
+def _is_linear_weight(p: torch.Tensor) -> bool:
+    """Weights whose gradient W computes (set by ``defer_weight_grads``)."""
+    return getattr(p, "_deferred_wgrad", False)

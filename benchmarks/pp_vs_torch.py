@@ -1,0 +1,193 @@
+"""Our pipeline schedules against torch.distributed.pipelining on 4 gloo ranks (pp=4), same model,
+data and seed; and each schedule's measured bubble against the simulator's prediction.
+
+Pairs: afab vs ScheduleGPipe, 1f1b vs Schedule1F1B, interleaved (2 chunks/rank) vs
+ScheduleInterleaved1F1B, dualpipev vs ScheduleZBVZeroBubble (both V-shaped, split backward);
+zb-h1 has no torch counterpart with one stage per rank and is measured alone.
+
+For our runs the engine records each action's start (after its inputs arrived) and end on every
+rank. From the mean measured cost of each (kind, stage) the simulator predicts the timeline; the
+report compares the measured bubble with that prediction, and gives the peak number of
+microbatch-stages whose activations are alive at once (measured from the same timelines) times the
+measured activation bytes of one microbatch-stage. ``--png DIR`` draws measured and simulated charts.
+
+    python benchmarks/pp_vs_torch.py [--steps 8] [--rounds 2] [--png DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from meshtrain.config import ModelConfig, TrainConfig
+from meshtrain.mesh import Mesh
+from meshtrain.model.llama import build_model, cross_entropy_sum
+from meshtrain.parallel.data import DataParallel
+from meshtrain.parallel.pipeline.engine import PipelineEngine, split
+from meshtrain.parallel.pipeline.partition import partition_model
+from meshtrain.parallel.pipeline.schedules import build_schedule
+from meshtrain.parallel.pipeline.simulator import bubble_of_timelines, inflight_peaks, simulate
+from meshtrain.testing.spawn import spawn
+from meshtrain.train.data import SyntheticDataset
+from meshtrain.train.optim import build_adamw, model_params
+
+PAIRS = [("afab", "ScheduleGPipe", 1), ("1f1b", "Schedule1F1B", 1), ("interleaved", "ScheduleInterleaved1F1B", 2),
+         ("dualpipev", "ScheduleZBVZeroBubble", 2), ("zb-h1", None, 1)]
+
+
+def _cfg(args) -> ModelConfig:
+    return ModelConfig(vocab_size=257, d_model=args.d_model, n_layers=args.layers, n_heads=8, max_seq_len=args.seq)
+
+
+def _batches(args):
+    data = SyntheticDataset(257)
+    return [data.batch(0, s, args.batch, args.seq) for s in range(args.steps)]
+
+
+def _setup(args, name, virtual, pp):
+    cfg = _cfg(args)
+    model = build_model(cfg, seed=0)
+    mesh = Mesh(pp=pp)
+    schedule = build_schedule(name, pp, args.microbatches, virtual)
+    part = partition_model(cfg, args.seq, schedule.n_stages)
+    stages = split(model, mesh, schedule, part)
+    return model, mesh, schedule, stages
+
+
+def _ours(args, name, virtual, pp):
+    import contextlib
+
+    model, mesh, schedule, stages = _setup(args, name, virtual, pp)
+    sync = DataParallel(model, mesh.group("dp", "cp"))  # size 1: no communication, same API as training
+    opt = build_adamw(model_params(model), TrainConfig())
+    engine = PipelineEngine(schedule, stages, mesh, (args.batch // args.microbatches, args.seq, args.d_model),
+                            torch.float32, cross_entropy_sum, sync, contextlib.nullcontext)
+    m = args.microbatches
+    times, traces = [], []
+    for x, y in _batches(args):
+        t0 = time.perf_counter()
+        engine.run(list(x.chunk(m)), list(y.chunk(m)), y.numel())
+        opt.step()
+        sync.zero_grad()
+        times.append(time.perf_counter() - t0)
+        traces.append(list(engine.trace.actions))
+    return times[args.warmup:], traces[args.warmup:]
+
+
+def _torch(args, name, torch_name, virtual, pp):
+    import torch.distributed.pipelining as tp_
+
+    model, mesh, schedule, stages = _setup(args, name, virtual, pp)
+    n_tokens = args.batch * args.seq
+    pipe_stages = [tp_.PipelineStage(stages[s], s, schedule.n_stages, torch.device("cpu"),
+                                     group=mesh.group("pp").pg) for s in sorted(stages)]
+    cls = getattr(tp_, torch_name)
+
+    def loss_fn(out, tgt):
+        return cross_entropy_sum(out, tgt) / n_tokens
+
+    multi = len(pipe_stages) > 1 or virtual > 1
+    sched = cls(pipe_stages if multi else pipe_stages[0], n_microbatches=args.microbatches, loss_fn=loss_fn)
+    opt = build_adamw(model_params(model), TrainConfig())
+    first = 0 in stages
+    last = schedule.n_stages - 1 in stages
+    times = []
+    for x, y in _batches(args):
+        t0 = time.perf_counter()
+        kwargs = {"target": y, "losses": []} if last else {}
+        sched.step(x, **kwargs) if first else sched.step(**kwargs)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    return times[args.warmup:]
+
+
+def _worker(rank, world, args):
+    out = {}
+    for name, torch_name, virtual in PAIRS:
+        rounds = []
+        for _ in range(args.rounds):
+            ours, traces = _ours(args, name, virtual, world)
+            theirs = _torch(args, name, torch_name, virtual, world) if torch_name else []
+            rounds.append((ours, theirs, traces))
+        out[name] = rounds
+    return out
+
+
+def _act_bytes_per_stage(args) -> float:
+    """Activation bytes one microbatch keeps for backward in one stage (measured on the plain model)."""
+    from meshtrain.parallel.recompute import saved_activation_bytes
+
+    cfg = _cfg(args)
+    model = build_model(cfg, seed=0)
+    x = torch.randint(0, 257, (args.batch // args.microbatches, args.seq))
+    return saved_activation_bytes(lambda: model(x), exclude=list(model.buffers())) / args.world
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--png", default="", help="folder for measured/simulated timeline charts")
+    args = ap.parse_args()
+    results = spawn(_worker, args.world, args=(args,), timeout=3000)
+    n = args.steps - args.warmup
+    act = _act_bytes_per_stage(args)
+    print(f"{args.world} gloo ranks (pp={args.world}), d_model={args.d_model}, layers={args.layers}, seq={args.seq}, "
+          f"batch={args.batch}, microbatches={args.microbatches}, {n} timed steps x {args.rounds} rounds\n")
+    print("| ours vs torch.distributed.pipelining | ours median (ms) | torch median (ms) | ratio | per-round min-max "
+          "| measured bubble | simulated bubble (measured costs) | peak live mb-stages/rank | peak activations/rank |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, torch_name, virtual in PAIRS:
+        ours_all, theirs_all, ratios, measured, simulated, peaks = [], [], [], [], [], []
+        schedule = build_schedule(name, args.world, args.microbatches, virtual)
+        for r in range(args.rounds):
+            ours = [max(res[name][r][0][i] for res in results) for i in range(n)]
+            ours_all += ours
+            if torch_name:
+                theirs = [max(res[name][r][1][i] for res in results) for i in range(n)]
+                theirs_all += theirs
+                ratios.append(statistics.median(ours) / statistics.median(theirs))
+            for i in range(n):
+                timelines = [res[name][r][2][i] for res in results]
+                measured.append(bubble_of_timelines(timelines)[1])
+                durs: dict[tuple[str, int], list[float]] = {}
+                for tl in timelines:
+                    for a0, a1, a in tl:
+                        durs.setdefault((a.kind, a.stage), []).append(a1 - a0)
+                costs = {k: [statistics.mean(durs.get((k, s), [0.0])) for s in range(schedule.n_stages)]
+                         for k in ("F", "B", "I", "W")}
+                sim = simulate(schedule, costs={k: v for k, v in costs.items() if any(v)})
+                simulated.append(sim.bubble)
+                peaks.append(max(inflight_peaks(timelines)[0]))
+                if args.png and r == args.rounds - 1 and i == n - 1:
+                    import os
+
+                    from meshtrain.parallel.pipeline.simulator import png_chart
+
+                    os.makedirs(args.png, exist_ok=True)
+                    png_chart(timelines, f"{args.png}/{name}_measured.png", f"{name} measured")
+                    png_chart(sim, f"{args.png}/{name}_simulated.png", f"{name} simulated")
+        mo = statistics.median(ours_all)
+        mt = statistics.median(theirs_all) if theirs_all else float("nan")
+        span = f"{min(ratios):.3f}-{max(ratios):.3f}" if ratios else "-"
+        ratio = f"{mo / mt:.3f}" if theirs_all else "-"
+        peak = max(peaks)
+        label = f"{name} vs {torch_name}" if torch_name else f"{name} (no torch counterpart)"
+        mt_txt = f"{mt * 1e3:.1f}" if theirs_all else "-"
+        print(f"| {label} | {mo * 1e3:.1f} | {mt_txt} | {ratio} | {span} | {statistics.median(measured):.1%} | "
+              f"{statistics.median(simulated):.1%} | {peak} | {peak * act / virtual / 2**20:.1f} MiB |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Deferred weight gradients for zero-bubble schedules: the backward pass split into I and W.
+
+A linear layer's backward does two matmuls: the input gradient (needed at once by the previous
+stage) and the weight gradient (needed only by the optimizer). ``defer_weight_grads(stage, store)``
+makes the stage's ``nn.Linear`` layers, while the store is armed, compute only the input gradient
+in backward and stash (input, output gradient) instead; the W action then does the weight matmuls
+and hands each gradient to autograd's accumulation (``param.backward(grad)``), so gradient hooks
+(data-parallel bucket sync) fire as usual. Every other parameter (norms, embedding) is cheap and
+gets its gradient in I.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class WeightGradStore:
+    """Stashed (weight, input, output-gradient) triples per (microbatch, stage)."""
+
+    def __init__(self) -> None:
+        self.key: tuple[int, int] | None = None  # armed during an I action
+        self.stash: dict[tuple[int, int], list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]] = {}
+
+    def put(self, weight: nn.Parameter, x: torch.Tensor, g: torch.Tensor) -> None:
+        self.stash.setdefault(self.key, []).append((weight, x, g))
+
+    @torch.no_grad()
+    def apply(self, key: tuple[int, int]) -> None:
+        """The W action: every stashed weight gradient of ``key``, accumulated through autograd."""
+        grads: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+        for w, x, g in self.stash.pop(key, []):
+            gw = g.reshape(-1, g.shape[-1]).t().to(w.dtype) @ x.reshape(-1, x.shape[-1]).to(w.dtype)
+            if id(w) in grads:
+                grads[id(w)] = (w, grads[id(w)][1] + gw)
+            else:
+                grads[id(w)] = (w, gw)
+        with torch.enable_grad():
+            for w, gw in grads.values():
+                w.backward(gw)
+
+
+class _DeferredLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: nn.Parameter, store: WeightGradStore) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.store = store
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = g @ weight.to(g.dtype)
+        if ctx.store.key is not None:
+            ctx.store.put(weight, x, g)
+            return grad_x, None, None
+        gw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        return grad_x, gw.to(weight.dtype), None
+
+
+def defer_weight_grads(module: nn.Module, store: WeightGradStore) -> None:
+    """Route every bias-free ``nn.Linear`` in ``module`` through the deferrable backward."""
+    for m in module.modules():
+        if type(m) is nn.Linear and m.bias is None:
+            m.weight._deferred_wgrad = True
+
+            def forward(x: torch.Tensor, m: nn.Linear = m) -> torch.Tensor:
+                return _DeferredLinear.apply(x, m.weight, store)
+            m.forward = forward
