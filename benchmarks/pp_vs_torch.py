@@ -6,12 +6,13 @@ ScheduleInterleaved1F1B, dualpipev vs ScheduleZBVZeroBubble (both V-shaped, spli
 zb-h1 has no torch counterpart with one stage per rank and is measured alone.
 
 For our runs the engine records each action's start (after its inputs arrived) and end on every
-rank. From the mean measured cost of each (kind, stage) the simulator predicts the timeline; the
-report compares the measured bubble with that prediction, and gives the peak number of
-microbatch-stages whose activations are alive at once (measured from the same timelines) times the
-measured activation bytes of one microbatch-stage. ``--png DIR`` draws measured and simulated charts.
+rank. From the mean measured cost of each (kind, stage), and the median measured hand-over time
+between ranks, the simulator predicts the timeline; the report compares the measured bubble with
+that prediction, and gives the peak number of microbatch-stages whose activations are alive at
+once (measured from the same timelines) times the measured activation bytes of one
+microbatch-stage. ``--png DIR`` draws measured and simulated charts.
 
-    python benchmarks/pp_vs_torch.py [--steps 8] [--rounds 2] [--png DIR]
+    python benchmarks/pp_vs_torch.py [--world 4] [--steps 8] [--rounds 2] [--png DIR]
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from meshtrain.model.llama import build_model, cross_entropy_sum
 from meshtrain.parallel.data import DataParallel
 from meshtrain.parallel.pipeline.engine import PipelineEngine, split
 from meshtrain.parallel.pipeline.partition import partition_model
-from meshtrain.parallel.pipeline.schedules import build_schedule
+from meshtrain.parallel.pipeline.schedules import build_schedule, dependencies, done_key
 from meshtrain.parallel.pipeline.simulator import bubble_of_timelines, inflight_peaks, simulate
 from meshtrain.testing.spawn import spawn
 from meshtrain.train.data import SyntheticDataset
@@ -117,6 +118,24 @@ def _worker(rank, world, args):
     return out
 
 
+def _p2p_latency(schedule, timelines) -> float:
+    """Median measured hand-over time between ranks: when a rank sat waiting for a peer's result, the
+    gap from the peer finishing that action to this rank starting (transfer + wake-up)."""
+    end = {}
+    for tl in timelines:
+        for _, a1, a in tl:
+            end[done_key(a)] = a1
+    gaps = []
+    for r, tl in enumerate(timelines):
+        prev_end = None
+        for a0, a1, a in tl:
+            for dep in dependencies(a, schedule.n_stages):
+                if schedule.placement[dep[2]] != r and dep in end and (prev_end is None or end[dep] > prev_end):
+                    gaps.append(a0 - end[dep])
+            prev_end = a1
+    return statistics.median(gaps) if gaps else 0.0
+
+
 def _act_bytes_per_stage(args) -> float:
     """Activation bytes one microbatch keeps for backward in one stage (measured on the plain model)."""
     from meshtrain.parallel.recompute import saved_activation_bytes
@@ -167,7 +186,8 @@ def main() -> None:
                         durs.setdefault((a.kind, a.stage), []).append(a1 - a0)
                 costs = {k: [statistics.mean(durs.get((k, s), [0.0])) for s in range(schedule.n_stages)]
                          for k in ("F", "B", "I", "W")}
-                sim = simulate(schedule, costs={k: v for k, v in costs.items() if any(v)})
+                sim = simulate(schedule, costs={k: v for k, v in costs.items() if any(v)},
+                               p2p=_p2p_latency(schedule, timelines))
                 simulated.append(sim.bubble)
                 peaks.append(max(inflight_peaks(timelines)[0]))
                 if args.png and r == args.rounds - 1 and i == n - 1:
