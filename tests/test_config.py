@@ -41,8 +41,7 @@ def test_bad_values_get_clear_errors(override, message):
     assert message in str(e.value)
 
 
-@pytest.mark.parametrize("override", ["parallel.pp=2", "parallel.cp=2",
-                                      "parallel.schedule=afab", "parallel.microbatches=4"])
+@pytest.mark.parametrize("override", ["parallel.cp=2", "parallel.ep=2"])
 def test_parallelisms_not_built_yet_are_refused(override):
     with pytest.raises(ConfigError, match="not yet supported"):
         load_config("tiny", [override])

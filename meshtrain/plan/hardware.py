@@ -3,8 +3,11 @@ for the MFU denominator. Figures are dense (no sparsity) vendor peaks."""
 
 from __future__ import annotations
 
+import json
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from pathlib import Path
 
 import torch
 
@@ -58,3 +61,194 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
             return chip.bf16_flops if dtype == torch.bfloat16 else chip.bf16_flops / 2
         return measure_matmul_flops(dtype, "cuda", n=4096)
     return measure_matmul_flops(dtype, "cpu")
+
+
+# ----------------------------------------------------------------------------- cluster profiles for the planner
+# A profile is one device plus the two fabrics it talks over. Bandwidths are what one device can send
+# per second into a collective (egress), the quantity the ring formulas divide by:
+# - intra_bw: the fast fabric. NVLink: one direction of the GPU's NVLink bandwidth (any peer, through
+#   NVSwitch). TPU ICI: one torus axis, i.e. two links (both neighbours) x the one-way link bandwidth;
+#   this is the book's W_ici = 2 x 9e10 = 1.8e11 for v5p (seed 000). A group spread over a axes gets a x.
+# - inter_bw: off the fast domain. GPUs: the node's InfiniBand NICs divided by its GPUs (one 400 Gb/s
+#   NIC per GPU = 5e10 B/s). TPUs: the host's DCN bandwidth divided by its chips (seed 003: 6.25e9 on v5p).
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A device and its interconnect, as the planner sees it.
+
+    ``domain`` is how many devices share the fast fabric (the NVLink domain of one node, or a TPU pod
+    over ICI); ``mesh_axes`` is the ICI torus shape of that domain, empty for a switched fabric, where
+    any group inside the domain gets the full ``intra_bw``. ``tp_max`` is the largest tensor-parallel
+    group the planner places on the fast fabric (a node's GPUs; one torus axis).
+    """
+
+    key: str
+    name: str
+    bf16_flops: float  # dense FLOP/s per device
+    hbm_bytes: float
+    hbm_bw: float  # bytes/s
+    intra_bw: float  # bytes/s per device on the fast fabric (per axis for a torus)
+    inter_bw: float  # bytes/s per device leaving the fast domain (IB / DCN)
+    devices_per_node: int  # devices per host (what --nodes counts)
+    domain: int  # devices on one fast fabric
+    mesh_axes: tuple[int, ...] = ()
+    tp_max: int = 8
+    intra_latency: float = 5e-6  # seconds per tree level of a collective
+    inter_latency: float = 1e-5
+    source: str = ""
+
+    @property
+    def torus(self) -> bool:
+        return bool(self.mesh_axes)
+
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
+
+        d = asdict(self)
+        d["mesh_axes"] = list(self.mesh_axes)
+        return d
+
+
+_BOOK_TPU = ("How to Scale Your Model (Austin et al., 2025), Part 2 'How to Think About TPUs' chip and ICI "
+             "tables, the numbers seed 000 uses")
+
+HARDWARE: dict[str, Hardware] = {
+    "h100": Hardware(
+        "h100", "H100 SXM (HGX/DGX H100)", 989e12, 80e9, 3.35e12, intra_bw=450e9, inter_bw=50e9,
+        devices_per_node=8, domain=8,
+        source="NVIDIA H100 Tensor Core GPU datasheet (SXM5: 989 TFLOP/s dense BF16, 80 GB HBM3, 3.35 TB/s, "
+               "NVLink 900 GB/s bidirectional = 450 GB/s per direction); DGX H100 user guide (8 GPUs, "
+               "8x ConnectX-7 400 Gb/s InfiniBand NDR, one per GPU = 50 GB/s)"),
+    "h200": Hardware(
+        "h200", "H200 SXM (HGX H200)", 989e12, 141e9, 4.8e12, intra_bw=450e9, inter_bw=50e9,
+        devices_per_node=8, domain=8,
+        source="NVIDIA H200 Tensor Core GPU datasheet (SXM: 989 TFLOP/s dense BF16, 141 GB HBM3e, 4.8 TB/s, "
+               "NVLink 900 GB/s bidirectional); HGX H200 with one 400 Gb/s NDR NIC per GPU"),
+    "b200": Hardware(
+        "b200", "B200 (HGX/DGX B200)", 2.25e15, 192e9, 8e12, intra_bw=900e9, inter_bw=50e9,
+        devices_per_node=8, domain=8,
+        source="NVIDIA B200 / HGX B200 datasheet (2.25 PFLOP/s dense BF16 per GPU, 192 GB HBM3e, 8 TB/s, "
+               "NVLink 5 1.8 TB/s bidirectional = 900 GB/s per direction); DGX B200: 8x ConnectX-7 400 Gb/s"),
+    "a100": Hardware(
+        "a100", "A100 SXM 80GB (DGX A100)", 312e12, 80e9, 2.039e12, intra_bw=300e9, inter_bw=25e9,
+        devices_per_node=8, domain=8,
+        source="NVIDIA A100 datasheet (80GB SXM: 312 TFLOP/s dense BF16, 2,039 GB/s, NVLink 3 600 GB/s "
+               "bidirectional = 300 GB/s per direction); DGX A100: 8x ConnectX-6 200 Gb/s HDR, one per GPU"),
+    "tpu-v4p": Hardware(
+        "tpu-v4p", "TPU v4p", 2.75e14, 32e9, 1.2e12, intra_bw=2 * 4.5e10, inter_bw=6.25e9,
+        devices_per_node=4, domain=4096, mesh_axes=(16, 16, 16), tp_max=16,
+        source=_BOOK_TPU + ": 2.75e14 bf16 FLOP/s, 32 GB, 1.2e12 B/s HBM, ICI 4.5e10 B/s one-way per link, "
+               "3-D torus pod 16x16x16, 2x2x1 chips per host; DCN assumed as v5p (25 GB/s per host)"),
+    "tpu-v5e": Hardware(
+        "tpu-v5e", "TPU v5e", 1.97e14, 16e9, 8.1e11, intra_bw=2 * 4.5e10, inter_bw=3.125e9,
+        devices_per_node=8, domain=256, mesh_axes=(16, 16), tp_max=16,
+        source=_BOOK_TPU + ": 1.97e14 bf16 FLOP/s, 16 GB, 8.1e11 B/s HBM, ICI 4.5e10 B/s one-way per link, "
+               "2-D torus pod 16x16, 4x2 chips per host; DCN 6.4 Tb/s per 256-chip pod (Cloud TPU v5e docs)"),
+    "tpu-v5p": Hardware(
+        "tpu-v5p", "TPU v5p", 4.59e14, 96e9, 2.8e12, intra_bw=2 * 9e10, inter_bw=6.25e9,
+        devices_per_node=4, domain=8960, mesh_axes=(16, 20, 28), tp_max=16,
+        source=_BOOK_TPU + ": 4.59e14 bf16 FLOP/s, 96 GB, 2.8e12 B/s HBM, ICI 9e10 B/s one-way per link "
+               "(W = 1.8e11 per axis, seed 000), 3-D torus pod 16x20x28 = 8960 chips, 2x2x1 chips per host; "
+               "DCN 25 GB/s per host = 6.25e9 per chip (seed 003)"),
+}
+_ALIASES = {"v4p": "tpu-v4p", "v5e": "tpu-v5e", "v5p": "tpu-v5p", "h100-sxm": "h100", "tpuv5p": "tpu-v5p"}
+
+
+def hardware_cache_dir() -> Path:
+    """Where calibrated profiles live: ``$MESHTRAIN_CACHE/hardware`` or ``~/.cache/meshtrain/hardware``."""
+    base = os.environ.get("MESHTRAIN_CACHE") or "~/.cache/meshtrain"
+    return Path(base).expanduser() / "hardware"
+
+
+def load_profile(path: str | Path) -> Hardware:
+    """Read a profile written by ``save_profile`` (JSON of the ``Hardware`` fields)."""
+    data = json.loads(Path(path).read_text())
+    data["mesh_axes"] = tuple(data.get("mesh_axes", ()))
+    known = {f.name for f in fields(Hardware)}
+    return Hardware(**{k: v for k, v in data.items() if k in known})
+
+
+def save_profile(hw: Hardware, path: str | Path) -> Path:
+    """Write ``hw`` as JSON (creating the folder); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(hw.to_dict(), indent=2) + "\n")
+    return path
+
+
+def get_hardware(name: str) -> Hardware:
+    """A preset by name (h100, h200, b200, a100, tpu-v4p, tpu-v5e, tpu-v5p; v5p etc. also work), the
+    calibrated ``cpu-local`` profile, or a profile JSON file."""
+    key = name.lower()
+    key = _ALIASES.get(key, key)
+    if key in HARDWARE:
+        return HARDWARE[key]
+    if key == "cpu-local":
+        path = hardware_cache_dir() / "cpu-local.json"
+        if not path.exists():
+            raise FileNotFoundError(f"--hardware cpu-local: no calibrated profile at {path}. Run "
+                                    f"`meshtrain plan --calibrate` first (it measures this machine's matmul "
+                                    f"FLOP/s and gloo all-reduce bandwidth and writes that file).")
+        return load_profile(path)
+    if name.endswith(".json") and Path(name).exists():
+        return load_profile(name)
+    raise ValueError(f"--hardware {name!r} is not known: choose one of {', '.join(HARDWARE)}, cpu-local "
+                     f"(after `meshtrain plan --calibrate`) or a profile .json file.")
+
+
+def _allreduce_worker(rank: int, world_size: int, numel: int, iters: int) -> float:
+    """Seconds per all-reduce of ``numel`` fp32 values, through meshtrain.comm on a dp mesh group."""
+    from meshtrain import comm
+    from meshtrain.mesh import Mesh
+
+    mesh = Mesh(dp=world_size, device=torch.device("cpu"))
+    group = mesh.group("dp", "cp")
+    x = torch.ones(numel)
+    comm.all_reduce(x, group)  # warm-up: connections, buffers
+    comm.barrier(group)
+    start = time.perf_counter()
+    for _ in range(iters):
+        comm.all_reduce(x, group)
+    return (time.perf_counter() - start) / iters
+
+
+def measure_allreduce_bandwidth(world_size: int = 2, mbytes: float = 32.0, iters: int = 5) -> tuple[float, float]:
+    """(bytes/s, seconds per call): gloo all-reduce on ``world_size`` local processes (meshtrain.testing.spawn),
+    as per-device egress bandwidth: the ring sends 2 (n-1)/n x the tensor per device."""
+    from meshtrain.testing.spawn import spawn
+
+    numel = int(mbytes * 1e6 / 4)
+    secs = max(spawn(_allreduce_worker, world_size, (numel, iters), timeout=300.0))
+    wire = 2 * (world_size - 1) / world_size * numel * 4
+    return wire / secs, secs
+
+
+def measure_copy_bandwidth(mbytes: float = 256.0, iters: int = 5) -> float:
+    """Memory bandwidth of a large tensor copy (read + write), bytes/s: the CPU's stand-in for HBM."""
+    a = torch.empty(int(mbytes * 1e6 / 4))
+    b = torch.empty_like(a)
+    b.copy_(a)
+    start = time.perf_counter()
+    for _ in range(iters):
+        b.copy_(a)
+    return 2 * a.numel() * 4 * iters / (time.perf_counter() - start)
+
+
+def calibrate_cpu_local(path: str | Path | None = None, world_size: int = 2) -> Hardware:
+    """Measure this machine and save the ``cpu-local`` profile: matmul FLOP/s (bf16 and fp32, the larger
+    is what autocast would reach), gloo all-reduce bandwidth between ``world_size`` local processes (both
+    fabrics: every process is on this host), memory-copy bandwidth, and RAM per process."""
+    flops = max(measure_matmul_flops(torch.float32, n=1024, seconds=1.0),
+                measure_matmul_flops(torch.bfloat16, n=1024, seconds=1.0))
+    bw, secs = measure_allreduce_bandwidth(world_size)
+    mem_bw = measure_copy_bandwidth()
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 8e9
+    hw = Hardware(
+        "cpu-local", f"this machine (CPU, {os.cpu_count()} cores, {world_size} gloo processes)", flops,
+        float(ram) / world_size, mem_bw, intra_bw=bw, inter_bw=bw, devices_per_node=world_size, domain=world_size,
+        tp_max=world_size, intra_latency=min(secs, 1e-4), inter_latency=min(secs, 1e-4),
+        source=f"meshtrain plan --calibrate on {time.strftime('%Y-%m-%d %H:%M')}: torch matmul n=1024, "
+               f"gloo all-reduce of 32 MB over {world_size} processes via meshtrain.comm, tensor copy")
+    save_profile(hw, path or hardware_cache_dir() / "cpu-local.json")
+    return hw

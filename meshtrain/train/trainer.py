@@ -314,7 +314,12 @@ class Trainer:
         try:
             while self.step < min(t.steps, until or t.steps):
                 start = time.perf_counter()
+                measure = self.step == min(2, t.steps - 1)  # a steady-state step (after warm-up)
+                if measure:
+                    comm.METER.reset()
                 rec = self.train_step(self.step)
+                if measure:
+                    self._record_comm()
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 elapsed = time.perf_counter() - start
@@ -349,6 +354,21 @@ class Trainer:
         finally:
             log.close()
         return records
+
+    def _record_comm(self) -> None:
+        """Write ``comm.json``: every rank's collective bytes (per axis and op) of one training step and
+        its live parameter/gradient/optimizer bytes, for ``meshtrain plan --check-run``."""
+        mine = {
+            "rank": self.mesh.rank, "coords": {k: int(v) for k, v in self.mesh.coords.items()},
+            "bytes": {f"{axis}/{op}": v["bytes"] for axis, ops in comm.METER.snapshot().items()
+                      for op, v in ops.items() if op != "metrics"},
+            "state": self.sync.state_tensors(self.optimizer),
+        }
+        everyone = comm.gather_objects(mine, self.mesh.group("world"))
+        if self.out_dir is not None and self.is_logger:
+            import json
+
+            (self.out_dir / "comm.json").write_text(json.dumps({"step": self.step + 1, "ranks": everyone}, indent=1))
 
     def generate(self, prompt: str, n_tokens: int, temperature: float = 0.8, top_k: int = 40) -> str:
         logits_fn, pad = None, 1

@@ -1,0 +1,159 @@
+"""``meshtrain plan``: pick a layout before spending a GPU.
+
+    meshtrain plan --model llama3-70b --hardware h100 --nodes 128 --batch-tokens 4M [--top 3]
+                   [--json] [--emit run.yaml] [--plot out.png] [--revision 003|000] [--runnable-only]
+    meshtrain plan --calibrate                      # measure this machine -> the cpu-local profile
+    meshtrain plan --list-hardware
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from meshtrain.config import ConfigError, load_config
+from meshtrain.plan import costs
+from meshtrain.plan.hardware import HARDWARE, calibrate_cpu_local, get_hardware, hardware_cache_dir
+from meshtrain.plan.planner import (
+    DEFAULT_SCHEDULES,
+    Problem,
+    SearchOptions,
+    check_runnable,
+    emit_yaml,
+    explain,
+    format_table,
+    parse_tokens,
+    plot_comm_vs_compute,
+    search,
+)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def build_problem(args: argparse.Namespace) -> Problem:
+    """The Problem the options describe (model preset or YAML, batch, cluster, assumptions)."""
+    cfg = load_config(args.model)
+    seq_len = args.seq_len or cfg.train.seq_len
+    tokens = parse_tokens(args.batch_tokens)
+    sequences = tokens // seq_len
+    if sequences < 1:
+        raise ValueError(f"--batch-tokens {args.batch_tokens} is less than one sequence of {seq_len} tokens.")
+    hw = get_hardware(args.hardware)
+    if args.devices:
+        if args.devices % hw.devices_per_node:
+            raise ValueError(f"--devices {args.devices} is not a whole number of {hw.devices_per_node}-device nodes.")
+        nodes = args.devices // hw.devices_per_node
+    else:
+        nodes = args.nodes
+    if nodes < 1:
+        raise ValueError(f"--nodes must be >= 1, got {nodes}")
+    if args.revision not in costs.MIXED_REVISIONS:
+        raise ValueError(f"--revision must be one of {', '.join(costs.MIXED_REVISIONS)}, got {args.revision}")
+    return Problem(cfg.model, seq_len, sequences, hw, nodes, model_name=str(args.model),
+                   precision=costs.PRECISIONS[args.precision], efficiency=args.efficiency,
+                   memory_fraction=args.memory_fraction, revision=args.revision)
+
+
+def main(argv: list[str]) -> int:
+    """Parse ``argv`` (without the command name), run the search and print/write what was asked; return 0."""
+    ap = argparse.ArgumentParser(prog="meshtrain plan", description="Search parallel layouts by predicted step time.")
+    ap.add_argument("--model", default="llama3-8b", help="preset name (llama3-70b, ...) or a YAML config")
+    ap.add_argument("--hardware", default="h100", help=f"one of {', '.join(HARDWARE)}, cpu-local or a profile .json")
+    ap.add_argument("--nodes", type=int, default=1, help="nodes (hosts) of --hardware")
+    ap.add_argument("--devices", type=int, default=0, help="devices instead of nodes")
+    ap.add_argument("--batch-tokens", default="4M", help="global batch in tokens (4M = 4 x 2^20)")
+    ap.add_argument("--seq-len", type=int, default=0, help="sequence length (default: the config's train.seq_len)")
+    ap.add_argument("--top", type=int, default=10, help="layouts to print")
+    ap.add_argument("--precision", default="meshtrain", choices=sorted(costs.PRECISIONS),
+                    help="meshtrain: fp32 params/grads/Adam + bf16 compute (what meshtrain runs); mixed: "
+                         "16-bit params/grads + fp32 master and Adam")
+    ap.add_argument("--efficiency", type=float, default=0.75, help="fraction of peak FLOP/s a large matmul reaches")
+    ap.add_argument("--memory-fraction", type=float, default=0.9, help="usable fraction of device memory")
+    ap.add_argument("--revision", default=costs.DEFAULT_REVISION,
+                    help="mixed FSDP+TP analysis: 003 (comms of the two axes overlap; default) or 000 (they add)")
+    ap.add_argument("--tp", type=_ints, help="tensor-parallel sizes to try, e.g. 4,8")
+    ap.add_argument("--pp", type=_ints, help="pipeline sizes to try")
+    ap.add_argument("--cp", type=_ints, default=(1, 2, 4), help="context-parallel sizes to try")
+    ap.add_argument("--zero", type=_ints, default=(0, 1, 2, 3), help="ZeRO stages to try")
+    ap.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES), help="pipeline schedules to try")
+    ap.add_argument("--max-pp", type=int, default=16)
+    ap.add_argument("--no-hsdp", action="store_true", help="do not try HSDP shard groups")
+    ap.add_argument("--runnable-only", action="store_true", help="only layouts meshtrain runs today (cp = ep = 1)")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of the table and explanation")
+    ap.add_argument("--emit", help="write the best runnable layout as a config for meshtrain train --config")
+    ap.add_argument("--plot", help="draw communication vs compute time per layer against the batch (PNG)")
+    ap.add_argument("--calibrate", action="store_true", help="measure this machine and save the cpu-local profile")
+    ap.add_argument("--list-hardware", action="store_true", help="print the hardware presets with their sources")
+    args = ap.parse_args(argv)
+
+    if args.calibrate:
+        hw = calibrate_cpu_local()
+        print(f"wrote {hardware_cache_dir() / 'cpu-local.json'}: matmul {hw.bf16_flops / 1e9:.1f} GFLOP/s, "
+              f"all-reduce {hw.intra_bw / 1e9:.2f} GB/s per process, memory copy {hw.hbm_bw / 1e9:.1f} GB/s")
+        return 0
+    if args.list_hardware:
+        for key, hw in HARDWARE.items():
+            print(f"{key:<9} {hw.bf16_flops / 1e12:7.0f} TFLOP/s  {hw.hbm_bytes / 1e9:5.0f} GB  "
+                  f"HBM {hw.hbm_bw / 1e12:.2f} TB/s  fast {hw.intra_bw / 1e9:.0f} GB/s"
+                  f"{' per axis ' + 'x'.join(map(str, hw.mesh_axes)) if hw.torus else ''}  "
+                  f"slow {hw.inter_bw / 1e9:.2f} GB/s  {hw.devices_per_node}/node\n          {hw.source}")
+        return 0
+    if not (0 < args.efficiency <= 1 and 0 < args.memory_fraction <= 1):
+        raise ValueError("--efficiency and --memory-fraction must be in (0, 1]")
+    problem = build_problem(args)
+    if args.plot:
+        plot_comm_vs_compute(problem, args.plot)
+        if not args.json:
+            print(f"wrote {args.plot}")
+    opts = SearchOptions(tps=args.tp, pps=args.pp, cps=args.cp, zeros=args.zero,
+                         schedules=tuple(s for s in args.schedules.split(",") if s), max_pp=args.max_pp,
+                         hsdp=not args.no_hsdp, runnable_only=args.runnable_only)
+    result = search(problem, opts)
+    top = result.ranked[: max(1, args.top)]
+    for est in top:
+        check_runnable(problem, est)
+    emitted = None
+    if args.emit:
+        chosen = next((e for e in top if e.runnable), None)
+        if chosen is None:
+            chosen = next((check_runnable(problem, e) for e in result.ranked[len(top):]
+                           if check_runnable(problem, e).runnable), None)
+        if chosen is None:
+            raise ConfigError("no layout that fits is runnable by meshtrain today; nothing to --emit")
+        emitted = (emit_yaml(problem, chosen, args.emit), chosen)
+    if args.json:
+        out = {
+            "problem": {"model": problem.model_name, "hardware": problem.hw.to_dict(), "nodes": problem.nodes,
+                        "devices": problem.devices, "seq_len": problem.seq_len, "sequences": problem.sequences,
+                        "batch_tokens": problem.batch_tokens, "precision": args.precision,
+                        "efficiency": problem.efficiency, "memory_fraction": problem.memory_fraction,
+                        "revision": problem.revision},
+            "tried": result.tried, "fitting": len(result.ranked),
+            "top": [e.to_dict() for e in top],
+            "explanation": explain(problem, result) if result.best else None,
+            "emitted": str(emitted[0]) if emitted else None,
+        }
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"{problem.model_name}: {costs.param_count(problem.model).total / 1e9:.2f}B parameters, "
+          f"{problem.batch_tokens:,} tokens per step ({problem.sequences} x {problem.seq_len}) on "
+          f"{problem.nodes} x {problem.hw.devices_per_node} {problem.hw.name} = {problem.devices} devices")
+    print(f"{result.tried:,} layouts tried, {len(result.ranked):,} fit in "
+          f"{problem.memory_budget / 1e9:.1f} GB per device\n")
+    if top:
+        print(format_table(problem, top))
+        print()
+    print(explain(problem, result))
+    if emitted:
+        path, est = emitted
+        note = "" if est is result.best else f" (the best layout the runtime accepts today; #1 is not: " \
+                                             f"{result.best.not_runnable_reason})"
+        print(f"\nwrote {path}: {est.layout.describe()}{note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
