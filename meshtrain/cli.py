@@ -4,6 +4,7 @@
     meshtrain prepare-data [--src DIR] [--out DIR] [--tokenizer byte|tokenizer.json]
     meshtrain generate --ckpt DIR [--prompt TEXT] [--tokens N]
     meshtrain schedule --pp 4 --microbatches 8 --schedule 1f1b [--png out.png]
+    meshtrain plan --model llama3-70b --hardware h100 --nodes 128 --batch-tokens 4M [--emit run.yaml] [--json]
 """
 
 from __future__ import annotations
@@ -113,7 +114,13 @@ def _schedule(argv: list[str]) -> int:
     return main(argv)
 
 
-COMMANDS = {"train": _train, "prepare-data": _prepare, "generate": _generate, "schedule": _schedule}
+def _plan(argv: list[str]) -> int:
+    from meshtrain.plan.cli import main
+
+    return main(argv)
+
+
+COMMANDS = {"train": _train, "prepare-data": _prepare, "generate": _generate, "schedule": _schedule, "plan": _plan}
 
 
 def main(argv: list[str] | None = None) -> int:

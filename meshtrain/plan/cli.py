@@ -1,8 +1,9 @@
 """``meshtrain plan``: pick a layout before spending a GPU.
 
     meshtrain plan --model llama3-70b --hardware h100 --nodes 128 --batch-tokens 4M [--top 3]
-                   [--json] [--emit run.yaml] [--plot out.png] [--revision 003|000] [--runnable-only]
+                   [--json] [--emit run.yaml] [--plot out.png] [--revision 003|000] [--all]
     meshtrain plan --calibrate                      # measure this machine -> the cpu-local profile
+    meshtrain plan --check-run runs/x               # a finished run: predicted against measured bytes
     meshtrain plan --list-hardware
 """
 
@@ -36,6 +37,8 @@ def _ints(text: str) -> tuple[int, ...]:
 def build_problem(args: argparse.Namespace) -> Problem:
     """The Problem the options describe (model preset or YAML, batch, cluster, assumptions)."""
     cfg = load_config(args.model)
+    if cfg.model.vocab_size == 0:  # taken from the tokenizer at run time; plan with the byte tokenizer's
+        cfg.model.vocab_size = 257
     seq_len = args.seq_len or cfg.train.seq_len
     tokens = parse_tokens(args.batch_tokens)
     sequences = tokens // seq_len
@@ -54,7 +57,7 @@ def build_problem(args: argparse.Namespace) -> Problem:
         raise ValueError(f"--revision must be one of {', '.join(costs.MIXED_REVISIONS)}, got {args.revision}")
     return Problem(cfg.model, seq_len, sequences, hw, nodes, model_name=str(args.model),
                    precision=costs.PRECISIONS[args.precision], efficiency=args.efficiency,
-                   memory_fraction=args.memory_fraction, revision=args.revision)
+                   memory_fraction=args.memory_fraction, revision=args.revision, train_tokens=args.train_tokens)
 
 
 def main(argv: list[str]) -> int:
@@ -67,6 +70,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--batch-tokens", default="4M", help="global batch in tokens (4M = 4 x 2^20)")
     ap.add_argument("--seq-len", type=int, default=0, help="sequence length (default: the config's train.seq_len)")
     ap.add_argument("--top", type=int, default=10, help="layouts to print")
+    ap.add_argument("--train-tokens", type=float, default=0.0, help="token budget to report days for, e.g. 15e12")
     ap.add_argument("--precision", default="meshtrain", choices=sorted(costs.PRECISIONS),
                     help="meshtrain: fp32 params/grads/Adam + bf16 compute (what meshtrain runs); mixed: "
                          "16-bit params/grads + fp32 master and Adam")
@@ -81,13 +85,23 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES), help="pipeline schedules to try")
     ap.add_argument("--max-pp", type=int, default=16)
     ap.add_argument("--no-hsdp", action="store_true", help="do not try HSDP shard groups")
-    ap.add_argument("--runnable-only", action="store_true", help="only layouts meshtrain runs today (cp = ep = 1)")
+    ap.add_argument("--all", action="store_true",
+                    help="also try parallelisms the runtime does not run yet (cp > 1 today); --emit still "
+                         "writes the best runnable layout")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table and explanation")
     ap.add_argument("--emit", help="write the best runnable layout as a config for meshtrain train --config")
     ap.add_argument("--plot", help="draw communication vs compute time per layer against the batch (PNG)")
     ap.add_argument("--calibrate", action="store_true", help="measure this machine and save the cpu-local profile")
     ap.add_argument("--list-hardware", action="store_true", help="print the hardware presets with their sources")
+    ap.add_argument("--check-run", metavar="DIR", help="a finished run folder: predicted against measured bytes")
     args = ap.parse_args(argv)
+
+    if args.check_run:  # predicted against measured (meshtrain/plan/check.py)
+        from meshtrain.plan.check import check_run
+
+        text, ok = check_run(args.check_run)
+        print(text)
+        return 0 if ok else 1
 
     if args.calibrate:
         hw = calibrate_cpu_local()
@@ -110,7 +124,7 @@ def main(argv: list[str]) -> int:
             print(f"wrote {args.plot}")
     opts = SearchOptions(tps=args.tp, pps=args.pp, cps=args.cp, zeros=args.zero,
                          schedules=tuple(s for s in args.schedules.split(",") if s), max_pp=args.max_pp,
-                         hsdp=not args.no_hsdp, runnable_only=args.runnable_only)
+                         hsdp=not args.no_hsdp, runnable_only=not args.all)
     result = search(problem, opts)
     top = result.ranked[: max(1, args.top)]
     for est in top:
@@ -138,9 +152,11 @@ def main(argv: list[str]) -> int:
         }
         print(json.dumps(out, indent=2))
         return 0
-    print(f"{problem.model_name}: {costs.param_count(problem.model).total / 1e9:.2f}B parameters, "
+    print(f"{problem.model_name}: {costs.param_count(problem.model).total:,} parameters, "
           f"{problem.batch_tokens:,} tokens per step ({problem.sequences} x {problem.seq_len}) on "
           f"{problem.nodes} x {problem.hw.devices_per_node} {problem.hw.name} = {problem.devices} devices")
+    print(f"assumptions: {args.precision} precision, matmuls at {problem.efficiency:.0%} of peak, "
+          f"{problem.memory_fraction:.0%} of device memory usable, mixed FSDP+TP revision {problem.revision}")
     print(f"{result.tried:,} layouts tried, {len(result.ranked):,} fit in "
           f"{problem.memory_budget / 1e9:.1f} GB per device\n")
     if top:

@@ -99,8 +99,8 @@ def _padded(numel: int, n: int) -> int:
 
 
 def dp_comm_bytes(cfg: ModelConfig, zero: int, dp: int, grad_accum: int = 1, layout: str = "flat",
-                  dp_shard: int = 0, compute_bytes: int = 4, reshard_after_forward: bool = True
-                  ) -> dict[tuple[str, str], int]:
+                  dp_shard: int = 0, compute_bytes: int = 4, reshard_after_forward: bool = True,
+                  units: list[int] | None = None) -> dict[tuple[str, str], int]:
     """Payload bytes per rank per step of each (group, collective) of the data-parallel family.
 
     - DP: one all-reduce of the fp32 gradients, once per step (accumulation communicates last).
@@ -111,42 +111,35 @@ def dp_comm_bytes(cfg: ModelConfig, zero: int, dp: int, grad_accum: int = 1, lay
       forward), in the compute dtype, and a reduce-scatter of its fp32 gradient, every microbatch.
     - HSDP (dp_shard < dp): the above within a shard group, plus an all-reduce of the gradient
       shards over the replicas.
+
+    ``units`` (default ``unit_numels(cfg)``) are the rank's own units: a tensor-parallel shard of
+    each, or one pipeline stage's. The flat-layout arithmetic is ``dp_family_bytes``.
     """
-    psi = param_count(cfg).total
-    if zero == 0:
-        return {("dp_cp", "all_reduce"): 4 * psi} if dp > 1 else {}
-    n = dp_shard or dp
-    out: dict[tuple[str, str], int] = {}
-    units = unit_numels(cfg)
-    sent_per_step = grad_accum if zero >= 2 else 1
-    if n > 1:
-        if zero in (1, 2) and layout == "per_tensor":
-            out[("dp_shard_cp", "reduce")] = sent_per_step * 4 * psi
-            out[("dp_shard_cp", "broadcast")] = 4 * psi
-        else:
-            padded = sum(_padded(u, n) for u in units)
-            out[("dp_shard_cp", "reduce_scatter")] = sent_per_step * 4 * padded
-            if zero in (1, 2):
-                out[("dp_shard_cp", "all_gather")] = 4 * padded
-            else:
-                gathers = 2 if reshard_after_forward else 1
-                out[("dp_shard_cp", "all_gather")] = grad_accum * gathers * compute_bytes * padded
-    if dp // n > 1:
-        shard = psi if (zero in (1, 2) and layout == "per_tensor") else sum(_padded(u, n) for u in units) // n
-        if layout == "per_tensor" and zero in (1, 2):
+    units = unit_numels(cfg) if units is None else units
+    if zero in (1, 2) and layout == "per_tensor":
+        # Every tensor is reduced to its owner and broadcast back, whoever owns it.
+        psi = sum(units)
+        n = dp_shard or dp
+        if dp // n > 1:
             raise ValueError("per-tensor HSDP bytes depend on the ownership; not modelled")
-        out[("dp_replicate", "all_reduce")] = 4 * shard
-    return out
+        if n == 1:
+            return {}
+        return {("dp_shard_cp", "reduce"): (grad_accum if zero == 2 else 1) * 4 * psi,
+                ("dp_shard_cp", "broadcast"): 4 * psi}
+    return dp_family_bytes(units, zero, dp, grad_accum, dp_shard, gather_bytes=compute_bytes,
+                           reshard_after_forward=reshard_after_forward)
 
 
-def dp_state_bytes(cfg: ModelConfig, zero: int, dp: int, dp_shard: int = 0, optim_bytes_per_param: int = 8
-                   ) -> dict[str, float]:
+def dp_state_bytes(cfg: ModelConfig, zero: int, dp: int, dp_shard: int = 0, optim_bytes_per_param: int = 8,
+                   units: list[int] | None = None) -> dict[str, float]:
     """Per-rank bytes of fp32 parameters, fp32 gradients and optimizer state (AdamW: two fp32
     moments, K = 8 bytes per parameter) for each ZeRO stage: the ZeRO paper's 2+2+K, 2+2+K/N,
-    2+(2+K)/N and (4+K)/N with our dtypes (4-byte parameters and gradients, no separate master)."""
-    psi = param_count(cfg).total
+    2+(2+K)/N and (4+K)/N with our dtypes (4-byte parameters and gradients, no separate master).
+    ``units``: the rank's own units (tensor-parallel shards, pipeline stages), as in dp_comm_bytes."""
+    units = unit_numels(cfg) if units is None else units
+    psi = sum(units)
     n = (dp_shard or dp) if zero > 0 else 1
-    padded = sum(_padded(u, n) for u in unit_numels(cfg)) if zero > 0 else psi
+    padded = sum(_padded(u, n) for u in units) if zero > 0 else psi
     return {
         "params": 4.0 * (padded / n if zero == 3 else padded),
         "grads": 4.0 * (padded / n if zero >= 2 else padded),
@@ -157,8 +150,9 @@ def dp_state_bytes(cfg: ModelConfig, zero: int, dp: int, dp_shard: int = 0, opti
 # ----------------------------------------------------------------------------- tensor parallelism
 
 
-def tp_comm_bytes(cfg: ModelConfig, tp: int, sp: bool, tokens: int, grad_accum: int = 1, act_bytes: int = 4
-                  ) -> dict[tuple[str, str], int]:
+def tp_comm_bytes(cfg: ModelConfig, tp: int, sp: bool, tokens: int, grad_accum: int = 1, act_bytes: int = 4,
+                  layers: int | None = None, embedding: bool = True, head: bool = True,
+                  norm_elems: int | None = None) -> dict[tuple[str, str], int]:
     """Payload bytes per rank per step on the tp axis (meshtrain/parallel/tensor.py).
 
     ``tokens`` is the tokens of one microbatch on this rank (rows x seq_len); S = tokens x d_model x
@@ -168,17 +162,26 @@ def tp_comm_bytes(cfg: ModelConfig, tp: int, sp: bool, tokens: int, grad_accum: 
     becomes a reduce-scatter plus an all-gather of the same S (the same volume, split). The loss
     adds three fp32 all-reduces of one value per token (max, sum of exp, target logit); once per step
     the replicated norm weights' gradients ((2L + 1) x d fp32) are all-reduced.
+
+    A pipeline stage passes its ``layers`` and whether it holds the ``embedding`` / ``head`` (the
+    loss lives with the head); ``norm_elems`` is how many norm-weight elements this rank's optimizer
+    holds (ZeRO shards them; default all).
     """
     if tp == 1:
         return {}
+    n_layers = cfg.n_layers if layers is None else layers
     s = tokens * cfg.d_model * act_bytes
-    per_dir = (2 * cfg.n_layers + 1) * s
-    loss = 3 * 4 * tokens
-    norms = (2 * cfg.n_layers + 1) * cfg.d_model * 4
+    count = 4 * n_layers + (1 if embedding else 0) + (1 if head else 0)  # collectives per microbatch
+    loss = 3 * 4 * tokens if head else 0
+    if norm_elems is None:
+        norm_elems = (2 * n_layers + (1 if head else 0)) * cfg.d_model
+    norms = norm_elems * 4
     if sp:
-        return {("tp", "all_gather"): grad_accum * 2 * per_dir, ("tp", "reduce_scatter"): grad_accum * 2 * per_dir,
-                ("tp", "all_reduce"): grad_accum * loss + norms}
-    return {("tp", "all_reduce"): grad_accum * (2 * per_dir + loss) + norms}
+        out = {("tp", "all_gather"): grad_accum * count * s, ("tp", "reduce_scatter"): grad_accum * count * s,
+               ("tp", "all_reduce"): grad_accum * loss + norms}
+    else:
+        out = {("tp", "all_reduce"): grad_accum * (count * s + loss) + norms}
+    return {k: v for k, v in out.items() if v}
 
 
 # ----------------------------------------------------------------------------- pipeline partitioning
@@ -601,6 +604,18 @@ def activation_elems_per_token(cfg: ModelConfig, recompute: str = "none", tp: in
     if recompute == "none":
         return 2 * d / seq + 2 * d + (d + 2 * kv + d + 4 * f) / tp
     raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+
+
+def activation_bytes(cfg: ModelConfig, tokens: int, layers: int, recompute: str = "none", tp: int = 1,
+                     sp: bool = False, act_bytes: int = 2, inflight: int = 1) -> float:
+    """Activation bytes one rank holds: ``inflight`` microbatches (the simulator's peak_inflight under a
+    pipeline schedule; 1 without one) of ``tokens`` tokens each (already 1/cp of the sequence under context
+    parallelism) through ``layers`` blocks, per ``activation_elems_per_token``; full recompute adds the one
+    block rebuilt during backward."""
+    out = activation_elems_per_token(cfg, recompute, tp, sp) * tokens * layers * inflight * act_bytes
+    if recompute == "full":
+        out += activation_elems_per_token(cfg, "none", tp, sp) * tokens * act_bytes
+    return out
 
 
 def pipeline_sim(schedule: str, pp: int, microbatches: int, virtual: int = 1, f: float = 1.0, b: float = 2.0,

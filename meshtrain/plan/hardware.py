@@ -110,8 +110,8 @@ class Hardware:
         return d
 
 
-_BOOK_TPU = ("How to Scale Your Model (Austin et al., 2025), Part 2 'How to Think About TPUs' chip and ICI "
-             "tables, the numbers seed 000 uses")
+_BOOK_TPU = ("How to Scale Your Model (Austin et al., 2025), Part 2 'How to Think About TPUs', chip and ICI "
+             "tables (seed 000 quotes the v5p figures)")
 
 HARDWARE: dict[str, Hardware] = {
     "h100": Hardware(

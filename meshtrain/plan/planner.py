@@ -36,6 +36,7 @@ from meshtrain.plan.costs import (
     Link,
     Precision,
     StepTime,
+    activation_bytes,
     activation_elems_per_token,
     block_params,
     collective_time,
@@ -77,6 +78,7 @@ class Problem:
     efficiency: float = 0.75
     memory_fraction: float = 0.9
     revision: str = DEFAULT_REVISION
+    train_tokens: float = 0.0  # a token budget to report days for (0: none)
 
     @property
     def devices(self) -> int:
@@ -236,16 +238,44 @@ def _partition(cfg: ModelConfig, seq_len: int, n_stages: int) -> tuple[list[int]
     return _PARTITIONS[key]
 
 
+def _snap(x: float, step: float) -> float:
+    """``x`` rounded to the nearest power of ``step`` (relative error at most half a step)."""
+    return step ** round(math.log(x) / math.log(step))
+
+
 def _sim(schedule: str, pp: int, m: int, v: int, f: float, b: float, p2p: float) -> tuple[float, float, list[int]]:
-    """``costs.pipeline_sim`` on costs normalised to f = 1 and rounded (2 significant digits), cached: the
-    search asks for the same shapes many times."""
-    rb = float(f"{b / f:.2g}")
-    rp = float(f"{p2p / f:.2g}") if p2p > 0 else 0.0
-    key = (schedule, pp, m, v, rb, rp)
-    if key not in _SIMS:
-        _SIMS[key] = costs.pipeline_sim(schedule, pp, m, v, 1.0, rb, rp)
-    makespan, idle, peaks = _SIMS[key]
+    """``costs.pipeline_sim`` on costs normalised to f = 1 and snapped to a geometric grid (b/f in 5% steps,
+    p2p/f in 20% steps), cached: the search asks for nearly the same shapes thousands of times.
+
+    Long schedules are simulated at two microbatch counts m1 < m2 in their steady state and extended
+    linearly: past the warm-up every further microbatch adds the same time (v (F + B), plus the p2p round
+    trips 1F1B cannot hide) and the in-flight peaks stop growing (1F1B and ZB-H1 hold at most pp,
+    interleaved its warm-up of at most 3pp chunks, DualPipeV 2pp). The list-scheduled orders (zb-h1,
+    dualpipev) are costly to build, so they use (pp, 2pp), the others (2pp, 3pp); tests check the
+    extension against full simulations."""
+    rb = _snap(b / f, 1.05)
+    rp = _snap(p2p / f, 1.2) if p2p > 0 else 0.0
+    m1, m2 = (pp, 2 * pp) if schedule in ("zb-h1", "dualpipev") else (2 * pp, 3 * pp)
+
+    def run(mm: int) -> tuple[float, float, list[int]]:
+        key = (schedule, pp, mm, v, rb, rp)
+        if key not in _SIMS:
+            _SIMS[key] = costs.pipeline_sim(schedule, pp, mm, v, 1.0, rb, rp)
+        return _SIMS[key]
+
+    if m <= m2:
+        makespan, idle, peaks = run(m)
+    else:
+        s1, i1, _ = run(m1)
+        s2, i2, peaks = run(m2)
+        makespan = s2 + (s2 - s1) / (m2 - m1) * (m - m2)
+        idle = i2 + (i2 - i1) / (m2 - m1) * (m - m2)
     return makespan * f, idle * f, peaks
+
+
+def _calls_time(op: str, total_bytes: float, calls: int, link: Link) -> float:
+    """Seconds for ``calls`` equal collectives that move ``total_bytes`` between them."""
+    return calls * collective_time(op, total_bytes / calls, link) if total_bytes > 0 else 0.0
 
 
 def _rank_units(cfg: ModelConfig, tp: int, blocks: int, first: bool, last: bool) -> list[int]:
@@ -310,6 +340,7 @@ def evaluate(problem: Problem, layout: Layout, with_collectives: bool = False) -
     cp_f = layers_max * max(0.0, collective_time("send", ring["fwd"], cp_link) - attn_f) if cp > 1 else 0.0
     cp_b = layers_max * max(0.0, collective_time("send", ring["bwd"], cp_link) - 2 * attn_f) if cp > 1 else 0.0
 
+    # One stage action (one chunk of layers, one microbatch); a rank runs v chunks per microbatch.
     F = f_c + tp_f + cp_f
     B = b_c + tp_b + cp_b
     step = StepTime()
@@ -319,17 +350,17 @@ def evaluate(problem: Problem, layout: Layout, with_collectives: bool = False) -
         world = problem.devices
         p2p_link = _link(hw, 2, world // pp)
         p2p_t = collective_time("send", pp_p2p_bytes(t, d, tp, lay.sp, prec.hidden), p2p_link)
-        span0, idle0, peaks = _sim(lay.schedule, pp, mc, v, F / v, B / v, 0.0)
-        span, _, _ = _sim(lay.schedule, pp, mc, v, F / v, B / v, p2p_t)
+        span0, idle0, peaks = _sim(lay.schedule, pp, mc, v, F, B, 0.0)
+        span, _, _ = _sim(lay.schedule, pp, mc, v, F, B, p2p_t)
         busy = span0 - idle0
-        step.bubble = max(0.0, span0 - busy)
+        step.bubble = max(0.0, idle0)
         step.p2p = max(0.0, span - span0)
-        scale = busy / (mc * (F + B)) if F + B > 0 else 1.0  # 1 up to the simulator's rounding
+        scale = busy / (mc * v * (F + B)) if F + B > 0 else 1.0  # 1 up to the simulator's rounding
     else:
         scale = 1.0
-    step.compute = mc * (f_c + b_c) * scale
-    step.tp = mc * (tp_f + tp_b) * scale
-    step.cp = mc * (cp_f + cp_b) * scale
+    step.compute = mc * v * (f_c + b_c) * scale
+    step.tp = mc * v * (tp_f + tp_b) * scale
+    step.cp = mc * v * (cp_f + cp_b) * scale
 
     # --- data-parallel family over dp x cp (the runtime's dp_cp / dp_shard_cp / dp_replicate groups)
     first_units = _rank_units(cfg, tp, blocks[0] if pp > 1 else cfg.n_layers, True, pp == 1)
@@ -348,23 +379,29 @@ def evaluate(problem: Problem, layout: Layout, with_collectives: bool = False) -
     dp_link = _link(hw, ndp, tp, axes)
     shard_link = _link(hw, shard, tp, axes)
     rep_link = _link(hw, lay.dp // lay.shard, tp * shard, axes)
-    t_rs = collective_time("reduce_scatter", dp_bytes.get(("dp_shard_cp", "reduce_scatter"), 0), shard_link)
-    t_ag = collective_time("all_gather", dp_bytes.get(("dp_shard_cp", "all_gather"), 0), shard_link)
-    t_ar = collective_time("all_reduce", dp_bytes.get(("dp_cp", "all_reduce"), 0), dp_link)
-    t_rep = collective_time("all_reduce", dp_bytes.get(("dp_replicate", "all_reduce"), 0), rep_link)
+    # One call per unit and repetition (ZeRO-0: per 25 MB bucket), so per-call latency counts too.
+    nu = len(units)
+    reps_rs = accum if lay.zero >= 2 else 1
+    reps_ag = 2 * accum if lay.zero == 3 else 1
+    t_rs = _calls_time("reduce_scatter", dp_bytes.get(("dp_shard_cp", "reduce_scatter"), 0), nu * reps_rs, shard_link)
+    t_ag = _calls_time("all_gather", dp_bytes.get(("dp_shard_cp", "all_gather"), 0), nu * reps_ag, shard_link)
+    ar_bytes = dp_bytes.get(("dp_cp", "all_reduce"), 0)
+    t_ar = _calls_time("all_reduce", ar_bytes, max(1, math.ceil(ar_bytes / 25e6)), dp_link)
+    t_rep = _calls_time("all_reduce", dp_bytes.get(("dp_replicate", "all_reduce"), 0), nu, rep_link)
     last_frac = units[0] / psi  # the embedding's bucket is reduced last: nothing left to hide it
-    window = B / v if pp > 1 else B
     if lay.zero == 0:
-        step.dp = exposed(t_ar, window, t_ar * last_frac)
+        step.dp = exposed(t_ar, B, t_ar * last_frac)
     elif lay.zero in (1, 2):
-        rs_window = window * (accum if lay.zero == 2 else 1)
+        rs_window = B * (accum if lay.zero == 2 else 1)
         step.dp = exposed(t_rs + t_rep, rs_window, (t_rs + t_rep) * last_frac) + t_ag
     else:
-        ag_mb, rs_mb = t_ag / accum, t_rs / accum  # the runtime reshards after forward: gathers twice
-        fwd_ag = ag_mb / 2
-        bwd = ag_mb - fwd_ag + rs_mb
-        step.dp = accum * (exposed(fwd_ag, F, fwd_ag * units[0] / psi) + exposed(bwd, B, rs_mb * last_frac)) \
-            + exposed(t_rep, 0.0)
+        # Per microbatch: half the gathers prefetched under forward, the other half (the runtime reshards
+        # after forward) and the reduce-scatter under backward; the replicas' all-reduce joins the last one.
+        ag_mb, rs_mb = t_ag / accum, t_rs / accum
+        fwd = exposed(ag_mb / 2, F, ag_mb / 2 * units[0] / psi)
+        bwd = ag_mb / 2 + rs_mb
+        step.dp = accum * fwd + (accum - 1) * exposed(bwd, B, rs_mb * last_frac) \
+            + exposed(bwd + t_rep, B, (rs_mb + t_rep) * last_frac)
     local = psi / (shard if lay.zero >= 1 else 1)
     step.optimizer = local * (2 * prec.param + prec.grad + 2 * prec.optim) / hw.hbm_bw
 
@@ -373,13 +410,9 @@ def evaluate(problem: Problem, layout: Layout, with_collectives: bool = False) -
     mem = dict(st)
     if lay.zero == 3:
         mem["zero3_gathered"] = max(units) * (2 * prec.gather + prec.grad)  # current + prefetched unit, its grad
-    elems = activation_elems_per_token(cfg, lay.recompute, tp, lay.sp)
-    per_layer = elems * t * prec.act
-    chunk_layers = layers_max
-    inflight = max(peaks) if pp > 1 else 1
-    mem["activations"] = per_layer * chunk_layers * inflight + t * d * prec.hidden * inflight
-    if lay.recompute == "full":  # one block's activations rebuilt in backward
-        mem["activations"] += activation_elems_per_token(cfg, "none", tp, lay.sp) * t * prec.act
+    inflight = max(peaks) if pp > 1 else 1  # (mb, stage chunk) pairs held at once, from the simulator
+    mem["activations"] = activation_bytes(cfg, t, layers_max, lay.recompute, tp, lay.sp, prec.act, inflight) \
+        + t * d * prec.hidden * inflight  # each stage's input hidden state
     mem["logits"] = t * -(-cfg.vocab_size // tp) * 12  # fp32 logits, softmax and their gradient on the last stage
 
     est = Estimate(lay, step, mem, problem.memory_budget, flops_per_token(cfg, T) * problem.batch_tokens,
@@ -397,7 +430,7 @@ def _collectives(problem: Problem, lay: Layout, t: int, layers: int, tp_link: Li
     cfg, prec = problem.model, problem.precision
     mc = lay.microbatches
     out: list[Collective] = []
-    per_step = mc * layers  # block-level calls per step on this rank
+    per_step = mc * layers * lay.virtual  # block-level calls per step on this rank
     for what, op, nbytes, phase in tp_layer_collectives(t, cfg.d_model, lay.tp, lay.sp, prec.act):
         calls = per_step * (2 if (lay.recompute == "full" and phase == "fwd") else 1)
         out.append(Collective("tp", op, f"{phase}: {what}", lay.tp, nbytes, collective_time(op, nbytes, tp_link),
@@ -442,6 +475,10 @@ def _pow2_divisors(n: int, lo: int = 1, hi: int | None = None) -> list[int]:
     return [x for x in (2**k for k in range(0, 31)) if lo <= x <= hi and n % x == 0]
 
 
+def _divisors(n: int) -> list[int]:
+    return [x for x in range(1, n + 1) if n % x == 0]
+
+
 @dataclass
 class SearchOptions:
     """Which values the search tries (defaults cover what the runtime can run, plus cp)."""
@@ -454,7 +491,9 @@ class SearchOptions:
     recomputes: tuple[str, ...] = ("none", "selective", "full")
     max_pp: int = 16
     hsdp: bool = True
-    runnable_only: bool = False  # drop layouts the runtime refuses today (cp > 1, ep > 1)
+    # Only parallelisms the runtime runs today (config.check_supported); False also tries the planned ones
+    # (cp > 1 now), to see what they would buy.
+    runnable_only: bool = True
 
 
 @dataclass
@@ -470,6 +509,20 @@ class SearchResult:
         return self.ranked[0] if self.ranked else None
 
 
+def runtime_supports(axis: str) -> bool:
+    """Does the runtime run ``parallel.<axis> = 2`` today? Asks ``config.check_supported``, the one list of
+    not-yet-supported options, so the search follows the runtime as parallelisms land."""
+    from meshtrain.config import check_supported
+
+    cfg = Config()
+    setattr(cfg.parallel, axis, 2)
+    try:
+        check_supported(cfg, 2)
+    except ConfigError:
+        return False
+    return True
+
+
 def candidate_layouts(problem: Problem, opts: SearchOptions | None = None) -> list[Layout]:
     """Every layout the runtime's shape rules allow for this problem (see ``config.validate``): tp divides
     heads, kv heads and the MLP hidden size and stays on the fast fabric; SP needs tp > 1 and seq_len % tp;
@@ -480,12 +533,14 @@ def candidate_layouts(problem: Problem, opts: SearchOptions | None = None) -> li
     tps = opts.tps or tuple(x for x in _pow2_divisors(n, 1, hw.tp_max)
                             if cfg.n_heads % x == 0 and cfg.kv_heads % x == 0 and cfg.hidden_dim % x == 0)
     pps = opts.pps or tuple(x for x in _pow2_divisors(n, 1, opts.max_pp) if cfg.n_layers >= x)
+    if cfg.tie_embeddings:  # the runtime refuses pp > 1 with a weight shared by the first and last stage
+        pps = tuple(x for x in pps if x == 1)
     out: list[Layout] = []
     for tp in tps:
         for cp in opts.cps:
             if T % (2 * cp) and cp > 1:
                 continue
-            if opts.runnable_only and cp > 1:
+            if opts.runnable_only and cp > 1 and not runtime_supports("cp"):
                 continue
             for pp in pps:
                 if n % (tp * cp * pp):
@@ -497,7 +552,7 @@ def candidate_layouts(problem: Problem, opts: SearchOptions | None = None) -> li
                 for sp in ((False, True) if tp > 1 and T % tp == 0 else (False,)):
                     for rc in opts.recomputes:
                         if pp == 1:
-                            for accum in _pow2_divisors(rows):
+                            for accum in _divisors(rows):
                                 for zero, shard in _zero_options(dp, opts, pp):
                                     out.append(Layout(dp, tp, 1, cp, 1, zero, shard, sp, "1f1b", 1, accum, rc))
                             continue
@@ -505,7 +560,7 @@ def candidate_layouts(problem: Problem, opts: SearchOptions | None = None) -> li
                             v = SCHEDULE_VIRTUAL[sched]
                             if cfg.n_layers < pp * v:
                                 continue
-                            for m in _pow2_divisors(rows, pp):
+                            for m in _divisors(rows):  # m < pp runs too, with its large bubble
                                 if sched == "interleaved" and m % pp:
                                     continue
                                 for zero, shard in _zero_options(dp, opts, pp):
@@ -582,7 +637,8 @@ def emit_yaml(problem: Problem, est: Estimate, path: str | Path) -> Path:
             f"{problem.hw.name}, {problem.batch_tokens:,} tokens per step\n"
             f"# layout {est.layout.describe()}: predicted {est.step_s:.3f} s/step, MFU {est.mfu:.1%}, "
             f"{est.memory_total / 1e9:.1f} GB per device\n"
-            f"# run: meshtrain train --nproc-per-node ... --config {path.name} (world size {problem.devices})\n")
+            f"# run on {problem.devices} processes, e.g. torchrun --nnodes {problem.nodes} --nproc-per-node "
+            f"{problem.hw.devices_per_node} -m meshtrain.cli train --config {path.name}\n")
     path.write_text(head + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     load_config(path)
     return path
@@ -640,6 +696,10 @@ def explain(problem: Problem, result: SearchResult, top: int = 3) -> str:
     """The best layout, why: sharding, collectives of one layer, what bounds the step, memory; then the
     book's analysis for this model and cluster."""
     best = result.best
+    if result.tried == 0:
+        return (f"No layout splits {problem.sequences} sequences of {problem.seq_len} tokens over {problem.devices} "
+                f"devices: dp must divide the sequence count and tp x pp x cp the rest (tp <= {problem.hw.tp_max}, "
+                f"powers of two). Use a batch of more (or a power of two) sequences, or widen --max-pp / --cp.")
     if best is None:
         f = result.fastest_any
         need = f"; the fastest layout needs {_gb(f.memory_total)} per device" if f else ""
@@ -668,7 +728,10 @@ def explain(problem: Problem, result: SearchResult, top: int = 3) -> str:
     parts = [("compute (matmuls, attention, recompute)", st.compute), ("TP/SP collectives", st.tp),
              ("CP ring (not hidden)", st.cp), ("pipeline p2p waits", st.p2p), ("pipeline bubble", st.bubble),
              ("DP/ZeRO comm (exposed)", st.dp), ("optimizer step", st.optimizer)]
-    out.append(f"Step: {_ms(total)} predicted, MFU {est.mfu:.1%}, {est.tokens_per_s:,.0f} tokens/s")
+    days = (f"; {problem.train_tokens:.3g} tokens in "
+            f"{costs.days_for_tokens(problem.train_tokens, problem.batch_tokens, total):.1f} days"
+            if problem.train_tokens else "")
+    out.append(f"Step: {_ms(total)} predicted, MFU {est.mfu:.1%}, {est.tokens_per_s:,.0f} tokens/s{days}")
     for name, val in parts:
         if val > 0:
             out.append(f"  {name:<42}{_ms(val):>11}  {val / total:6.1%}")
@@ -756,12 +819,13 @@ def plot_comm_vs_compute(problem: Problem, path: str | Path, batches: list[float
     """The book's figure (seed 000, 'comms-flops-time'): one layer's matmul time and each strategy's
     communication time as the global batch varies, on this cluster. A strategy is compute-bound where its
     curve is under the matmul line. Bandwidths: DP/FSDP over all devices (effective, hierarchical), TP on
-    the fast fabric; mixed FSDP+TP at the optimal X (Y capped at the fast fabric), both revisions."""
+    the fast fabric; mixed FSDP+TP at the optimal X (2 <= Y <= the fast fabric's TP limit), both revisions.
+    Compute is at the datasheet peak, as in the book."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     hw, cfg, n = problem.hw, problem.model, problem.devices
-    d, f, c = cfg.d_model, cfg.hidden_dim, hw.bf16_flops * problem.efficiency
+    d, f, c = cfg.d_model, cfg.hidden_dim, hw.bf16_flops  # the book's roofline: peak FLOP/s
     axes = len(hw.mesh_axes) or 1
     w_fsdp = _effective_bw(_link(hw, n, 1, axes))
     w_mixed_x = _effective_bw(_link(hw, n // min(hw.tp_max, n), min(hw.tp_max, n), max(1, axes - 1)))
@@ -773,7 +837,8 @@ def plot_comm_vs_compute(problem: Problem, path: str | Path, batches: list[float
         compute.append(tm)
         fsdp.append(tc)
         tp_curve.append(costs.book_layer_times("tp", b, n, d, f, c, w_fsdp, w_tp)[1])
-        x = min(max(costs.optimal_fsdp(b, n, f), n / min(hw.tp_max, n)), float(n))
+        # TP between 2-way and the fast fabric's limit (Y = 1 would be the FSDP curve)
+        x = min(max(costs.optimal_fsdp(b, n, f), n / min(hw.tp_max, n)), n / 2)
         for r in costs.MIXED_REVISIONS:
             mixed[r].append(costs.book_layer_times("fsdp+tp", b, n, d, f, c, w_mixed_x, w_tp, x, r)[1])
     fig = Figure(figsize=(9, 5.5))

@@ -1,0 +1,142 @@
+"""Predicted against measured: the planner's bytes and memory for a finished run, rank by rank.
+
+A run folder's ``comm.json`` (written by the trainer) holds, for every rank, the payload bytes of
+each (axis, collective) in one steady-state training step and the live bytes of parameters,
+gradients and optimizer state. ``predict_rank`` computes the same from the config alone with the
+cost model (``plan/costs.py``), using the rank's mesh coordinates: its tensor-parallel shard of
+each unit, and under pipeline parallelism only its stages' units and its p2p transfers.
+``check_run`` prints the two side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from meshtrain.config import Config, ModelConfig, resolve_dp, update_from_dict
+from meshtrain.plan.costs import dp_comm_bytes, dp_state_bytes, pp_p2p_bytes, tp_comm_bytes
+
+
+def _unit_layouts(cfg: ModelConfig, tp: int, layers: list[int], first: bool, last: bool
+                  ) -> list[list[tuple[int, bool]]]:
+    """Each unit of one tensor-parallel rank as its parameters in order: (numel, is a replicated norm)."""
+    d, hd = cfg.d_model, cfg.head_dim
+    q, kv, hidden = cfg.n_heads * hd // tp, cfg.kv_heads * hd // tp, cfg.hidden_dim // tp
+    emb = math.ceil(cfg.vocab_size / tp) * d  # the vocabulary is padded to a multiple of tp
+    block = [(d, True), (q * d, False), (kv * d, False), (kv * d, False), (d * q, False), (d, True),
+             (hidden * d, False), (hidden * d, False), (d * hidden, False)]
+    if cfg.tie_embeddings:
+        return [block] * len(layers) + ([[(emb, False), (d, True)]] if first or last else [])
+    return ([[(emb, False)]] if first else []) + [block] * len(layers) + ([[(d, True), (emb, False)]] if last else [])
+
+
+def local_units(cfg: ModelConfig, tp: int, layers: list[int] | None = None, first: bool = True,
+                last: bool = True) -> list[int]:
+    """Parameters per sharding unit held by one tensor-parallel rank (vocabulary padded to a
+    multiple of tp), for the given blocks and with the embedding / head if this rank has them."""
+    layers = list(range(cfg.n_layers)) if layers is None else layers
+    return [sum(n for n, _ in u) for u in _unit_layouts(cfg, tp, layers, first, last)]
+
+
+def norm_elems_held(cfg: ModelConfig, tp: int, layers: list[int], first: bool, last: bool, zero: int,
+                    n: int, k: int) -> int:
+    """Replicated norm-weight elements in this rank's optimizer pieces: all of them without ZeRO, else
+    those inside shard k of n of each flat unit (the tensor-parallel all-reduce covers exactly these)."""
+    total = 0
+    for unit in _unit_layouts(cfg, tp, layers, first, last):
+        size = sum(numel for numel, _ in unit)
+        lo, hi = (0, size) if zero == 0 else (k * -(-size // n), (k + 1) * -(-size // n))
+        off = 0
+        for numel, is_norm in unit:
+            if is_norm:
+                total += max(0, min(off + numel, hi) - max(off, lo))
+            off += numel
+    return total
+
+
+def pipeline_rank_p2p(schedule, pp_rank: int, transfer: int) -> dict[tuple[str, str], int]:
+    """Sends and receives of one step on a pipeline rank: ``transfer`` bytes (``costs.pp_p2p_bytes``) per
+    forward activation and per backward gradient that crosses to another rank."""
+    sent = received = 0
+    last = schedule.n_stages - 1
+    for a in schedule.actions[pp_rank]:
+        if a.kind not in ("F", "B", "I"):
+            continue
+        towards, back = (a.stage + 1, a.stage - 1) if a.kind == "F" else (a.stage - 1, a.stage + 1)
+        if 0 <= back <= last and schedule.placement[back] != pp_rank:
+            received += transfer
+        if 0 <= towards <= last and schedule.placement[towards] != pp_rank:
+            sent += transfer
+    return {k: v for k, v in {("pp", "send"): sent, ("pp", "recv"): received}.items() if v}
+
+
+def predict_rank(cfg: Config, world_size: int, coords: dict[str, int]) -> tuple[dict[tuple[str, str], int],
+                                                                                dict[str, float]]:
+    """(bytes per (axis, op) of one training step, live state bytes) predicted for one rank."""
+    p, t, m = cfg.parallel, cfg.train, cfg.model
+    dp = resolve_dp(cfg, world_size)
+    compute_bytes = 2 if t.dtype == "bf16" else 4
+    layers, first, last, schedule = None, True, True, None
+    if p.pp > 1:
+        from meshtrain.parallel.pipeline.partition import partition_model
+        from meshtrain.parallel.pipeline.schedules import build_schedule
+
+        schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
+        part = partition_model(m, t.seq_len, schedule.n_stages)
+        mine = [s for s, r in enumerate(schedule.placement) if r == coords["pp"]]
+        layers = [i for s in mine for i in part.layers[s]]
+        first, last = 0 in mine, schedule.n_stages - 1 in mine
+    layers = list(range(m.n_layers)) if layers is None else layers
+    units = local_units(m, p.tp, layers, first, last)
+    out: dict[tuple[str, str], int] = {}
+    out.update(dp_comm_bytes(m, p.zero, dp, grad_accum=t.grad_accum, layout=p.zero_layout, dp_shard=p.dp_shard,
+                             compute_bytes=compute_bytes, reshard_after_forward=p.reshard_after_forward,
+                             units=units))
+    rows = t.global_batch // dp
+    micro = p.microbatches if p.pp > 1 else t.grad_accum
+    tokens = rows // micro * t.seq_len
+    if p.tp > 1:
+        if p.zero in (1, 2) and p.zero_layout == "per_tensor":
+            raise ValueError("tp bytes with per-tensor ZeRO depend on which rank owns each norm; not modelled")
+        n = p.dp_shard or dp
+        norms = norm_elems_held(m, p.tp, layers, first, last, p.zero, n, coords["dp"] % n)
+        out.update(tp_comm_bytes(m, p.tp, p.sp, tokens, grad_accum=micro, act_bytes=4, layers=len(layers),
+                                 embedding=first, head=last, norm_elems=norms))
+    if schedule is not None:
+        out.update(pipeline_rank_p2p(schedule, coords["pp"], pp_p2p_bytes(tokens, m.d_model, p.tp, p.sp)))
+    state = dp_state_bytes(m, p.zero, dp, dp_shard=p.dp_shard, units=units)
+    return out, state
+
+
+def check_run(run_dir: str | Path) -> tuple[str, bool]:
+    """Side-by-side table of predicted and measured bytes for a finished run; (text, all bytes equal)."""
+    run = Path(run_dir)
+    for f in ("config.yaml", "comm.json"):
+        if not (run / f).is_file():
+            raise FileNotFoundError(f"--check-run {run}: no {f}; pass the --out folder of a finished meshtrain run "
+                                    f"(comm.json is written after its third step).")
+    import yaml
+
+    cfg = update_from_dict(Config(), yaml.safe_load((run / "config.yaml").read_text()), str(run / "config.yaml"))
+    measured: dict[str, Any] = json.loads((run / "comm.json").read_text())
+    world = len(measured["ranks"])
+    lines = [f"run {run}: {world} ranks, step {measured['step']}",
+             f"{'rank':>4}  {'axis/op':<28} {'predicted':>14} {'measured':>14}  match"]
+    exact = True
+    for r in measured["ranks"]:
+        pred, state = predict_rank(cfg, world, r["coords"])
+        keys = sorted(set(pred) | {tuple(k.split("/")) for k in r["bytes"]})
+        for axis, op in keys:
+            want = pred.get((axis, op), 0)
+            got = r["bytes"].get(f"{axis}/{op}", 0)
+            exact &= want == got
+            mark = "yes" if want == got else "NO"
+            lines.append(f"{r['rank']:>4}  {axis + '/' + op:<28} {want:>14,} {got:>14,}  {mark}")
+        for kind in ("params", "grads", "optim"):
+            want, got = state[kind], r["state"][kind]
+            ok = abs(got - want) <= 0.05 * max(want, 1)
+            lines.append(f"{r['rank']:>4}  {'memory/' + kind:<28} {want:>14,.0f} {got:>14,}  "
+                         f"{'within 5%' if ok else 'NO'}")
+    return "\n".join(lines), exact
