@@ -61,18 +61,26 @@ MEASURED = [(0, "flat", 0, 2), (1, "flat", 0, 2), (2, "flat", 0, 2), (3, "flat",
             (2, "per_tensor", 0, 2), (3, "flat", 2, 1), (1, "flat", 2, 1)]
 
 
-def _run(data, overrides):
+def _run(data, overrides, out=None):
     cfg = load_config("tiny", [f"data.path={data}", *BASE, *overrides])
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, out)
     records = trainer.train()
     params, _ = gather_state(trainer.sync, trainer.optimizer, trainer.shapes)
     return [r["loss"] for r in records], params
 
 
+def _out(data, world_size, name):
+    """Each layout's run folder (comm.json for the planner check at the end of this file)."""
+    import re
+    from pathlib import Path
+
+    return str(Path(data).parent / "runs" / f"{world_size}-{re.sub('[^A-Za-z0-9]+', '_', name)}")
+
+
 def _equivalence_worker(rank, world_size, data, layouts, measured):
     out = {}
     for name, overrides in layouts:
-        losses, params = _run(data, overrides)
+        losses, params = _run(data, overrides, _out(data, world_size, name))
         out[name] = (losses, params) if rank == 0 else None
     meas = {}
     for zero, layout, dp_shard, accum in measured:
@@ -217,3 +225,17 @@ def test_cli_zero3_on_4_processes_matches_one_process(data, tmp_path):
     one = run(tmp_path / "one")
     four = run(tmp_path / "four", "--nproc", "4", "parallel.dp=4", "parallel.zero=3")
     assert len(four) == STEPS and four == pytest.approx(one, rel=1e-5)
+
+
+def test_planner_predicts_the_bytes_of_every_layout_above(data):
+    """Issue 6: for every layout this file ran, each rank's comm-meter bytes per (axis, op) of a
+    steady training step equal plan/check.predict_rank's prediction exactly."""
+    from pathlib import Path
+
+    from meshtrain.plan.check import check_run
+
+    runs = sorted((Path(data).parent / "runs").iterdir())
+    assert runs, "the equivalence tests above write their runs here"
+    for run in runs:
+        text, exact = check_run(run)
+        assert exact, text

@@ -33,17 +33,25 @@ SCHEDULES = [
 ]
 
 
-def _run(data, overrides):
-    trainer = Trainer(load_config("tiny", [f"data.path={data}", *BASE, *overrides]))
+def _run(data, overrides, out=None):
+    trainer = Trainer(load_config("tiny", [f"data.path={data}", *BASE, *overrides]), out)
     losses = [r["loss"] for r in trainer.train()]
     params, _ = gather_state(trainer.sync, trainer.optimizer, trainer.shapes, trainer.tp_group, trainer.pp_group)
     return losses, params
 
 
+def _out(data, world_size, name):
+    """Each layout's run folder (comm.json for the planner check at the end of this file)."""
+    import re
+    from pathlib import Path
+
+    return str(Path(data).parent / "runs" / f"{world_size}-{re.sub('[^A-Za-z0-9]+', '_', name)}")
+
+
 def _worker(rank, world_size, data, layouts):
     out = {}
     for name, overrides in layouts:
-        res = _run(data, overrides)
+        res = _run(data, overrides, _out(data, world_size, name))
         out[name] = res if rank == 0 else None
     return out
 
@@ -125,3 +133,17 @@ def test_cli_pp2_1f1b_matches_one_process(data, tmp_path):
                    "parallel.microbatches=4")
     assert two == pytest.approx(one, rel=1e-5)
     assert "blocks 0-3" in out  # the partition table
+
+
+def test_planner_predicts_the_bytes_of_every_layout_above(data):
+    """Issue 6: for every layout this file ran, each rank's comm-meter bytes per (axis, op) of a
+    steady training step equal plan/check.predict_rank's prediction exactly."""
+    from pathlib import Path
+
+    from meshtrain.plan.check import check_run
+
+    runs = sorted((Path(data).parent / "runs").iterdir())
+    assert runs, "the equivalence tests above write their runs here"
+    for run in runs:
+        text, exact = check_run(run)
+        assert exact, text

@@ -48,8 +48,8 @@ def _model_overrides(overrides):
     return [o for o in overrides if o.startswith("model.")]
 
 
-def _run(data, overrides):
-    trainer = Trainer(load_config("tiny", [f"data.path={data}", *BASE, *overrides]))
+def _run(data, overrides, out=None):
+    trainer = Trainer(load_config("tiny", [f"data.path={data}", *BASE, *overrides]), out)
     losses = [r["loss"] for r in trainer.train()]
     params, _ = gather_state(trainer.sync, trainer.optimizer, trainer.shapes, trainer.tp_group)
     return losses, params
@@ -72,10 +72,18 @@ def _measure(data, tp, sp):
     return measured, act
 
 
+def _out(data, world_size, name):
+    """Each layout's run folder (comm.json for the planner check at the end of this file)."""
+    import re
+    from pathlib import Path
+
+    return str(Path(data).parent / "runs" / f"{world_size}-{re.sub('[^A-Za-z0-9]+', '_', name)}")
+
+
 def _worker(rank, world_size, data, layouts, measure):
     out = {}
     for name, overrides in layouts:
-        res = _run(data, overrides)
+        res = _run(data, overrides, _out(data, world_size, name))
         out[name] = res if rank == 0 else None
     meas = {(tp, sp): _measure(data, tp, sp) for tp, sp in measure}
     return out, meas
@@ -161,3 +169,17 @@ def test_cli_tp2_sp_matches_one_process(data, tmp_path):
     two, out2 = run(tmp_path / "two", "--nproc", "2", "parallel.tp=2", "parallel.sp=true")
     assert two == pytest.approx(one, rel=1e-5)
     assert "sample:" in out2  # generation gathers the vocabulary shards
+
+
+def test_planner_predicts_the_bytes_of_every_layout_above(data):
+    """Issue 6: for every layout this file ran, each rank's comm-meter bytes per (axis, op) of a
+    steady training step equal plan/check.predict_rank's prediction exactly."""
+    from pathlib import Path
+
+    from meshtrain.plan.check import check_run
+
+    runs = sorted((Path(data).parent / "runs").iterdir())
+    assert runs, "the equivalence tests above write their runs here"
+    for run in runs:
+        text, exact = check_run(run)
+        assert exact, text

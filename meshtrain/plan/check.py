@@ -103,7 +103,8 @@ def predict_rank(cfg: Config, world_size: int, coords: dict[str, int]) -> tuple[
         n = p.dp_shard or dp
         norms = norm_elems_held(m, p.tp, layers, first, last, p.zero, n, coords["dp"] % n)
         out.update(tp_comm_bytes(m, p.tp, p.sp, tokens, grad_accum=micro, act_bytes=4, layers=len(layers),
-                                 embedding=first, head=last, norm_elems=norms))
+                                 embedding=first, head=last, norm_elems=norms,
+                                 recompute=t.recompute != "none"))
     if schedule is not None:
         out.update(pipeline_rank_p2p(schedule, coords["pp"], pp_p2p_bytes(tokens, m.d_model, p.tp, p.sp)))
     state = dp_state_bytes(m, p.zero, dp, dp_shard=p.dp_shard, units=units)

@@ -152,7 +152,7 @@ def dp_state_bytes(cfg: ModelConfig, zero: int, dp: int, dp_shard: int = 0, opti
 
 def tp_comm_bytes(cfg: ModelConfig, tp: int, sp: bool, tokens: int, grad_accum: int = 1, act_bytes: int = 4,
                   layers: int | None = None, embedding: bool = True, head: bool = True,
-                  norm_elems: int | None = None) -> dict[tuple[str, str], int]:
+                  norm_elems: int | None = None, recompute: bool = False) -> dict[tuple[str, str], int]:
     """Payload bytes per rank per step on the tp axis (meshtrain/parallel/tensor.py).
 
     ``tokens`` is the tokens of one microbatch on this rank (rows x seq_len); S = tokens x d_model x
@@ -166,6 +166,11 @@ def tp_comm_bytes(cfg: ModelConfig, tp: int, sp: bool, tokens: int, grad_accum: 
     A pipeline stage passes its ``layers`` and whether it holds the ``embedding`` / ``head`` (the
     loss lives with the head); ``norm_elems`` is how many norm-weight elements this rank's optimizer
     holds (ZeRO shards them; default all).
+
+    With activation recompute (full or selective) each block's forward runs again in backward up to
+    the last activation backward needs, which is the input of its final matmul: the two entry
+    collectives and the attention's exit collective repeat, the MLP's exit does not. So per block
+    and microbatch: SP adds 2 all-gathers and 1 reduce-scatter, no SP adds 1 all-reduce.
     """
     if tp == 1:
         return {}
@@ -176,11 +181,13 @@ def tp_comm_bytes(cfg: ModelConfig, tp: int, sp: bool, tokens: int, grad_accum: 
     if norm_elems is None:
         norm_elems = (2 * n_layers + (1 if head else 0)) * cfg.d_model
     norms = norm_elems * 4
+    again = n_layers if recompute else 0
     if sp:
-        out = {("tp", "all_gather"): grad_accum * count * s, ("tp", "reduce_scatter"): grad_accum * count * s,
+        out = {("tp", "all_gather"): grad_accum * (count + 2 * again) * s,
+               ("tp", "reduce_scatter"): grad_accum * (count + again) * s,
                ("tp", "all_reduce"): grad_accum * loss + norms}
     else:
-        out = {("tp", "all_reduce"): grad_accum * (count * s + loss) + norms}
+        out = {("tp", "all_reduce"): grad_accum * ((count + again) * s + loss) + norms}
     return {k: v for k, v in out.items() if v}
 
 
