@@ -173,7 +173,9 @@ def test_cli_tp2_sp_matches_one_process(data, tmp_path):
 
 def test_planner_predicts_the_bytes_of_every_layout_above(data):
     """Issue 6: for every layout this file ran, each rank's comm-meter bytes per (axis, op) of a
-    steady training step equal plan/check.predict_rank's prediction exactly."""
+    steady training step equal plan/check.predict_rank's prediction exactly, and its live parameter,
+    gradient and AdamW state bytes are within 5% (per-tensor shards and Muon's single moment are
+    uneven by design and are checked for bytes only)."""
     from pathlib import Path
 
     from meshtrain.plan.check import check_run
@@ -181,5 +183,8 @@ def test_planner_predicts_the_bytes_of_every_layout_above(data):
     runs = sorted((Path(data).parent / "runs").iterdir())
     assert runs, "the equivalence tests above write their runs here"
     for run in runs:
-        text, exact = check_run(run)
+        text, exact, memory_ok = check_run(run)
         assert exact, text
+        config = (run / "config.yaml").read_text()
+        if "per_tensor" not in config and "optimizer: muon" not in config:
+            assert memory_ok, text

@@ -111,8 +111,9 @@ def predict_rank(cfg: Config, world_size: int, coords: dict[str, int]) -> tuple[
     return out, state
 
 
-def check_run(run_dir: str | Path) -> tuple[str, bool]:
-    """Side-by-side table of predicted and measured bytes for a finished run; (text, all bytes equal)."""
+def check_run(run_dir: str | Path) -> tuple[str, bool, bool]:
+    """Side-by-side table of predicted and measured bytes for a finished run;
+    (text, every byte count equal, every state size within 5%)."""
     run = Path(run_dir)
     for f in ("config.yaml", "comm.json"):
         if not (run / f).is_file():
@@ -125,7 +126,7 @@ def check_run(run_dir: str | Path) -> tuple[str, bool]:
     world = len(measured["ranks"])
     lines = [f"run {run}: {world} ranks, step {measured['step']}",
              f"{'rank':>4}  {'axis/op':<28} {'predicted':>14} {'measured':>14}  match"]
-    exact = True
+    exact = memory_ok = True
     for r in measured["ranks"]:
         pred, state = predict_rank(cfg, world, r["coords"])
         keys = sorted(set(pred) | {tuple(k.split("/")) for k in r["bytes"]})
@@ -138,6 +139,7 @@ def check_run(run_dir: str | Path) -> tuple[str, bool]:
         for kind in ("params", "grads", "optim"):
             want, got = state[kind], r["state"][kind]
             ok = abs(got - want) <= 0.05 * max(want, 1)
+            memory_ok &= ok
             lines.append(f"{r['rank']:>4}  {'memory/' + kind:<28} {want:>14,.0f} {got:>14,}  "
                          f"{'within 5%' if ok else 'NO'}")
-    return "\n".join(lines), exact
+    return "\n".join(lines), exact, memory_ok

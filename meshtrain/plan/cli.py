@@ -99,7 +99,7 @@ def main(argv: list[str]) -> int:
     if args.check_run:  # predicted against measured (meshtrain/plan/check.py)
         from meshtrain.plan.check import check_run
 
-        text, ok = check_run(args.check_run)
+        text, ok, _ = check_run(args.check_run)
         print(text)
         return 0 if ok else 1
 
