@@ -16,6 +16,7 @@ from meshtrain import comm
 from meshtrain.config import ConfigError, load_config, validate
 from meshtrain.parallel.state import gather_state
 from meshtrain.plan.costs import dp_comm_bytes, dp_state_bytes, unit_numels
+from meshtrain.testing.equivalence import assert_planner_predicts_runs, assert_same_run, run_dir
 from meshtrain.testing.spawn import spawn
 from meshtrain.train.prepare import default_source_dir, prepare_data
 from meshtrain.train.trainer import Trainer
@@ -69,18 +70,10 @@ def _run(data, overrides, out=None):
     return [r["loss"] for r in records], params
 
 
-def _out(data, world_size, name):
-    """Each layout's run folder (comm.json for the planner check at the end of this file)."""
-    import re
-    from pathlib import Path
-
-    return str(Path(data).parent / "runs" / f"{world_size}-{re.sub('[^A-Za-z0-9]+', '_', name)}")
-
-
 def _equivalence_worker(rank, world_size, data, layouts, measured):
     out = {}
     for name, overrides in layouts:
-        losses, params = _run(data, overrides, _out(data, world_size, name))
+        losses, params = _run(data, overrides, run_dir(data, world_size, name))
         out[name] = (losses, params) if rank == 0 else None
     meas = {}
     for zero, layout, dp_shard, accum in measured:
@@ -111,15 +104,6 @@ def reference(data):
     return {opt: _run(data, [f"train.optimizer={opt}"]) for opt in ("adamw", "muon")}
 
 
-def _compare(name, got, ref):
-    losses, params = got
-    ref_losses, ref_params = ref
-    assert losses == pytest.approx(ref_losses, rel=1e-5), f"{name}: losses {losses} vs {ref_losses}"
-    for key, want in ref_params.items():
-        rel = ((params[key] - want).norm() / want.norm()).item()
-        assert rel <= 1e-5, f"{name}: {key} differs by {rel:.3g} relative"
-
-
 @pytest.fixture(scope="module")
 def world4(data):
     return spawn(_equivalence_worker, 4, args=(data, LAYOUTS_4, MEASURED), timeout=600)
@@ -132,14 +116,14 @@ def test_every_layout_on_4_ranks_equals_one_device(world4, reference, data):
             ref = _run(data, ["model.tie_embeddings=true"])
         else:
             ref = reference["muon" if "train.optimizer=muon" in overrides else "adamw"]
-        _compare(name, results[name], ref)
+        assert_same_run(name, results[name], ref)
 
 
 def test_every_stage_on_2_ranks_equals_one_device(data, reference):
     layouts = LAYOUTS_2 + [("zero3 bf16", ["parallel.zero=3", "train.dtype=bf16"])]
     results = spawn(_equivalence_worker, 2, args=(data, layouts, []), timeout=300)[0][0]
     for name, _ in LAYOUTS_2:
-        _compare(name, results[name], reference["adamw"])
+        assert_same_run(name, results[name], reference["adamw"])
     # bf16 gathers and compute: close to the single-device bf16 run, not bit-equal (bf16 has 8 bits).
     bf16_ref, _ = _run(data, ["train.dtype=bf16"])
     assert results["zero3 bf16"][0] == pytest.approx(bf16_ref, rel=2e-2)
@@ -228,19 +212,6 @@ def test_cli_zero3_on_4_processes_matches_one_process(data, tmp_path):
 
 
 def test_planner_predicts_the_bytes_of_every_layout_above(data):
-    """Issue 6: for every layout this file ran, each rank's comm-meter bytes per (axis, op) of a
-    steady training step equal plan/check.predict_rank's prediction exactly, and its live parameter,
-    gradient and AdamW state bytes are within 5% (per-tensor shards and Muon's single moment are
-    uneven by design and are checked for bytes only)."""
-    from pathlib import Path
-
-    from meshtrain.plan.check import check_run
-
-    runs = sorted((Path(data).parent / "runs").iterdir())
-    assert runs, "the equivalence tests above write their runs here"
-    for run in runs:
-        text, exact, memory_ok = check_run(run)
-        assert exact, text
-        config = (run / "config.yaml").read_text()
-        if "per_tensor" not in config and "optimizer: muon" not in config:
-            assert memory_ok, text
+    """Issue 6: for every layout this file ran, each rank's comm-meter bytes of a steady training step
+    equal plan/check.predict_rank's prediction exactly (and state bytes within 5%)."""
+    assert_planner_predicts_runs(data)

@@ -14,6 +14,7 @@ import pytest
 
 from meshtrain.config import ConfigError, load_config
 from meshtrain.parallel.state import gather_state
+from meshtrain.testing.equivalence import assert_planner_predicts_runs, assert_same_run, run_dir
 from meshtrain.testing.spawn import spawn
 from meshtrain.train.prepare import default_source_dir, prepare_data
 from meshtrain.train.trainer import Trainer
@@ -40,18 +41,10 @@ def _run(data, overrides, out=None):
     return losses, params
 
 
-def _out(data, world_size, name):
-    """Each layout's run folder (comm.json for the planner check at the end of this file)."""
-    import re
-    from pathlib import Path
-
-    return str(Path(data).parent / "runs" / f"{world_size}-{re.sub('[^A-Za-z0-9]+', '_', name)}")
-
-
 def _worker(rank, world_size, data, layouts):
     out = {}
     for name, overrides in layouts:
-        res = _run(data, overrides, _out(data, world_size, name))
+        res = _run(data, overrides, run_dir(data, world_size, name))
         out[name] = res if rank == 0 else None
     return out
 
@@ -68,16 +61,6 @@ def reference(data):
     return _run(data, [])
 
 
-def _compare(name, got, ref):
-    losses, params = got
-    ref_losses, ref_params = ref
-    assert losses == pytest.approx(ref_losses, rel=1e-5), f"{name}: losses {losses} vs {ref_losses}"
-    assert set(params) == set(ref_params)
-    for key, want in ref_params.items():
-        rel = ((params[key] - want).norm() / want.norm()).item()
-        assert rel <= 1e-5, f"{name}: {key} differs by {rel:.3g} relative"
-
-
 @pytest.mark.parametrize("pp", [2, 4])
 def test_every_schedule_equals_one_device(pp, data, reference):
     layouts = [(n, [f"parallel.pp={pp}", "parallel.microbatches=4", *o]) for n, o in SCHEDULES]
@@ -86,7 +69,7 @@ def test_every_schedule_equals_one_device(pp, data, reference):
                                                      "train.recompute=full"]))
     results = spawn(_worker, pp, args=(data, layouts), timeout=900)[0]
     for name, _ in layouts:
-        _compare(f"pp={pp} {name}", results[name], reference)
+        assert_same_run(f"pp={pp} {name}", results[name], reference)
 
 
 def test_pp_with_dp_and_zero1_on_4_ranks(data, reference):
@@ -94,7 +77,7 @@ def test_pp_with_dp_and_zero1_on_4_ranks(data, reference):
                ("pp2 x dp2 dp zb-h1", ["parallel.pp=2", "parallel.microbatches=2", "parallel.schedule=zb-h1"])]
     results = spawn(_worker, 4, args=(data, layouts), timeout=900)[0]
     for name, _ in layouts:
-        _compare(name, results[name], reference)
+        assert_same_run(name, results[name], reference)
 
 
 def test_3d_dp2_tp2_pp2_on_8_ranks(data, reference):
@@ -104,7 +87,7 @@ def test_3d_dp2_tp2_pp2_on_8_ranks(data, reference):
                                                           "parallel.virtual_stages=2", "parallel.zero=1"])]
     results = spawn(_worker, 8, args=(data, layouts), timeout=900)[0]
     for name, _ in layouts:
-        _compare(name, results[name], reference)
+        assert_same_run(name, results[name], reference)
 
 
 def test_pipeline_refuses_what_it_cannot_run():
@@ -136,19 +119,6 @@ def test_cli_pp2_1f1b_matches_one_process(data, tmp_path):
 
 
 def test_planner_predicts_the_bytes_of_every_layout_above(data):
-    """Issue 6: for every layout this file ran, each rank's comm-meter bytes per (axis, op) of a
-    steady training step equal plan/check.predict_rank's prediction exactly, and its live parameter,
-    gradient and AdamW state bytes are within 5% (per-tensor shards and Muon's single moment are
-    uneven by design and are checked for bytes only)."""
-    from pathlib import Path
-
-    from meshtrain.plan.check import check_run
-
-    runs = sorted((Path(data).parent / "runs").iterdir())
-    assert runs, "the equivalence tests above write their runs here"
-    for run in runs:
-        text, exact, memory_ok = check_run(run)
-        assert exact, text
-        config = (run / "config.yaml").read_text()
-        if "per_tensor" not in config and "optimizer: muon" not in config:
-            assert memory_ok, text
+    """Issue 6: for every layout this file ran, each rank's comm-meter bytes of a steady training step
+    equal plan/check.predict_rank's prediction exactly (and state bytes within 5%)."""
+    assert_planner_predicts_runs(data)

@@ -15,6 +15,7 @@ from meshtrain import comm
 from meshtrain.config import ConfigError, load_config
 from meshtrain.parallel.state import gather_state
 from meshtrain.plan.costs import tp_comm_bytes
+from meshtrain.testing.equivalence import assert_planner_predicts_runs, assert_same_run, run_dir
 from meshtrain.testing.spawn import spawn
 from meshtrain.train.prepare import default_source_dir, prepare_data
 from meshtrain.train.trainer import Trainer
@@ -72,18 +73,10 @@ def _measure(data, tp, sp):
     return measured, act
 
 
-def _out(data, world_size, name):
-    """Each layout's run folder (comm.json for the planner check at the end of this file)."""
-    import re
-    from pathlib import Path
-
-    return str(Path(data).parent / "runs" / f"{world_size}-{re.sub('[^A-Za-z0-9]+', '_', name)}")
-
-
 def _worker(rank, world_size, data, layouts, measure):
     out = {}
     for name, overrides in layouts:
-        res = _run(data, overrides, _out(data, world_size, name))
+        res = _run(data, overrides, run_dir(data, world_size, name))
         out[name] = res if rank == 0 else None
     meas = {(tp, sp): _measure(data, tp, sp) for tp, sp in measure}
     return out, meas
@@ -101,23 +94,13 @@ def world4(data):
     return spawn(_worker, 4, args=(data, LAYOUTS_4, [(4, False), (4, True)]), timeout=900)
 
 
-def _compare(name, got, ref):
-    losses, params = got
-    ref_losses, ref_params = ref
-    assert losses == pytest.approx(ref_losses, rel=1e-5), f"{name}: losses {losses} vs {ref_losses}"
-    assert set(params) == set(ref_params)
-    for key, want in ref_params.items():
-        rel = ((params[key] - want).norm() / want.norm()).item()
-        assert rel <= 1e-5, f"{name}: {key} differs by {rel:.3g} relative"
-
-
 def _check(data, layouts, results):
     refs = {}
     for name, overrides in layouts:
         key = tuple(_model_overrides(overrides))
         if key not in refs:
             refs[key] = _run(data, list(key))
-        _compare(name, results[name], refs[key])
+        assert_same_run(name, results[name], refs[key])
 
 
 def test_tp_layouts_on_4_ranks_equal_one_device(world4, data):
@@ -172,19 +155,6 @@ def test_cli_tp2_sp_matches_one_process(data, tmp_path):
 
 
 def test_planner_predicts_the_bytes_of_every_layout_above(data):
-    """Issue 6: for every layout this file ran, each rank's comm-meter bytes per (axis, op) of a
-    steady training step equal plan/check.predict_rank's prediction exactly, and its live parameter,
-    gradient and AdamW state bytes are within 5% (per-tensor shards and Muon's single moment are
-    uneven by design and are checked for bytes only)."""
-    from pathlib import Path
-
-    from meshtrain.plan.check import check_run
-
-    runs = sorted((Path(data).parent / "runs").iterdir())
-    assert runs, "the equivalence tests above write their runs here"
-    for run in runs:
-        text, exact, memory_ok = check_run(run)
-        assert exact, text
-        config = (run / "config.yaml").read_text()
-        if "per_tensor" not in config and "optimizer: muon" not in config:
-            assert memory_ok, text
+    """Issue 6: for every layout this file ran, each rank's comm-meter bytes of a steady training step
+    equal plan/check.predict_rank's prediction exactly (and state bytes within 5%)."""
+    assert_planner_predicts_runs(data)
