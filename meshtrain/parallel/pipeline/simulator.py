@@ -107,12 +107,14 @@ def bubble_of_timelines(timelines: Sequence[Timeline]) -> tuple[float, float]:
 
 
 def simulate(s: PipelineSchedule, f: float = 1.0, b: float = 2.0, w: float | None = None, p2p: float = 0.0, *,
-             costs: Mapping[str, float | Sequence[float]] | None = None) -> SimResult:
+             costs: Mapping[str, float | Sequence[float]] | None = None,
+             action_costs: Mapping[Action, float] | None = None) -> SimResult:
     """Run ``s`` with per-stage action costs and return its timelines, makespan, bubble and in-flight peaks.
 
     ``f``/``b`` are the forward / full-backward costs; for split schedules ``W`` costs ``w`` (default ``b / 2``) and
     ``I`` costs ``b - w``. ``costs={"F": [...], "B": [...], "W": [...]}`` (per stage; optional ``"I"``, scalars
-    allowed) overrides them, e.g. with measured costs. ``p2p`` is added to every cross-rank dependency.
+    allowed) overrides them, e.g. with measured costs; ``action_costs`` gives single actions their own cost (a
+    measured run replayed action by action). ``p2p`` is added to every cross-rank dependency.
     Raises ``RuntimeError("deadlock ...")`` naming each rank's stuck action when no rank can progress.
     """
     table = _cost_table(s, f, b, w, costs)
@@ -134,7 +136,8 @@ def simulate(s: PipelineSchedule, f: float = 1.0, b: float = 2.0, w: float | Non
                 for d in deps:
                     end, dr = finish[d]
                     start = max(start, end + (p2p if dr != r else 0.0))
-                end = start + table[a.kind][a.stage]
+                cost = action_costs.get(a) if action_costs is not None else None
+                end = start + (table[a.kind][a.stage] if cost is None else cost)
                 timelines[r].append((start, end, a))
                 finish[done_key(a)] = (end, r)
                 free[r] = end
