@@ -16,6 +16,7 @@ trainer), so the SUM over ranks is the single-device gradient: no extra division
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from collections.abc import Iterator
 
@@ -28,30 +29,40 @@ from meshtrain.mesh import AxisGroup, Mesh
 from meshtrain.train.optim import OptimParam, model_params
 
 
-class GradSync:
+class GradSync(abc.ABC):
     """What the trainer needs from any data-parallel strategy (plain DP, ZeRO-1/2/3, HSDP)."""
 
     norm_group: AxisGroup | None = None  # where partial grad-norm sums are added (sharded grads)
     handles: list[comm.Handle]  # the async collectives of the last step, for overlap measurement
+    always_sync = False  # True: gradients must be sent every microbatch (they are not kept whole)
+    _sync = True  # read by the gradient hooks: send when a bucket / unit is complete
 
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (every microbatch but the last), unless they cannot be kept."""
+        self._sync = self.always_sync
+        try:
+            yield
+        finally:
+            self._sync = True
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         """Entered around each microbatch's forward (ZeRO-3 uses it to manage gathered weights)."""
         return contextlib.nullcontext()
 
+    @abc.abstractmethod
     def optim_params(self) -> list[OptimParam]:
-        raise NotImplementedError
+        """What the optimizer updates on this rank (whole parameters or ZeRO pieces)."""
 
-    def finish_grads(self) -> None:
+    def finish_grads(self) -> None:  # noqa: B027 - a no-op unless communication is in flight
         """Wait for gradient communication; afterwards optim_params' ``.grad`` are the global sums."""
 
-    def after_step(self) -> None:
+    def after_step(self) -> None:  # noqa: B027 - nothing to do when every rank updated everything
         """Bring every rank's parameters up to date after the optimizer step."""
 
+    @abc.abstractmethod
     def zero_grad(self) -> None:
-        raise NotImplementedError
+        """Clear the accumulated gradients (keeping any buffers they live in)."""
 
     def grads(self) -> list[torch.Tensor]:
         return [p.tensor.grad for p in self.optim_params() if p.tensor.grad is not None]
@@ -60,8 +71,9 @@ class GradSync:
         """Bytes per rank of parameters, gradients and optimizer state, each storage counted once."""
         return tensor_bytes(self.param_tensors(), self.grad_tensors(), optimizer)
 
+    @abc.abstractmethod
     def param_tensors(self) -> list[torch.Tensor]:
-        raise NotImplementedError
+        """The parameter storage this rank keeps (for memory accounting)."""
 
     def grad_tensors(self) -> list[torch.Tensor]:
         return self.grads()
@@ -101,7 +113,6 @@ class DataParallel(GradSync):
         self.model = model
         self.group = group
         self.handles = []
-        self._sync = True
         params = [p for p in model.parameters() if p.requires_grad]
         device = params[0].device
         limit = max(int(bucket_mb * 2**20 / 4), 1)
@@ -118,15 +129,6 @@ class DataParallel(GradSync):
         if group.size > 1:
             for p in params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally (every microbatch but the last)."""
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if not self._sync:

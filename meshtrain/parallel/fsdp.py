@@ -181,6 +181,7 @@ class FullyShardedDataParallel(GradSync):
         self.replicas = mesh.group("dp_replicate")
         self.norm_group = self.group
         self.handles = []
+        self.always_sync = True  # gradients are reduce-scattered as each unit's backward ends
         me = self.group.index(mesh.rank)
         self.units = [_ShardedUnit(u, model, self.group, me, compute_dtype, reshard_after_forward)
                       for u in model_units(model)]

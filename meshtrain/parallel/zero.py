@@ -21,9 +21,6 @@ With HSDP the shard group is dp_shard x cp, and shards are then all-reduced over
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 from torch import nn
 
@@ -98,7 +95,7 @@ class ZeroOptimizer(GradSync):
         self.replicas = mesh.group("dp_replicate")
         self.norm_group = self.group
         self.handles = []
-        self._sync = True
+        self.always_sync = stage == 2  # stage 2 keeps no full gradient, so it sends every microbatch
         n, me = self.group.size, self.group.index(mesh.rank)
         self.units = model_units(model)
         self._unit_of = {id(p): i for i, u in enumerate(self.units) for _, p in u.params}
@@ -119,15 +116,6 @@ class ZeroOptimizer(GradSync):
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     # ------------------------------------------------------------------ backward
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Stage 1 accumulates full gradients locally; stage 2 must still send every microbatch."""
-        self._sync = self.stage == 2
-        try:
-            yield
-        finally:
-            self._sync = True
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if not self._sync:
