@@ -97,41 +97,6 @@ def _muon_group_step(group: dict[str, Any], state: dict[Tensor, dict[str, Any]])
         p.add_(ortho, alpha=-lr * scale)
 
 
-class Muon(torch.optim.Optimizer):
-    """Muon over 2-D parameters only: momentum (Nesterov by default), then Newton-Schulz
-    orthogonalisation of the update, scaled to AdamW's update RMS, plus decoupled weight decay.
-
-    State per parameter: ``momentum_buffer`` (a tensor shaped like the parameter).
-    """
-
-    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], lr: float = 0.02,
-                 momentum: float = 0.95, nesterov: bool = True, weight_decay: float = 0.0,
-                 ns_steps: int = 5) -> None:
-        if lr < 0 or not 0 <= momentum < 1 or weight_decay < 0 or ns_steps < 1:
-            raise ValueError(f"Muon: invalid hyper-parameters lr={lr} momentum={momentum} "
-                             f"weight_decay={weight_decay} ns_steps={ns_steps}")
-        defaults = {"lr": lr, "momentum": momentum, "nesterov": nesterov, "weight_decay": weight_decay,
-                    "ns_steps": ns_steps}
-        super().__init__(params, defaults)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group, refusing any parameter that is not a matrix."""
-        params = _group_params(param_group)
-        _check_matrices(params, "Muon")
-        super().add_param_group({**param_group, "params": params})
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """One update of every parameter that has a gradient; ``closure`` re-evaluates the loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            _muon_group_step(group, self.state)
-        return loss
-
-
 class HybridOptimizer(torch.optim.Optimizer):
     """Muon for some param groups, AdamW for the others, as one optimizer.
 
@@ -204,6 +169,27 @@ class HybridOptimizer(torch.optim.Optimizer):
             amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
             eps=group["eps"], maximize=False,
         )
+
+
+class Muon(HybridOptimizer):
+    """Muon over 2-D parameters only: momentum (Nesterov by default), then Newton-Schulz
+    orthogonalisation of the update, scaled to AdamW's update RMS, plus decoupled weight decay.
+
+    A ``HybridOptimizer`` whose every group is a Muon group. State per parameter:
+    ``momentum_buffer`` (a tensor shaped like the parameter).
+    """
+
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], lr: float = 0.02,
+                 momentum: float = 0.95, nesterov: bool = True, weight_decay: float = 0.0,
+                 ns_steps: int = 5) -> None:
+        if lr < 0 or not 0 <= momentum < 1 or weight_decay < 0 or ns_steps < 1:
+            raise ValueError(f"Muon: invalid hyper-parameters lr={lr} momentum={momentum} "
+                             f"weight_decay={weight_decay} ns_steps={ns_steps}")
+        items = list(params)
+        groups = items if items and isinstance(items[0], dict) else [{"params": items}]
+        super().__init__([{**g, "kind": "muon"} for g in groups], lr=lr, weight_decay=weight_decay,
+                         momentum=momentum, nesterov=nesterov, ns_steps=ns_steps)
+        self.defaults["kind"] = "muon"  # groups added later are Muon groups too
 
 
 def is_muon_param(p: OptimParam) -> bool:
