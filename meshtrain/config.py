@@ -41,6 +41,18 @@ class ModelConfig:
     max_seq_len: int = 256
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # Mixture of experts (every block's MLP becomes an MoE layer when moe_experts > 0).
+    moe_experts: int = 0  # routed experts per layer; 0: dense SwiGLU MLP
+    moe_top_k: int = 2  # experts per token (softmax router, top-k)
+    moe_shared_experts: int = 0  # always-on experts added to the routed output (DeepSeek-style)
+    moe_hidden: int = 0  # hidden size of each expert's SwiGLU; 0: the dense rule (hidden_dim)
+    moe_capacity_factor: float = 0.0  # 0: dropless; > 0: each expert takes at most cf * tokens * k / E
+    moe_aux_loss_coef: float = 0.01  # load-balancing loss weight (0 disables it)
+    moe_bias_update_rate: float = 0.0  # > 0: aux-loss-free balancing, router bias nudged by this per step
+
+    @property
+    def expert_hidden(self) -> int:
+        return self.moe_hidden or self.hidden_dim
 
     @property
     def kv_heads(self) -> int:
@@ -73,6 +85,8 @@ class ParallelConfig:
     bucket_mb: float = 25.0  # DP gradient bucket size
     reshard_after_forward: bool = True  # ZeRO-3: free gathered parameters after forward, re-gather for backward
     sp: bool = False
+    cp_layout: str = "zigzag"  # zigzag (2*cp chunks, rank i holds i and 2cp-1-i: balanced causal work) | contiguous
+    cp_attention: str = "ring"  # ring (K/V passed around the cp ranks) | allgather (K/V all-gathered once)
     schedule: str = "1f1b"  # afab | 1f1b | interleaved | zb-h1 | dualpipev
     microbatches: int = 1  # pipeline microbatches per optimizer step (each rank's rows are split into them)
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved >= 2; dualpipev uses 2)
@@ -323,6 +337,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _need(m.ffn_hidden >= 0, "model.ffn_hidden must be >= 0 (0 uses the Llama rule).")
     _need(m.norm_eps > 0, "model.norm_eps must be positive.")
     _need(m.init_std > 0, "model.init_std must be positive.")
+    _check_moe(m)
 
     for name in ("steps", "global_batch", "grad_accum", "seq_len", "log_every", "eval_batches", "ckpt_keep"):
         _need(getattr(t, name) > 0, f"train.{name} must be positive, got {getattr(t, name)}.")
@@ -377,6 +392,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         _need(m.hidden_dim % p.tp == 0, f"parallel.tp={p.tp} must divide the MLP hidden size {m.hidden_dim} "
               f"(model.ffn_hidden).")
     dp = resolve_dp(cfg, world_size)
+    _check_context_and_experts(cfg, dp, known=world_size is not None or p.dp > 0)
     if p.pp > 1:
         _check_pipeline(cfg, dp)
     _need(p.dp_shard == 0 or dp % p.dp_shard == 0 or world_size is None,
@@ -434,19 +450,50 @@ def resolve_dp(cfg: Config, world_size: int | None = None) -> int:
     return world_size // others
 
 
-# One place that says what the runtime can do today; each parallelism's issue removes its line.
-_NOT_YET = "is not yet supported in this version of meshtrain (it lands with its own parallelism)"
+def _check_moe(m: ModelConfig) -> None:
+    _need(m.moe_experts >= 0, f"model.moe_experts must be >= 0 (0: dense MLP), got {m.moe_experts}.")
+    if not m.moe_experts:
+        return
+    _need(1 <= m.moe_top_k <= m.moe_experts, f"model.moe_top_k={m.moe_top_k} must be between 1 and "
+          f"model.moe_experts={m.moe_experts}.")
+    _need(m.moe_shared_experts >= 0, "model.moe_shared_experts must be >= 0.")
+    _need(m.moe_hidden >= 0, "model.moe_hidden must be >= 0 (0: the dense MLP's hidden size).")
+    _need(m.moe_capacity_factor >= 0, "model.moe_capacity_factor must be >= 0 (0: dropless).")
+    _need(m.moe_aux_loss_coef >= 0, "model.moe_aux_loss_coef must be >= 0 (0 disables the balancing loss).")
+    _need(m.moe_bias_update_rate >= 0, "model.moe_bias_update_rate must be >= 0 (0 disables bias balancing).")
+
+
+def _check_context_and_experts(cfg: Config, dp: int, known: bool) -> None:
+    """What context and expert parallelism need from the shapes (before any process starts)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    _need(p.cp_layout in ("zigzag", "contiguous"),
+          f"parallel.cp_layout must be zigzag or contiguous, got '{p.cp_layout}'.")
+    _need(p.cp_attention in ("ring", "allgather"),
+          f"parallel.cp_attention must be ring or allgather, got '{p.cp_attention}'.")
+    if p.cp > 1:
+        chunks = 2 * p.cp if p.cp_layout == "zigzag" else p.cp
+        _need(t.seq_len % chunks == 0, f"parallel.cp={p.cp} with cp_layout={p.cp_layout} cuts train.seq_len="
+              f"{t.seq_len} into {chunks} equal chunks: choose a seq_len divisible by {chunks}.")
+        _need(not (p.sp and (t.seq_len // p.cp) % p.tp), f"parallel.sp=true splits each context-parallel rank's "
+              f"{t.seq_len // p.cp} tokens (train.seq_len / cp) over parallel.tp={p.tp}: choose a seq_len "
+              f"divisible by cp*tp = {p.cp * p.tp}.")
+    if p.ep > 1:
+        _need(m.moe_experts > 0, f"parallel.ep={p.ep} shards experts, but the model has none: set "
+              f"model.moe_experts (a multiple of {p.ep}) or parallel.ep=1.")
+        _need(m.moe_experts % p.ep == 0, f"parallel.ep={p.ep} must divide model.moe_experts={m.moe_experts} "
+              f"(each expert-parallel rank holds moe_experts/ep whole experts).")
+        _need(not known or (dp * p.cp) % p.ep == 0, f"parallel.ep={p.ep} must divide dp*cp = {dp}*{p.cp} = {dp * p.cp}: the "
+              f"expert-parallel group is carved out of the data- and context-parallel ranks.")
+
+
+# One place that says what the runtime cannot run yet; each parallelism's issue removed its entry, and
+# the planner's search asks this list (plan/planner.runtime_supports). Every axis runs today.
+_PLANNED: tuple[str, ...] = ()
 
 
 def check_supported(cfg: Config, dp: int) -> None:
     """Refuse layouts whose parallelism is not built yet, instead of silently ignoring them."""
     p = cfg.parallel
-    defaults = ParallelConfig()
-    unsupported = []
-    for name in ("cp", "ep"):
-        if getattr(p, name) != getattr(defaults, name):
-            unsupported.append(f"parallel.{name}={getattr(p, name)}")
+    unsupported = [f"parallel.{name}={getattr(p, name)}" for name in _PLANNED if getattr(p, name) != 1]
     if unsupported:
-        raise ConfigError(
-            f"{', '.join(unsupported)} {_NOT_YET}. Run on one process with the default parallel settings."
-        )
+        raise ConfigError(f"{', '.join(unsupported)} is not yet supported in this version of meshtrain.")

@@ -41,10 +41,21 @@ def test_bad_values_get_clear_errors(override, message):
     assert message in str(e.value)
 
 
-@pytest.mark.parametrize("override", ["parallel.cp=2", "parallel.ep=2"])
-def test_parallelisms_not_built_yet_are_refused(override):
-    with pytest.raises(ConfigError, match="not yet supported"):
-        load_config("tiny", [override])
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.cp=3", "train.seq_len=32"], "cuts train.seq_len=32 into 6 equal chunks"),
+    (["parallel.cp=2", "parallel.cp_layout=contiguous", "train.seq_len=33", "model.max_seq_len=64"],
+     "into 2 equal chunks"),
+    (["parallel.cp=2", "parallel.cp_layout=spiral"], "parallel.cp_layout must be zigzag or contiguous"),
+    (["parallel.cp=2", "parallel.cp_attention=ulysses"], "parallel.cp_attention must be ring or allgather"),
+    (["parallel.ep=2"], "parallel.ep=2 shards experts, but the model has none"),
+    (["parallel.ep=3", "model.moe_experts=4"], "parallel.ep=3 must divide model.moe_experts=4"),
+    (["parallel.dp=2", "parallel.ep=4", "model.moe_experts=4"], "parallel.ep=4 must divide dp*cp = 2*1"),
+    (["model.moe_experts=4", "model.moe_top_k=5"], "model.moe_top_k=5 must be between 1 and"),
+])
+def test_context_and_expert_shapes_are_checked(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", overrides)
+    assert message in str(e.value)
 
 
 def test_world_size_must_match_layout():

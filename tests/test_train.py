@@ -130,9 +130,9 @@ def test_cli_train_writes_run_folder_and_generate_reads_it(stdlib_data, tmp_path
 
 
 def test_cli_refuses_bad_layouts_before_starting_processes():
-    r = _cli("train", "--config", "tiny", "--nproc", "2", "parallel.cp=2")
+    r = _cli("train", "--config", "tiny", "--nproc", "2", "parallel.ep=2")
     assert r.returncode == 2
-    assert "parallel.cp=2 is not yet supported" in r.stderr
+    assert "parallel.ep=2 shards experts, but the model has none" in r.stderr
     r = _cli("train", "--config", "tiny", "parallel.dp=2", "--nproc", "4")
     assert r.returncode == 2 and "World size 4 does not match the layout" in r.stderr
     r = _cli("train", "--config", "tiny", "data.path=/nonexistent/folder")

@@ -116,6 +116,11 @@ class Trainer:
 
             self.tp = parallelize(self.model, self.mesh, sp=p.sp)
             self.loss_fn = self.tp.loss_fn
+        self.cp = None
+        if p.cp > 1:  # after TP (it swaps attention modules), before the pipeline split copies the RoPE tables
+            from meshtrain.parallel.context import apply_context_parallel
+
+            self.cp = apply_context_parallel(self.model, self.mesh, t.seq_len, p.cp_layout, p.cp_attention)
         self.pp_group = self.mesh.group("pp")
         self.pipeline = None
         if p.pp > 1:
@@ -136,7 +141,7 @@ class Trainer:
             from meshtrain.parallel.pipeline.engine import PipelineEngine
 
             rows = t.global_batch // self.mesh.size("dp") // p.microbatches
-            seq = t.seq_len // (p.tp if p.sp else 1)
+            seq = t.seq_len // p.cp // (p.tp if p.sp else 1)
             self.pipeline = PipelineEngine(self.schedule, self.stages, self.mesh, (rows, seq, cfg.model.d_model),
                                            torch.float32, self.loss_fn, self.sync, self.autocast)
         self.step = 0
@@ -191,7 +196,10 @@ class Trainer:
         inputs, targets = data.batch(t.seed, step, t.global_batch, t.seq_len)
         n_tokens = int((targets != -100).sum())
         dp, index = self.mesh.size("dp"), self.mesh.coord("dp")
-        return shard_rows(inputs, index, dp), shard_rows(targets, index, dp), n_tokens
+        inputs, targets = shard_rows(inputs, index, dp), shard_rows(targets, index, dp)
+        if self.cp is not None:  # this rank's chunks of every sequence
+            inputs, targets = self.cp.shard(inputs), self.cp.shard(targets)
+        return inputs, targets, n_tokens
 
     def train_step(self, step: int) -> dict[str, float]:
         """One optimizer step on the global batch of ``step``; returns its metrics."""
@@ -345,8 +353,10 @@ class Trainer:
                           f"(unigram baseline {self.baseline:.3f}), "
                           f"{np.median([r['tokens_per_s'] for r in records]):,.0f} tokens/s, "
                           f"MFU {np.median([r['mfu'] for r in records]):.1%}")
-            if self.step == t.steps and t.sample_tokens and self.tokenizer is not None and self.pipeline is not None:
-                log.write("(no sample under pipeline parallelism: run `meshtrain generate --ckpt` on the checkpoint)")
+            if self.step == t.steps and t.sample_tokens and self.tokenizer is not None and \
+                    (self.pipeline is not None or self.cp is not None):
+                log.write("(no sample under pipeline or context parallelism: run `meshtrain generate --ckpt` on the "
+                          "checkpoint)")
             elif self.step == t.steps and t.sample_tokens and self.tokenizer is not None:
                 # Every rank samples the same tokens (sharded weights are gathered collectively).
                 text = self.generate(t.sample_prompt, t.sample_tokens)
