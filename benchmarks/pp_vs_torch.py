@@ -106,9 +106,14 @@ def _torch(args, name, torch_name, virtual, pp):
     return times[args.warmup:]
 
 
+def _pairs(args) -> list[tuple[str, str | None, int]]:
+    keep = set(args.schedules.split(",")) if args.schedules else None
+    return [(n, None if args.no_torch else t, v) for n, t, v in PAIRS if keep is None or n in keep]
+
+
 def _worker(rank, world, args):
     out = {}
-    for name, torch_name, virtual in PAIRS:
+    for name, torch_name, virtual in _pairs(args):
         rounds = []
         for _ in range(args.rounds):
             ours, traces = _ours(args, name, virtual, world)
@@ -158,8 +163,16 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--png", default="", help="folder for measured/simulated timeline charts")
+    ap.add_argument("--schedules", default="", help="comma-separated subset, e.g. interleaved,zb-h1")
+    ap.add_argument("--no-torch", action="store_true", help="only our engine (for bubble measurements)")
+    ap.add_argument("--dump", default="", help="pickle every rank's measured timelines here (offline analysis)")
     args = ap.parse_args()
     results = spawn(_worker, args.world, args=(args,), timeout=3000)
+    if args.dump:
+        import pickle
+
+        with open(args.dump, "wb") as fh:
+            pickle.dump({"args": vars(args), "results": results}, fh)
     n = args.steps - args.warmup
     act = _act_bytes_per_stage(args)
     print(f"{args.world} gloo ranks (pp={args.world}), d_model={args.d_model}, layers={args.layers}, seq={args.seq}, "
@@ -168,7 +181,7 @@ def main() -> None:
           "| measured bubble | simulated (mean cost per kind+stage) | simulated (each action's measured cost) "
           "| peak live mb-stages/rank | peak activations/rank |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, torch_name, virtual in PAIRS:
+    for name, torch_name, virtual in _pairs(args):
         ours_all, theirs_all, ratios, measured, simulated, replayed, peaks = [], [], [], [], [], [], []
         schedule = build_schedule(name, args.world, args.microbatches, virtual)
         for r in range(args.rounds):

@@ -303,16 +303,21 @@ def test_emit_round_trips_through_load_config(llama70b, tmp_path):
         4, "interleaved", 8, 1)
 
 
-def test_layouts_the_runtime_refuses_are_not_emitted(llama70b, tmp_path):
+def test_context_parallel_layouts_are_searched_and_emitted(llama70b, tmp_path):
     problem, _ = llama70b
     with_cp = planner.Layout(dp=128, tp=4, cp=2, zero=3, microbatches=4)
     est = planner.check_runnable(problem, planner.evaluate(problem, with_cp))
-    assert est.runnable is False and "not yet supported" in est.not_runnable_reason
-    with pytest.raises(ValueError, match="not yet supported"):
-        planner.emit_yaml(problem, est, tmp_path / "cp.yaml")
-    if not planner.runtime_supports("cp"):  # by default the search follows what the runtime runs
-        assert all(lay.cp == 1 for lay in planner.candidate_layouts(problem))
-        assert any(lay.cp > 1 for lay in planner.candidate_layouts(problem, planner.SearchOptions(runnable_only=False)))
+    assert est.runnable, est.not_runnable_reason
+    cfg = load_config(planner.emit_yaml(problem, est, tmp_path / "cp.yaml"))
+    assert cfg.parallel.cp == 2 and cfg.parallel.cp_layout == "zigzag"
+    assert planner.runtime_supports("cp") and planner.runtime_supports("ep")
+    assert any(lay.cp > 1 for lay in planner.candidate_layouts(problem))  # the search follows the runtime
+    # a layout the runtime refuses is not emitted: expert parallelism on a dense model
+    bad = planner.check_runnable(problem, planner.evaluate(problem, planner.Layout(dp=128, tp=4, cp=2, ep=2, zero=3,
+                                                                                  microbatches=4)))
+    assert bad.runnable is False and "the model has none" in bad.not_runnable_reason
+    with pytest.raises(ValueError, match="the model has none"):
+        planner.emit_yaml(problem, bad, tmp_path / "bad.yaml")
 
 
 def test_cli_plan_json_emit_and_plot(tmp_path, capsys):

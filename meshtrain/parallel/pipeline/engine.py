@@ -116,6 +116,7 @@ class PipelineEngine:
             for stage in stages.values():
                 defer_weight_grads(stage, self.wgrad)
         self.trace = StepTrace()
+        self._posted: dict[tuple[int, int, int], tuple[torch.Tensor, list[comm.Handle]]] = {}
 
     def _peer(self, stage: int) -> int:
         return self.mesh.rank_at(pp=self.s.placement[stage])
@@ -123,13 +124,30 @@ class PipelineEngine:
     def _tag(self, kind: int, mb: int, stage: int) -> int:
         return (kind * self.s.microbatches + mb) * self.s.n_stages + stage
 
+    def _post_recv(self, kind: int, mb: int, from_stage: int, to_stage: int) -> None:
+        """Post the receive early: the peer's send can then complete while this rank still computes
+        (gloo and NCCL only move a message once its receive is posted)."""
+        key = (kind, mb, to_stage)
+        if key not in self._posted:
+            t = torch.empty(self.act_shape, dtype=self.dtype, device=self.mesh.device)
+            self._posted[key] = (t, comm.batch_p2p([comm.P2P("recv", t, self._peer(from_stage),
+                                                             self._tag(kind, mb, to_stage))], self.group))
+
     def _recv(self, kind: int, mb: int, from_stage: int, to_stage: int) -> torch.Tensor:
-        t = torch.empty(self.act_shape, dtype=self.dtype, device=self.mesh.device)
-        for h in comm.batch_p2p([comm.P2P("recv", t, self._peer(from_stage), self._tag(kind, mb, to_stage))],
-                                self.group):
+        self._post_recv(kind, mb, from_stage, to_stage)
+        t, handles = self._posted.pop((kind, mb, to_stage))
+        for h in handles:
             h.wait()
         self._ready = time.perf_counter()  # waiting for a peer is bubble, not work
         return t
+
+    def _remote_input(self, a: Action) -> tuple[int, int, int, int] | None:
+        """(kind, mb, from_stage, to_stage) of the tensor action ``a`` receives from another rank, if any."""
+        if a.kind == "F" and a.stage > 0 and self.s.placement[a.stage - 1] != self.rank:
+            return 0, a.mb, a.stage - 1, a.stage
+        if a.kind in ("B", "I") and a.stage < self.last and self.s.placement[a.stage + 1] != self.rank:
+            return 1, a.mb, a.stage + 1, a.stage
+        return None
 
     def _send(self, t: torch.Tensor, kind: int, mb: int, to_stage: int) -> None:
         self._sends += comm.batch_p2p([comm.P2P("send", t.contiguous(), self._peer(to_stage),
@@ -140,9 +158,18 @@ class PipelineEngine:
         slots: dict[tuple[int, int], _Slot] = {}
         local: dict[tuple[int, int, int], torch.Tensor] = {}  # same-rank hand-overs
         self._sends: list[comm.Handle] = []
+        self._posted: dict[tuple[int, int, int], tuple[torch.Tensor, list[comm.Handle]]] = {}
         self.trace = StepTrace()
         loss_total = 0.0
-        for a in self.s.actions[self.rank]:
+        actions = self.s.actions[self.rank]
+        # Receives this rank will need, in order: each is posted one remote input ahead of its use.
+        needs = [(i, r) for i, a in enumerate(actions) if (r := self._remote_input(a)) is not None]
+        ahead = 0
+        for i, a in enumerate(actions):
+            while ahead < len(needs) and needs[ahead][0] <= i:
+                ahead += 1
+            if ahead < len(needs):
+                self._post_recv(*needs[ahead][1])
             t0 = self._ready = time.perf_counter()
             slot = slots.setdefault((a.mb, a.stage), _Slot())
             if a.kind == "F":
