@@ -482,8 +482,8 @@ def _check_context_and_experts(cfg: Config, dp: int, known: bool) -> None:
               f"model.moe_experts (a multiple of {p.ep}) or parallel.ep=1.")
         _need(m.moe_experts % p.ep == 0, f"parallel.ep={p.ep} must divide model.moe_experts={m.moe_experts} "
               f"(each expert-parallel rank holds moe_experts/ep whole experts).")
-        _need(not known or (dp * p.cp) % p.ep == 0, f"parallel.ep={p.ep} must divide dp*cp = {dp}*{p.cp} = {dp * p.cp}: the "
-              f"expert-parallel group is carved out of the data- and context-parallel ranks.")
+        _need(not known or (dp * p.cp) % p.ep == 0, f"parallel.ep={p.ep} must divide dp*cp = {dp}*{p.cp} = "
+              f"{dp * p.cp}: the expert-parallel group is carved out of the data- and context-parallel ranks.")
 
 
 # One place that says what the runtime cannot run yet; each parallelism's issue removed its entry, and

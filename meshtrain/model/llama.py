@@ -1,7 +1,7 @@
 """A Llama-style decoder in plain PyTorch: no distributed code lives here.
 
 Embedding -> n_layers x [RMSNorm -> GQA attention (RoPE, causal SDPA) -> residual,
-RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> LM head.
+RMSNorm -> SwiGLU MLP (or a mixture of experts, ``moe.py``) -> residual] -> RMSNorm -> LM head.
 
 Parallelisms are transformations applied to this module from the outside (they swap
 Linear/Embedding for sharded twins, drop layers a pipeline stage does not own, ...).
@@ -82,27 +82,33 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU: w2(silu(w1 x) * w3 x). ``hidden`` defaults to the dense rule (an expert passes its own)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, hidden: int | None = None) -> None:
         super().__init__()
-        self.w1 = nn.Linear(cfg.d_model, cfg.hidden_dim, bias=False)  # gate
-        self.w3 = nn.Linear(cfg.d_model, cfg.hidden_dim, bias=False)  # up
-        self.w2 = nn.Linear(cfg.hidden_dim, cfg.d_model, bias=False)  # down
+        hidden = hidden or cfg.hidden_dim
+        self.w1 = nn.Linear(cfg.d_model, hidden, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.d_model, hidden, bias=False)  # up
+        self.w2 = nn.Linear(hidden, cfg.d_model, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block."""
+    """Pre-norm transformer block; the MLP is a mixture of experts when ``cfg.moe_experts > 0``."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        if cfg.moe_experts:
+            from meshtrain.model.moe import MoEFeedForward
+
+            self.feed_forward: nn.Module = MoEFeedForward(cfg)
+        else:
+            self.feed_forward = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -169,7 +175,7 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
     parameters a rank holds or in which order they are created: any layout gets the same weights.
 
     Linear and embedding weights ~ N(0, init_std); output projections of each residual branch
-    (wo, w2) are scaled by 1/sqrt(2 * n_layers) as in GPT-2; norms start at one.
+    (wo, w2, also every expert's w2) are scaled by 1/sqrt(2 * n_layers) as in GPT-2; norms start at one.
     """
     resid_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
     seen: set[int] = set()

@@ -11,7 +11,11 @@ The loss of each rank is already divided by the token count of the *global* batc
 trainer), so the SUM over ranks is the single-device gradient: no extra division.
 
 ``wrap`` picks the member of the family from ``parallel.zero``: this module (0), ``zero.py``
-(1, 2) or ``fsdp.py`` (3).
+(1, 2) or ``fsdp.py`` (3). Under expert parallelism (ep > 1) the routed experts are left out of that
+member: each rank holds different experts, replicated only over ``edp``, so ``WithExperts`` adds a
+plain bucketed all-reduce of their gradients over edp beside it. ZeRO-1/2/3 therefore shard the dense
+parameters only; experts keep whole parameters, gradients and optimizer state (they are already
+divided ep ways). At ep = 1 the experts are ordinary parameters of the chosen member.
 """
 
 from __future__ import annotations
@@ -26,13 +30,15 @@ from torch import nn
 from meshtrain import comm
 from meshtrain.config import ParallelConfig
 from meshtrain.mesh import AxisGroup, Mesh
-from meshtrain.train.optim import OptimParam, model_params
+from meshtrain.model.moe import expert_index
+from meshtrain.train.optim import OptimParam, describe
 
 
 class GradSync(abc.ABC):
     """What the trainer needs from any data-parallel strategy (plain DP, ZeRO-1/2/3, HSDP)."""
 
     norm_group: AxisGroup | None = None  # where partial grad-norm sums are added (sharded grads)
+    ep_group: AxisGroup | None = None  # where expert tensors differ (expert parallelism): norms and gathers add
     handles: list[comm.Handle]  # the async collectives of the last step, for overlap measurement
     always_sync = False  # True: gradients must be sent every microbatch (they are not kept whole)
     _sync = True  # read by the gradient hooks: send when a bucket / unit is complete
@@ -66,6 +72,10 @@ class GradSync(abc.ABC):
 
     def grads(self) -> list[torch.Tensor]:
         return [p.tensor.grad for p in self.optim_params() if p.tensor.grad is not None]
+
+    def is_expert(self, op: OptimParam) -> bool:
+        """Whether ``op`` is an expert-parallel expert's (sharded over ``ep_group``, not ``norm_group``)."""
+        return False
 
     def state_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes per rank of parameters, gradients and optimizer state, each storage counted once."""
@@ -107,13 +117,21 @@ class _Bucket:
 
 
 class DataParallel(GradSync):
-    """Plain data parallelism (``parallel.zero=0``) over ``group`` with bucketed, overlapped all-reduce."""
+    """Plain data parallelism (``parallel.zero=0``) over ``group`` with bucketed, overlapped all-reduce.
 
-    def __init__(self, model: nn.Module, group: AxisGroup, bucket_mb: float = 25.0) -> None:
+    ``params`` (named) restricts it to some of the model's parameters (the experts over edp); ``exclude``
+    leaves some out (the experts, for the dense member).
+    """
+
+    def __init__(self, model: nn.Module, group: AxisGroup, bucket_mb: float = 25.0,
+                 params: list[tuple[str, nn.Parameter]] | None = None, exclude: frozenset[int] = frozenset()) -> None:
         self.model = model
         self.group = group
         self.handles = []
-        params = [p for p in model.parameters() if p.requires_grad]
+        named = params if params is not None else [(n, p) for n, p in model.named_parameters()
+                                                    if p.requires_grad and id(p) not in exclude]
+        self._optim = [describe(n, p) for n, p in named]
+        params = [p for _, p in named]
         device = params[0].device
         limit = max(int(bucket_mb * 2**20 / 4), 1)
         self.buckets: list[_Bucket] = []
@@ -158,28 +176,90 @@ class DataParallel(GradSync):
         self.handles = []
 
     def optim_params(self) -> list[OptimParam]:
-        return model_params(self.model)
+        return self._optim
 
     def param_tensors(self) -> list[torch.Tensor]:
-        return [p for p in self.model.parameters()]
+        return [op.tensor for op in self._optim]
 
     def grad_tensors(self) -> list[torch.Tensor]:
         return [b.buffer for b in self.buckets]
+
+
+class WithExperts(GradSync):
+    """A dense data-parallel member plus the expert-parallel experts, all-reduced over edp (``experts``).
+
+    Expert gradients differ across ``ep_group`` (different experts) and are whole on every rank, so the
+    gradient norm adds their squares over ep (the dense ones over ``norm_group``), and checkpoints
+    gather them over ep.
+    """
+
+    def __init__(self, dense: GradSync, experts: DataParallel, ep_group: AxisGroup) -> None:
+        self.dense, self.experts, self.ep_group = dense, experts, ep_group
+        self.norm_group = dense.norm_group
+        self.always_sync = dense.always_sync
+        self._expert_ids = {id(op.tensor) for op in experts.optim_params()}
+
+    @property
+    def handles(self) -> list[comm.Handle]:
+        return self.dense.handles + self.experts.handles
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with self.dense.no_sync(), self.experts.no_sync():
+            yield
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return self.dense.forward_context()
+
+    def optim_params(self) -> list[OptimParam]:
+        return self.dense.optim_params() + self.experts.optim_params()
+
+    def is_expert(self, op: OptimParam) -> bool:
+        return id(op.tensor) in self._expert_ids
+
+    def finish_grads(self) -> None:
+        self.dense.finish_grads()
+        self.experts.finish_grads()
+
+    def after_step(self) -> None:
+        self.dense.after_step()  # experts are updated whole on every holder: nothing to bring
+
+    def zero_grad(self) -> None:
+        self.dense.zero_grad()
+        self.experts.zero_grad()
+
+    def grads(self) -> list[torch.Tensor]:
+        return self.dense.grads() + self.experts.grads()
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        return self.dense.param_tensors() + self.experts.param_tensors()
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return self.dense.grad_tensors() + self.experts.grad_tensors()
 
 
 def wrap(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, compute_dtype: torch.dtype = torch.float32) -> GradSync:
     """Apply the data-parallel member chosen by ``parallel.zero`` to ``model`` on ``mesh``.
 
     Gradients are reduced over dp x cp (context-parallel ranks hold the same weights too).
-    ZeRO-3 gathers parameters in ``compute_dtype``; everything else stays fp32.
+    ZeRO-3 gathers parameters in ``compute_dtype``; everything else stays fp32. Under expert
+    parallelism the experts are all-reduced over edp instead, beside the chosen member (``WithExperts``).
     """
+    experts = [(n, p) for n, p in model.named_parameters() if expert_index(n) is not None] \
+        if mesh.size("ep") > 1 else []
+    skip = frozenset(id(p) for _, p in experts)
     if cfg.zero == 0:
-        return DataParallel(model, mesh.group("dp", "cp"), cfg.bucket_mb)
-    if cfg.zero in (1, 2):
+        dense: GradSync = DataParallel(model, mesh.group("dp", "cp"), cfg.bucket_mb, exclude=skip)
+    elif cfg.zero in (1, 2):
         from meshtrain.parallel.zero import ZeroOptimizer
 
-        return ZeroOptimizer(model, mesh, stage=cfg.zero, layout=cfg.zero_layout)
-    from meshtrain.parallel.fsdp import FullyShardedDataParallel
+        dense = ZeroOptimizer(model, mesh, stage=cfg.zero, layout=cfg.zero_layout, exclude=skip)
+    else:
+        from meshtrain.parallel.fsdp import FullyShardedDataParallel
 
-    return FullyShardedDataParallel(model, mesh, reshard_after_forward=cfg.reshard_after_forward,
-                                    compute_dtype=compute_dtype)
+        dense = FullyShardedDataParallel(model, mesh, reshard_after_forward=cfg.reshard_after_forward,
+                                         compute_dtype=compute_dtype, exclude=skip)
+    if not experts:
+        return dense
+    return WithExperts(dense, DataParallel(model, mesh.group("edp"), cfg.bucket_mb, params=experts),
+                       mesh.group("ep"))

@@ -175,7 +175,7 @@ class FullyShardedDataParallel(GradSync):
     """ZeRO-3 over dp x cp (HSDP: sharded over dp_shard x cp, replicated over dp_replicate)."""
 
     def __init__(self, model: nn.Module, mesh: Mesh, reshard_after_forward: bool = True,
-                 compute_dtype: torch.dtype = torch.float32) -> None:
+                 compute_dtype: torch.dtype = torch.float32, exclude: frozenset[int] = frozenset()) -> None:
         self.model = model
         self.group = mesh.group("dp_shard", "cp")
         self.replicas = mesh.group("dp_replicate")
@@ -184,7 +184,7 @@ class FullyShardedDataParallel(GradSync):
         self.always_sync = True  # gradients are reduce-scattered as each unit's backward ends
         me = self.group.index(mesh.rank)
         self.units = [_ShardedUnit(u, model, self.group, me, compute_dtype, reshard_after_forward)
-                      for u in model_units(model)]
+                      for u in model_units(model, exclude)]
         self._by_storage: dict[int, _ShardedUnit] = {}
         for i, su in enumerate(self.units):
             nxt = self.units[i + 1] if i + 1 < len(self.units) else None

@@ -6,6 +6,10 @@ with this rank's part filled in: over the ZeRO shard group to rebuild the local 
 the tensor-parallel group to place the local slices in the logical tensor. Replicated layouts skip
 a stage. Loading cuts each rank's piece out of the full tensors. A checkpoint written by one layout
 therefore loads into any other.
+
+Under expert parallelism a routed expert is whole on the ranks that hold it (replicated over edp and,
+like the norms, over tp) and absent elsewhere: it skips both stages and is instead summed over the ep
+group (``sync.ep_group``), where exactly one rank holds it, zeros on the others.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 
 from meshtrain import comm
 from meshtrain.mesh import AxisGroup
+from meshtrain.model.moe import expert_index
 from meshtrain.parallel.data import GradSync
 from meshtrain.train.checkpoint import apply_optimizer_state
 from meshtrain.train.optim import OptimParam
@@ -47,6 +52,7 @@ def gather_state(sync: GradSync, optimizer: torch.optim.Optimizer, shapes: dict[
     """
     pieces = sync.optim_params()
     zgroup = sync.norm_group
+    ep_group = sync.ep_group if _active(sync.ep_group) else None
     by_name: dict[str, list[OptimParam]] = {}
     for op in pieces:
         by_name.setdefault(op.name, []).append(op)
@@ -56,7 +62,7 @@ def gather_state(sync: GradSync, optimizer: torch.optim.Optimizer, shapes: dict[
                                                    .items() if torch.is_tensor(v)}))
             for name, ops in by_name.items()}
     here: set[str] = set()
-    for g in (zgroup, pp_group):
+    for g in (zgroup, ep_group, pp_group):
         if g is pp_group:
             here = set(info)  # the tensors of this pipeline stage (known to the whole ZeRO group)
         if not _active(g):
@@ -83,8 +89,9 @@ def gather_state(sync: GradSync, optimizer: torch.optim.Optimizer, shapes: dict[
             v = value_of(op)
             if v is not None:
                 _piece_of(local, op).copy_(v)
-        if _active(zgroup):
-            comm.all_reduce(local, zgroup)
+        group = ep_group if ep_group is not None and expert_index(name) is not None else zgroup
+        if _active(group):
+            comm.all_reduce(local, group)
         if tp is None:
             return local
         full = torch.zeros(shape, dtype=torch.float32, device=device)
@@ -100,7 +107,7 @@ def gather_state(sync: GradSync, optimizer: torch.optim.Optimizer, shapes: dict[
             states = [optimizer.state[op.tensor][key] for op in by_name.get(name, []) if op.tensor in optimizer.state]
             if key == "step" or (states and states[0].dim() == 0):  # a counter, the same everywhere
                 value = torch.tensor(max([float(s) for s in states], default=0.0), device=device)
-                for g in (zgroup, pp_group):
+                for g in (zgroup, ep_group, pp_group):
                     if _active(g):
                         comm.all_reduce(value, g, op="max")
                 optim[f"{name}/{key}"] = value.cpu()

@@ -17,6 +17,12 @@ computed from the vocabulary shards with three small all-reduces (max, sum of ex
 so no rank ever holds the full logits. The vocabulary is padded to a multiple of tp; padded
 logits are masked out of the loss.
 
+Mixture-of-experts blocks keep their router and experts whole (expert-tensor-parallel size 1: TP for
+attention, EP for experts, as in DeepSeek-style layouts): the MoE block runs on the tokens the tp rank
+holds (its sequence shard under SP; without SP every tp rank holds the same tokens and computes the
+same thing), so its weights are replicated over tp like the norm weights, and their gradients are added
+(SP) or averaged over tp the same way.
+
 ``parallelize(model, mesh, sp)`` takes each rank's slice of the single-device weights, so the same
 seed gives the same model on any tp. Parameter names do not change; each local parameter carries
 its place in the logical tensor (``p._logical``) for checkpoints and the gradient norm.
@@ -34,6 +40,7 @@ from meshtrain import comm
 from meshtrain.config import ModelConfig
 from meshtrain.mesh import AxisGroup, Mesh
 from meshtrain.model.llama import Attention, Block, FeedForward, apply_rope
+from meshtrain.model.moe import MoEFeedForward
 from meshtrain.train.optim import TPSlice
 
 # ----------------------------------------------------------------------------- the f / g operators
@@ -377,7 +384,13 @@ def parallelize(model: nn.Module, mesh: Mesh, sp: bool = False) -> TensorParalle
     for block in model.layers.values():
         block: Block
         block.attention = ParallelAttention(block.attention, group, sp)
-        block.feed_forward = ParallelFeedForward(block.feed_forward, group, sp)
+        if isinstance(block.feed_forward, MoEFeedForward):  # experts are not split by tp: replicated
+            for name, p in block.feed_forward.named_parameters():
+                _place(p, tuple(p.shape), None, group.size)
+                if not name.startswith("experts."):  # routed experts may be pruned by EP: hold no reference
+                    replicated.append(p)
+        else:
+            block.feed_forward = ParallelFeedForward(block.feed_forward, group, sp)
         for norm in (block.attention_norm, block.ffn_norm):
             replicated.append(_place(norm.weight, tuple(norm.weight.shape), None, group.size))
     if sp:

@@ -25,12 +25,16 @@ class Unit:
         return sum(p.numel() for _, p in self.params)
 
 
-def model_units(model: nn.Module) -> list[Unit]:
-    """Units of a ``Llama`` (or of a pipeline stage of one) in forward order."""
+def model_units(model: nn.Module, exclude: frozenset[int] = frozenset()) -> list[Unit]:
+    """Units of a ``Llama`` (or of a pipeline stage of one) in forward order.
+
+    Parameters whose ``id`` is in ``exclude`` belong to no unit (expert-parallel experts, which are
+    synchronised over their own group: ``data.wrap``).
+    """
     names = {id(p): n for n, p in model.named_parameters()}
 
     def own(*modules: nn.Module) -> list[tuple[str, nn.Parameter]]:
-        seen, out = set(), []
+        seen, out = set(exclude), []
         for m in modules:
             for p in m.parameters():
                 if id(p) not in seen and p.requires_grad:
@@ -50,7 +54,7 @@ def model_units(model: nn.Module) -> list[Unit]:
         units.append(Unit("embedding+head", [emb, *head], own(emb, *head)))
     elif head:
         units.append(Unit("head", head, own(*head)))
-    covered = {id(p) for u in units for _, p in u.params}
+    covered = {id(p) for u in units for _, p in u.params} | exclude
     missing = [n for n, p in model.named_parameters() if id(p) not in covered and p.requires_grad]
     if missing:
         raise ValueError(f"parameters outside every sharding unit: {missing[:3]}")

@@ -86,7 +86,8 @@ class _FlatUnit:
 class ZeroOptimizer(GradSync):
     """ZeRO stage 1 or 2 over the mesh's dp x cp ranks (sharded over dp_shard x cp for HSDP)."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh, stage: int, layout: str = "flat") -> None:
+    def __init__(self, model: nn.Module, mesh: Mesh, stage: int, layout: str = "flat",
+                 exclude: frozenset[int] = frozenset()) -> None:
         if stage not in (1, 2) or layout not in ("flat", "per_tensor"):
             raise ValueError(f"ZeroOptimizer: stage must be 1 or 2 and layout flat or per_tensor, "
                              f"got {stage}, {layout}.")
@@ -97,7 +98,7 @@ class ZeroOptimizer(GradSync):
         self.handles = []
         self.always_sync = stage == 2  # stage 2 keeps no full gradient, so it sends every microbatch
         n, me = self.group.size, self.group.index(mesh.rank)
-        self.units = model_units(model)
+        self.units = model_units(model, exclude)
         self._unit_of = {id(p): i for i, u in enumerate(self.units) for _, p in u.params}
         self._pending = [0] * len(self.units)
         self._inflight: list[list[tuple]] = [[] for _ in self.units]

@@ -8,6 +8,7 @@ full T x T square, forward 2 matmuls x 2 FLOPs, backward twice forward).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -16,29 +17,43 @@ from meshtrain.config import ModelConfig
 
 @dataclass(frozen=True)
 class ParamCount:
-    """Parameter counts by part; ``total`` counts a tied embedding once."""
+    """Parameter counts by part; ``total`` counts a tied embedding once.
+
+    With a mixture of experts ``mlp`` counts the router and every expert (memory) and ``mlp_active`` the
+    router and the experts one token runs through, top_k routed + the shared ones (FLOPs); for a dense
+    model the two are equal.
+    """
 
     embedding: int
     attention: int  # per model, all layers
     mlp: int
     norms: int
     head: int
+    mlp_active: int = -1  # -1: the same as mlp (dense)
 
     @property
     def total(self) -> int:
         return self.embedding + self.attention + self.mlp + self.norms + self.head
 
     @property
+    def active_mlp(self) -> int:
+        return self.mlp if self.mlp_active < 0 else self.mlp_active
+
+    @property
     def matmul(self) -> int:
         """Parameters that take part in a matmul for every token (the head, not the embedding lookup)."""
-        return self.attention + self.mlp + self.head
+        return self.attention + self.active_mlp + self.head
 
 
 def param_count(cfg: ModelConfig) -> ParamCount:
-    """Exact parameter counts of ``meshtrain.model.Llama`` for this config."""
+    """Exact parameter counts of ``meshtrain.model.Llama`` for this config (MoE blocks included)."""
     d, hd, layers = cfg.d_model, cfg.head_dim, cfg.n_layers
     attn = d * cfg.n_heads * hd * 2 + d * cfg.kv_heads * hd * 2  # wq, wo; wk, wv
-    mlp = 3 * d * cfg.hidden_dim
+    mlp = active = 3 * d * cfg.hidden_dim
+    if cfg.moe_experts:  # router d x E, then SwiGLU experts: routed ones and the shared ones
+        expert = 3 * d * cfg.expert_hidden
+        mlp = d * cfg.moe_experts + (cfg.moe_experts + cfg.moe_shared_experts) * expert
+        active = d * cfg.moe_experts + (cfg.moe_top_k + cfg.moe_shared_experts) * expert
     embedding = cfg.vocab_size * d
     head = cfg.vocab_size * d
     return ParamCount(
@@ -47,13 +62,15 @@ def param_count(cfg: ModelConfig) -> ParamCount:
         mlp=layers * mlp,
         norms=(2 * layers + 1) * d,
         head=0 if cfg.tie_embeddings else head,
+        mlp_active=layers * active,
     )
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters used in a matmul per token; with tied embeddings the head still multiplies."""
+    """Parameters used in a matmul per token (MoE: the active ones); with tied embeddings the head still
+    multiplies."""
     pc = param_count(cfg)
-    return pc.attention + pc.mlp + cfg.vocab_size * cfg.d_model
+    return pc.attention + pc.active_mlp + cfg.vocab_size * cfg.d_model
 
 
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
@@ -200,7 +217,8 @@ def stage_part_flops(cfg: ModelConfig, seq_len: int) -> tuple[float, float, floa
     The embedding is a lookup (no matmul); the head is a d x V matmul plus a softmax over V.
     """
     pc = param_count(cfg)
-    block = 2.0 * (pc.attention + pc.mlp) / cfg.n_layers + attention_flops_per_token(cfg, seq_len) / cfg.n_layers
+    block = 2.0 * (pc.attention + pc.active_mlp) / cfg.n_layers + attention_flops_per_token(cfg, seq_len) \
+        / cfg.n_layers
     head = 2.0 * cfg.vocab_size * cfg.d_model + 5.0 * cfg.vocab_size
     return 0.0, block, head
 
@@ -247,13 +265,15 @@ def moe_param_count(cfg: ModelConfig, n_experts: int, top_k: int, n_shared: int 
     routed experts (each of hidden size ``expert_hidden``, default the dense hidden) plus ``n_shared``
     always-on experts and a d x E router. Active counts the experts a token runs through (top_k + shared).
 
-    The config has no MoE fields yet, so the counts are passed explicitly; with ``n_experts=1, top_k=1``
-    this is ``param_count(cfg).total`` plus the router.
+    The counts are passed explicitly (the planner explores them); ``cfg``'s own MoE fields are ignored. With
+    ``n_experts=1, top_k=1`` this is the dense ``param_count(cfg).total`` plus the router; with the config's
+    own fields it equals ``param_count`` of the MoE config (``tests/test_moe.py``) when ``moe_every=1``.
     """
     if n_experts < 1 or not 1 <= top_k <= n_experts:
         raise ValueError(f"need n_experts >= 1 and 1 <= top_k <= n_experts, got {n_experts}, {top_k}")
-    pc = param_count(cfg)
     fe = expert_hidden or cfg.hidden_dim
+    cfg = dataclasses.replace(cfg, moe_experts=0)
+    pc = param_count(cfg)
     expert = 3 * cfg.d_model * fe
     dense_mlp = pc.mlp // cfg.n_layers
     moe_layers = cfg.n_layers // moe_every

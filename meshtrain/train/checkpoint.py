@@ -160,6 +160,9 @@ def load_model_weights(path: Path, model: nn.Module) -> dict[str, Any]:
                 raise CheckpointError(f"{path}: {name} has shape {tuple(t.shape)} in the checkpoint but "
                                       f"{tuple(p.shape)} in the model: check the model config.")
             p.copy_(t)
+        for name, b in model.named_buffers():  # persistent state such as the MoE selection bias, when saved
+            if name in tensors and tensors[name].shape == b.shape:
+                b.copy_(tensors[name])
     return meta
 
 

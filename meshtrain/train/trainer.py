@@ -121,6 +121,11 @@ class Trainer:
             from meshtrain.parallel.context import apply_context_parallel
 
             self.cp = apply_context_parallel(self.model, self.mesh, t.seq_len, p.cp_layout, p.cp_attention)
+        self.moe = None
+        if cfg.model.moe_experts:  # after TP and CP (it needs their token split), before the pipeline split
+            from meshtrain.parallel.expert import apply_expert_parallel
+
+            self.moe = apply_expert_parallel(self.model, self.mesh, sp=p.sp, global_sequences=t.global_batch)
         self.pp_group = self.mesh.group("pp")
         self.pipeline = None
         if p.pp > 1:
@@ -179,7 +184,10 @@ class Trainer:
         if path is None:
             return  # nothing yet: a fresh start, so a restarted job can always pass resume=true
         meta = read_checkpoint_meta(path)
-        load_state(self.sync, self.optimizer, read_model_state(path), read_optimizer_state(path))
+        tensors = read_model_state(path)
+        load_state(self.sync, self.optimizer, tensors, read_optimizer_state(path))
+        if self.moe is not None:
+            self.moe.load_bias(tensors)
         restore_rng(path)
         self.step = int(meta["step"])
 
@@ -239,18 +247,30 @@ class Trainer:
         self.sync.after_step()
         self.sync.zero_grad()
         loss = comm.all_reduce_scalars([float(loss_total)], self.dp_group, device=self.device)[0]
-        return {"loss": loss, "lr": lr, "grad_norm": float(norm)}
+        rec = {"loss": loss, "lr": lr, "grad_norm": float(norm)}
+        if self.moe is not None:  # routing metrics of the step, and the aux-loss-free bias update
+            rec.update(self.moe.after_step())
+        return rec
 
     def grad_norm(self, pieces: list) -> torch.Tensor:
         """Global gradient norm: each rank's pieces, replicated ones counted once, summed over the
-        ZeRO shard group and the tensor-parallel group."""
-        plain = [op.tensor.grad for op in pieces if op.replicas == 1]
-        norm_sq = float(grad_norm_squared(plain)) if plain else 0.0
-        for r in sorted({op.replicas for op in pieces} - {1}):
-            norm_sq += float(grad_norm_squared([op.tensor.grad for op in pieces if op.replicas == r])) / r
-        groups = [g for g in (self.sync.norm_group, self.tp_group, self.pp_group) if g is not None and g.size > 1]
-        for g in groups:
-            norm_sq = comm.all_reduce_scalars([norm_sq], g, device=self.device)[0]
+        ZeRO shard group (expert-parallel experts: over the ep group) and the tensor-parallel group."""
+        def partial(ops: list, group) -> float:
+            plain = [op.tensor.grad for op in ops if op.replicas == 1]
+            norm_sq = float(grad_norm_squared(plain)) if plain else 0.0
+            for r in sorted({op.replicas for op in ops} - {1}):
+                norm_sq += float(grad_norm_squared([op.tensor.grad for op in ops if op.replicas == r])) / r
+            if group is not None and group.size > 1:
+                norm_sq = comm.all_reduce_scalars([norm_sq], group, device=self.device)[0]
+            return norm_sq
+
+        experts = [op for op in pieces if self.sync.is_expert(op)]
+        norm_sq = partial([op for op in pieces if not self.sync.is_expert(op)], self.sync.norm_group)
+        if experts:  # whole on every holder, different across ep, replicated across edp
+            norm_sq += partial(experts, self.sync.ep_group)
+        for g in (self.tp_group, self.pp_group):
+            if g.size > 1:
+                norm_sq = comm.all_reduce_scalars([norm_sq], g, device=self.device)[0]
         return torch.tensor(norm_sq, dtype=torch.float32).sqrt()
 
     @torch.no_grad()
@@ -283,6 +303,8 @@ class Trainer:
             return None
         # Collective under sharding: every rank takes part, rank 0 writes.
         params, optim = gather_state(self.sync, self.optimizer, self.shapes, self.tp_group, self.pp_group)
+        if self.moe is not None:  # the aux-loss-free selection bias is state too (a buffer, not a parameter)
+            params.update(self.moe.bias_state(self.pp_group))
         if not self.is_logger:
             return None
         params = {n: v for n, v in params.items() if n not in self.aliases}

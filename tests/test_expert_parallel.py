@@ -1,0 +1,169 @@
+"""Expert parallelism on real gloo processes, against the single-device run of the same MoE model.
+
+The tiny model with 4 experts per layer, top-2 routing, dropless, trained 5 steps on real stdlib text.
+Every layout must give the single-device run's routing (the tokens per expert of every layer and step,
+compared exactly), losses within 1e-5 relative and every parameter within 1e-5 relative (Frobenius),
+fp32; with the aux loss on (the default coefficient 0.01) and with aux-loss-free bias balancing on.
+One spawned group per world size runs every layout in turn.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from meshtrain.config import ConfigError, load_config
+from meshtrain.parallel.state import gather_state
+from meshtrain.testing.equivalence import assert_same_run, run_dir
+from meshtrain.testing.spawn import spawn
+from meshtrain.train.prepare import default_source_dir, prepare_data
+from meshtrain.train.trainer import Trainer
+
+pytestmark = pytest.mark.slow
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: one intra-op thread is fastest (two threads spin against each other on a busy 2-core box)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+STEPS = 5
+BASE = ["train.progress=false", "train.tensorboard=false", "train.peak_flops=1e11", f"train.steps={STEPS}",
+        "train.sample_tokens=0", "train.seq_len=32", "train.global_batch=8", "train.warmup_steps=2",
+        "model.moe_experts=4", "model.moe_top_k=2"]
+AUX: list[str] = []  # the default: moe_aux_loss_coef=0.01
+BIAS = ["model.moe_aux_loss_coef=0", "model.moe_bias_update_rate=0.01"]
+
+LAYOUTS_2 = [
+    ("ep2", ["parallel.ep=2", *AUX]),
+    ("ep2 bias", ["parallel.ep=2", *BIAS]),
+    ("ep2 accum full", ["parallel.ep=2", "train.grad_accum=2", "train.recompute=full", *AUX]),
+    ("ep2 zero3 selective", ["parallel.ep=2", "parallel.zero=3", "train.recompute=selective", *AUX]),
+    # ep=1: the experts are ordinary parameters of the data-parallel member, and replicated over tp.
+    ("ep1 dp2 zero3", ["parallel.zero=3", *AUX]),
+    ("ep1 tp2 sp", ["parallel.tp=2", "parallel.sp=true", *AUX]),
+]
+# A capacity is per local token group, so it depends on the layout: ep=2 must drop exactly what plain
+# data parallelism over the same two token groups drops.
+CAPACITY = ["model.moe_capacity_factor=1.0"]
+CAPACITY_2 = [("dp2 capacity", CAPACITY), ("ep2 capacity", ["parallel.ep=2", *CAPACITY])]
+LAYOUTS_4 = [
+    ("ep4 dp4", ["parallel.ep=4", *AUX]),
+    ("ep2 dp4 edp2", ["parallel.ep=2", *AUX]),
+    ("ep2 dp4 edp2 zero1 bias", ["parallel.ep=2", "parallel.zero=1", *BIAS]),
+    ("ep2 x tp2", ["parallel.ep=2", "parallel.tp=2", *AUX]),
+    ("ep2 x tp2 sp bias", ["parallel.ep=2", "parallel.tp=2", "parallel.sp=true", *BIAS]),
+    ("ep2 x tp2 sp", ["parallel.ep=2", "parallel.tp=2", "parallel.sp=true", *AUX]),
+    ("ep2 x pp2 1f1b", ["parallel.ep=2", "parallel.pp=2", "parallel.microbatches=2", *AUX]),
+    ("ep2 x pp2 zb-h1", ["parallel.ep=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.schedule=zb-h1",
+                         *AUX]),
+]
+
+
+def _run(data, overrides, out=None):
+    trainer = Trainer(load_config("tiny", [f"data.path={data}", *BASE, *overrides]), out)
+    records = trainer.train()
+    params, _ = gather_state(trainer.sync, trainer.optimizer, trainer.shapes, trainer.tp_group, trainer.pp_group)
+    return {"losses": [r["loss"] for r in records], "params": params, "loads": [r["expert_load"] for r in records],
+            "aux": [r["aux_loss"] for r in records], "grad_norm": [r["grad_norm"] for r in records],
+            "dropped": [r.get("moe_dropped") for r in records]}
+
+
+def _worker(rank, world_size, data, layouts):
+    out = {}
+    for name, overrides in layouts:
+        res = _run(data, overrides, run_dir(data, world_size, name))
+        out[name] = res if rank == 0 else None
+    return out
+
+
+def _assert_equal(name, got, ref):
+    assert got["loads"] == ref["loads"], f"{name}: routing differs: {got['loads']} vs {ref['loads']}"
+    assert got["aux"] == pytest.approx(ref["aux"], rel=1e-5), name
+    assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), name  # experts counted once
+    assert_same_run(name, (got["losses"], got["params"]), (ref["losses"], ref["params"]))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("epdata") / "stdlib"
+    prepare_data(default_source_dir(), out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def reference(data):
+    return {"aux": _run(data, AUX), "bias": _run(data, BIAS)}
+
+
+def _ref(reference, overrides):
+    return reference["bias" if overrides[-1] == BIAS[-1] else "aux"]
+
+
+def test_reference_runs_route_and_balance(reference):
+    aux, bias = reference["aux"], reference["bias"]
+    tokens = 8 * 32 * 2  # global batch x seq_len x top_k assignments per layer and step
+    assert all(sum(layer) == tokens for step in aux["loads"] for layer in step)
+    assert aux["aux"][0] == pytest.approx(2 * 0.01, rel=0.05)  # two layers, aux_s close to 1 near balance
+    assert bias["aux"] == [0.0] * STEPS
+    assert bias["loads"][0] == aux["loads"][0]  # the bias starts at zero ...
+    assert bias["loads"][1:] != aux["loads"][1:]  # ... then changes which experts are chosen
+
+
+def test_expert_parallel_on_2_ranks_equals_one_device(data, reference):
+    results = spawn(_worker, 2, args=(data, LAYOUTS_2 + CAPACITY_2), timeout=600)[0]
+    for name, overrides in LAYOUTS_2:
+        _assert_equal(name, results[name], _ref(reference, overrides))
+    ep, dp = results["ep2 capacity"], results["dp2 capacity"]
+    assert all(d > 0 for d in dp["dropped"]) and ep["dropped"] == dp["dropped"], (ep["dropped"], dp["dropped"])
+    _assert_equal("ep2 capacity vs dp2 capacity", ep, dp)
+
+
+def test_expert_parallel_on_4_ranks_equals_one_device(data, reference):
+    results = spawn(_worker, 4, args=(data, LAYOUTS_4), timeout=900)[0]
+    for name, overrides in LAYOUTS_4:
+        _assert_equal(name, results[name], _ref(reference, overrides))
+
+
+def test_bad_expert_options_are_refused():
+    with pytest.raises(ConfigError, match="the model has none"):
+        load_config("tiny", ["parallel.ep=2"])
+    with pytest.raises(ConfigError, match="parallel.ep=3 must divide model.moe_experts=4"):
+        load_config("tiny", ["parallel.ep=3", "model.moe_experts=4"])
+
+
+def _train_until(rank, world_size, data, out, overrides, until):
+    cfg = load_config("tiny", [f"data.path={data}", *BASE, "train.steps=6", "train.ckpt_every=3", *overrides])
+    return [r["loss"] for r in Trainer(cfg, out).train(until=until)]
+
+
+def test_checkpoint_from_ep2_resumes_on_one_device(data, tmp_path):
+    """ep=2 writes logical tensors (every expert, and the aux-free bias); one process (ep=1) resumes them:
+    the losses are those of the uninterrupted single-device run."""
+    both = ["model.moe_bias_update_rate=0.01"]  # aux loss and bias balancing together
+    full = _train_until(0, 1, data, None, both, None)
+    out = str(tmp_path / "run")
+    first = spawn(_train_until, 2, args=(data, out, ["parallel.ep=2", *both], 4), timeout=300)[0]
+    rest = _train_until(0, 1, data, out, [*both, "train.resume=true"], None)
+    assert first == pytest.approx(full[:4], rel=1e-5)
+    assert rest == pytest.approx(full[3:], rel=1e-5)  # resumed from the step-3 checkpoint
+
+
+def test_cli_ep2_matches_one_process(data, tmp_path):
+    def run(out, *extra):
+        args = [sys.executable, "-m", "meshtrain.cli", "train", "--config", "tiny", "--out", str(out),
+                f"data.path={data}", *BASE, *extra]
+        r = subprocess.run(args, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], r.stdout
+
+    one, _ = run(tmp_path / "one")
+    two, out = run(tmp_path / "two", "--nproc", "2", "parallel.ep=2")
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+    assert [r["expert_load"] for r in two] == [r["expert_load"] for r in one]
+    assert "ep=2" in out
