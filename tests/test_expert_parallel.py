@@ -16,7 +16,7 @@ import torch
 
 from meshtrain.config import ConfigError, load_config
 from meshtrain.parallel.state import gather_state
-from meshtrain.testing.equivalence import assert_same_run, run_dir
+from meshtrain.testing.equivalence import assert_planner_predicts_runs, assert_same_run, run_dir
 from meshtrain.testing.spawn import spawn
 from meshtrain.train.prepare import default_source_dir, prepare_data
 from meshtrain.train.trainer import Trainer
@@ -167,3 +167,9 @@ def test_cli_ep2_matches_one_process(data, tmp_path):
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
     assert [r["expert_load"] for r in two] == [r["expert_load"] for r in one]
     assert "ep=2" in out
+
+
+def test_planner_predicts_every_expert_parallel_run(data):
+    """Each run folder above: the planner's bytes per rank (ep all-to-alls summed per ep group, since what a
+    rank's experts receive depends on routing) and state per rank match what the run measured."""
+    assert_planner_predicts_runs(data)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -361,3 +362,21 @@ def test_tokens_parsing_and_days():
         planner.parse_tokens("lots")
     assert costs.days_for_tokens(15e12, 4 * 2**20, 3.0) == pytest.approx(15e12 / 4 / 2**20 * 3 / 86400)
     assert math.isclose(costs.step_mfu(1e15, 10, 1e14, 2.0), 0.5)
+
+
+def test_expert_parallel_layouts_for_a_mixture_of_experts():
+    """Mixtral-8x7B on 64 H100s: the search tries ep over dp x cp; ep shards the experts' state and adds the
+    dispatch/combine all-to-alls to the critical path; dense models never get ep."""
+    cfg = load_config("mixtral-8x7b")
+    problem = planner.Problem(cfg.model, 4096, planner.parse_tokens("4M") // 4096, get_hardware("h100"), 8,
+                              model_name="mixtral-8x7b")
+    eps = {lay.ep for lay in planner.candidate_layouts(problem)}
+    assert eps == {1, 2, 4, 8}
+    base = planner.Layout(dp=64, zero=1, microbatches=16, recompute="full")
+    one, two, eight = (planner.evaluate(problem, replace(base, ep=e), with_collectives=True) for e in (1, 2, 8))
+    assert one.step.ep == 0 and "experts" not in one.memory
+    assert eight.memory["experts"] == pytest.approx(two.memory["experts"] / 4)
+    assert eight.memory["params"] < one.memory["params"] / 5  # the dense rest is small: experts dominate
+    assert eight.step.ep > 0 and any(c.axis == "ep" and c.op == "all_to_all" for c in eight.collectives)
+    dense = planner.Problem(load_config("llama3-8b").model, 8192, 512, get_hardware("h100"), 8)
+    assert {lay.ep for lay in planner.candidate_layouts(dense)} == {1}

@@ -184,6 +184,10 @@ class ParallelAttention(nn.Module):
     """GQA attention on this rank's heads: fused QKV (one matmul over the concatenated column shards
     of wq, wk, wv, one entry collective), RoPE, causal SDPA, row-parallel output projection."""
 
+    # The plain model's method, not a bound one (that would keep the unsliced Attention alive);
+    # context parallelism replaces it per instance.
+    attend = Attention.attend
+
     def __init__(self, attn: Attention, group: AxisGroup, sp: bool) -> None:
         super().__init__()
         tp, r = group.size, group.index(torch.distributed.get_rank()) if group.size > 1 else 0
@@ -199,7 +203,6 @@ class ParallelAttention(nn.Module):
         self.wq, self.wk, self.wv = col(attn.wq, q_rows), col(attn.wk, kv_rows), col(attn.wv, kv_rows)
         self.wo = RowParallelLinear(_cols(attn.wo.weight, r * q_rows, q_rows), group, sp, r * q_rows,
                                     tuple(attn.wo.weight.shape))
-        self.attend = attn.attend  # context parallelism replaces this one method
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = self.wq.enter(x)  # one collective serves q, k and v

@@ -16,36 +16,54 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.config import Config, ModelConfig, resolve_dp, update_from_dict
-from meshtrain.plan.costs import dp_comm_bytes, dp_state_bytes, pp_p2p_bytes, tp_comm_bytes
+from meshtrain.plan.costs import (
+    cp_comm_bytes,
+    dp_comm_bytes,
+    dp_state_bytes,
+    ep_comm_bytes,
+    expert_params_per_rank,
+    pp_p2p_bytes,
+    tp_comm_bytes,
+)
 
 
-def _unit_layouts(cfg: ModelConfig, tp: int, layers: list[int], first: bool, last: bool
+def _unit_layouts(cfg: ModelConfig, tp: int, layers: list[int], first: bool, last: bool, ep: int = 1
                   ) -> list[list[tuple[int, bool]]]:
-    """Each unit of one tensor-parallel rank as its parameters in order: (numel, is a replicated norm)."""
+    """Each unit of one tensor-parallel rank as its parameters in order: (numel, replicated over tp).
+
+    Norm weights are replicated over tp; so is a mixture-of-experts block's router and experts (not split
+    by tp). Under expert parallelism (ep > 1) the routed experts belong to no unit (they are all-reduced
+    over edp on their own)."""
     d, hd = cfg.d_model, cfg.head_dim
     q, kv, hidden = cfg.n_heads * hd // tp, cfg.kv_heads * hd // tp, cfg.hidden_dim // tp
     emb = math.ceil(cfg.vocab_size / tp) * d  # the vocabulary is padded to a multiple of tp
-    block = [(d, True), (q * d, False), (kv * d, False), (kv * d, False), (d * q, False), (d, True),
-             (hidden * d, False), (hidden * d, False), (d * hidden, False)]
+    block = [(d, True), (q * d, False), (kv * d, False), (kv * d, False), (d * q, False), (d, True)]
+    if cfg.moe_experts:
+        expert = [(cfg.expert_hidden * d, True)] * 3
+        block += [(cfg.moe_experts * d, True)] + (expert * cfg.moe_experts if ep == 1 else [])
+        if cfg.moe_shared_experts:
+            block += [(cfg.moe_shared_experts * cfg.expert_hidden * d, True)] * 3
+    else:
+        block += [(hidden * d, False), (hidden * d, False), (d * hidden, False)]
     if cfg.tie_embeddings:
         return [block] * len(layers) + ([[(emb, False), (d, True)]] if first or last else [])
     return ([[(emb, False)]] if first else []) + [block] * len(layers) + ([[(d, True), (emb, False)]] if last else [])
 
 
 def local_units(cfg: ModelConfig, tp: int, layers: list[int] | None = None, first: bool = True,
-                last: bool = True) -> list[int]:
+                last: bool = True, ep: int = 1) -> list[int]:
     """Parameters per sharding unit held by one tensor-parallel rank (vocabulary padded to a
     multiple of tp), for the given blocks and with the embedding / head if this rank has them."""
     layers = list(range(cfg.n_layers)) if layers is None else layers
-    return [sum(n for n, _ in u) for u in _unit_layouts(cfg, tp, layers, first, last)]
+    return [sum(n for n, _ in u) for u in _unit_layouts(cfg, tp, layers, first, last, ep)]
 
 
 def norm_elems_held(cfg: ModelConfig, tp: int, layers: list[int], first: bool, last: bool, zero: int,
-                    n: int, k: int) -> int:
-    """Replicated norm-weight elements in this rank's optimizer pieces: all of them without ZeRO, else
+                    n: int, k: int, ep: int = 1) -> int:
+    """Replicated (over tp) elements in this rank's optimizer pieces: all of them without ZeRO, else
     those inside shard k of n of each flat unit (the tensor-parallel all-reduce covers exactly these)."""
     total = 0
-    for unit in _unit_layouts(cfg, tp, layers, first, last):
+    for unit in _unit_layouts(cfg, tp, layers, first, last, ep):
         size = sum(numel for numel, _ in unit)
         lo, hi = (0, size) if zero == 0 else (k * -(-size // n), (k + 1) * -(-size // n))
         off = 0
@@ -89,26 +107,63 @@ def predict_rank(cfg: Config, world_size: int, coords: dict[str, int]) -> tuple[
         layers = [i for s in mine for i in part.layers[s]]
         first, last = 0 in mine, schedule.n_stages - 1 in mine
     layers = list(range(m.n_layers)) if layers is None else layers
-    units = local_units(m, p.tp, layers, first, last)
+    units = local_units(m, p.tp, layers, first, last, p.ep)
+    ndp = dp * p.cp  # gradients are reduced over dp x cp (HSDP shards over dp_shard x cp)
+    shard = p.dp_shard * p.cp if p.dp_shard else 0
     out: dict[tuple[str, str], int] = {}
-    out.update(dp_comm_bytes(m, p.zero, dp, grad_accum=t.grad_accum, layout=p.zero_layout, dp_shard=p.dp_shard,
+    out.update(dp_comm_bytes(m, p.zero, ndp, grad_accum=t.grad_accum, layout=p.zero_layout, dp_shard=shard,
                              compute_bytes=compute_bytes, reshard_after_forward=p.reshard_after_forward,
                              units=units))
     rows = t.global_batch // dp
     micro = p.microbatches if p.pp > 1 else t.grad_accum
-    tokens = rows // micro * t.seq_len
+    tokens = rows // micro * t.seq_len // p.cp  # this rank's tokens of one microbatch
+    moe_layers = len(layers) if m.moe_experts else 0
+    experts = expert_params_per_rank(m, p.ep, moe_layers) if p.ep > 1 else 0
     if p.tp > 1:
         if p.zero in (1, 2) and p.zero_layout == "per_tensor":
             raise ValueError("tp bytes with per-tensor ZeRO depend on which rank owns each norm; not modelled")
-        n = p.dp_shard or dp
-        norms = norm_elems_held(m, p.tp, layers, first, last, p.zero, n, coords["dp"] % n)
+        n = shard or ndp
+        k = coords["dp"] % (p.dp_shard or dp) * p.cp + coords["cp"]  # this rank's index in the shard group
+        norms = norm_elems_held(m, p.tp, layers, first, last, p.zero, n, k, p.ep) + experts
         out.update(tp_comm_bytes(m, p.tp, p.sp, tokens, grad_accum=micro, act_bytes=4, layers=len(layers),
                                  embedding=first, head=last, norm_elems=norms,
-                                 recompute=t.recompute != "none"))
+                                 recompute=t.recompute != "none", mlp_tp=not m.moe_experts))
+    _add(out, cp_comm_bytes(m, p.cp, p.tp, tokens, p.cp_attention, len(layers), micro, compute_bytes,
+                            t.recompute != "none"))
     if schedule is not None:
         out.update(pipeline_rank_p2p(schedule, coords["pp"], pp_p2p_bytes(tokens, m.d_model, p.tp, p.sp)))
-    state = dp_state_bytes(m, p.zero, dp, dp_shard=p.dp_shard, units=units)
+    if moe_layers:
+        _add(out, _moe_bytes(cfg, dp, tokens, micro, moe_layers, experts, compute_bytes))
+    state = dp_state_bytes(m, p.zero, ndp, dp_shard=shard, units=units)
+    if experts:  # whole on every holder: fp32 parameters and gradients, AdamW's two moments
+        state = {"params": state["params"] + 4 * experts, "grads": state["grads"] + 4 * experts,
+                 "optim": state["optim"] + 8 * experts}
     return out, state
+
+
+def _add(out: dict[tuple[str, str], int], more: dict[tuple[str, str], int]) -> None:
+    for k, v in more.items():
+        if v:
+            out[k] = out.get(k, 0) + v
+
+
+def _moe_bytes(cfg: Config, dp: int, tokens: int, micro: int, layers: int, experts: int, compute_bytes: int
+               ) -> dict[tuple[str, str], int]:
+    """A rank's mixture-of-experts traffic per step: the ep all-to-alls (balanced routing; exact summed over
+    each ep group), the experts' gradient all-reduce over edp, and the aux loss's per-sequence expert counts
+    summed over the ranks that split each sequence (cp, and tp under SP)."""
+    p, t, m = cfg.parallel, cfg.train, cfg.model
+    block_tokens = tokens // (p.tp if p.sp else 1)
+    out = {("ep", "all_to_all"): micro * layers * ep_comm_bytes(block_tokens, m, p.ep, compute_bytes,
+                                                                t.recompute != "none")}
+    edp = dp * p.cp // p.ep
+    if p.ep > 1 and edp > 1:
+        out[("edp", "all_reduce")] = 4 * experts
+    split = [a for a, n in (("cp", p.cp), ("tp", p.tp if p.sp else 1)) if n > 1]
+    if split and m.moe_aux_loss_coef > 0:
+        rows = t.global_batch // dp // micro
+        out[("_".join(split), "all_reduce")] = micro * layers * rows * m.moe_experts * 4
+    return out
 
 
 def check_run(run_dir: str | Path) -> tuple[str, bool, bool]:
@@ -127,12 +182,19 @@ def check_run(run_dir: str | Path) -> tuple[str, bool, bool]:
     lines = [f"run {run}: {world} ranks, step {measured['step']}",
              f"{'rank':>4}  {'axis/op':<28} {'predicted':>14} {'measured':>14}  match"]
     exact = memory_ok = True
+    groups: dict[tuple, list[int]] = {}  # the ep all-to-all depends on routing: compared per ep group
     for r in measured["ranks"]:
         pred, state = predict_rank(cfg, world, r["coords"])
         keys = sorted(set(pred) | {tuple(k.split("/")) for k in r["bytes"]})
         for axis, op in keys:
             want = pred.get((axis, op), 0)
             got = r["bytes"].get(f"{axis}/{op}", 0)
+            if (axis, op) == ("ep", "all_to_all"):
+                c = r["coords"]
+                g = groups.setdefault((c["pp"], c["tp"], c["edp"]), [0, 0])
+                g[0], g[1] = g[0] + want, g[1] + got
+                lines.append(f"{r['rank']:>4}  {axis + '/' + op:<28} {want:>14,} {got:>14,}  (routing; group below)")
+                continue
             exact &= want == got
             mark = "yes" if want == got else "NO"
             lines.append(f"{r['rank']:>4}  {axis + '/' + op:<28} {want:>14,} {got:>14,}  {mark}")
@@ -142,4 +204,10 @@ def check_run(run_dir: str | Path) -> tuple[str, bool, bool]:
             memory_ok &= ok
             lines.append(f"{r['rank']:>4}  {'memory/' + kind:<28} {want:>14,.0f} {got:>14,}  "
                          f"{'within 5%' if ok else 'NO'}")
+    capped = cfg.model.moe_capacity_factor > 0  # dropped rows are not sent: the prediction is then a bound
+    for (pp, tp, edp), (want, got) in sorted(groups.items()):
+        ok = got <= want if capped else want == got
+        exact &= ok
+        lines.append(f"ep group pp={pp} tp={tp} edp={edp}: ep/all_to_all summed {want:,} predicted"
+                     f"{' (at most, capacity drops)' if capped else ''}, {got:,} measured  {'yes' if ok else 'NO'}")
     return "\n".join(lines), exact, memory_ok

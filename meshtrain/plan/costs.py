@@ -169,7 +169,8 @@ def dp_state_bytes(cfg: ModelConfig, zero: int, dp: int, dp_shard: int = 0, opti
 
 def tp_comm_bytes(cfg: ModelConfig, tp: int, sp: bool, tokens: int, grad_accum: int = 1, act_bytes: int = 4,
                   layers: int | None = None, embedding: bool = True, head: bool = True,
-                  norm_elems: int | None = None, recompute: bool = False) -> dict[tuple[str, str], int]:
+                  norm_elems: int | None = None, recompute: bool = False, mlp_tp: bool = True
+                  ) -> dict[tuple[str, str], int]:
     """Payload bytes per rank per step on the tp axis (meshtrain/parallel/tensor.py).
 
     ``tokens`` is the tokens of one microbatch on this rank (rows x seq_len); S = tokens x d_model x
@@ -188,19 +189,25 @@ def tp_comm_bytes(cfg: ModelConfig, tp: int, sp: bool, tokens: int, grad_accum: 
     the last activation backward needs, which is the input of its final matmul: the two entry
     collectives and the attention's exit collective repeat, the MLP's exit does not. So per block
     and microbatch: SP adds 2 all-gathers and 1 reduce-scatter, no SP adds 1 all-reduce.
+
+    ``mlp_tp=False`` is a mixture-of-experts model: its MoE blocks are not split by tp (each tp rank runs
+    them on the tokens it holds), so only the attention's collectives remain (2 per block and
+    microbatch instead of 4; under recompute SP repeats 1 all-gather, not 2). The router and the experts
+    then count as replicated weights in ``norm_elems``.
     """
     if tp == 1:
         return {}
     n_layers = cfg.n_layers if layers is None else layers
     s = tokens * cfg.d_model * act_bytes
-    count = 4 * n_layers + (1 if embedding else 0) + (1 if head else 0)  # collectives per microbatch
+    per_block = 4 if mlp_tp else 2
+    count = per_block * n_layers + (1 if embedding else 0) + (1 if head else 0)  # collectives per microbatch
     loss = 3 * 4 * tokens if head else 0
     if norm_elems is None:
         norm_elems = (2 * n_layers + (1 if head else 0)) * cfg.d_model
     norms = norm_elems * 4
     again = n_layers if recompute else 0
     if sp:
-        out = {("tp", "all_gather"): grad_accum * (count + 2 * again) * s,
+        out = {("tp", "all_gather"): grad_accum * (count + (2 if mlp_tp else 1) * again) * s,
                ("tp", "reduce_scatter"): grad_accum * (count + again) * s,
                ("tp", "all_reduce"): grad_accum * loss + norms}
     else:
@@ -554,6 +561,25 @@ def cp_ring_bytes(tokens: int, cfg: ModelConfig, cp: int, tp: int = 1, act_bytes
     return {"fwd": (cp - 1) * kv, "bwd": 2 * (cp - 1) * kv}
 
 
+def cp_comm_bytes(cfg: ModelConfig, cp: int, tp: int, tokens: int, attention: str = "ring", layers: int = 1,
+                  micro: int = 1, kv_bytes: int = 4, recompute: bool = False) -> dict[tuple[str, str], int]:
+    """Payload bytes per rank per step on the cp axis (meshtrain/parallel/context.py), ``tokens`` = this rank's
+    tokens of one microbatch (1/cp of each sequence), kv = its stacked K and V (kv heads / tp).
+
+    Ring: forward sends (and receives) K/V cp-1 times; backward passes K/V round again and the dK/dV
+    accumulators (fp32) cp-1 hops home. All-gather: one all-gather of K/V forward, one reduce-scatter of
+    dK/dV (fp32) backward. Recompute reruns the forward's transfers."""
+    if cp <= 1:
+        return {}
+    kv = 2 * tokens * (cfg.kv_heads // tp) * cfg.head_dim
+    n = layers * micro
+    if attention == "ring":
+        b = n * (cp - 1) * kv * ((3 if recompute else 2) * kv_bytes + 4)
+        return {("cp", "send"): b, ("cp", "recv"): b}
+    return {("cp", "all_gather"): n * cp * kv * kv_bytes * (2 if recompute else 1),
+            ("cp", "reduce_scatter"): n * cp * kv * 4}
+
+
 def ep_all_to_all_bytes(tokens: int, d_model: int, top_k: int, ep: int, act_bytes: int = 2) -> dict[str, int]:
     """Expert parallelism per MoE layer per microbatch: dispatch and combine all-to-alls of
     tokens x top_k x D (forward), and the same two for the gradients in backward (payload per rank)."""
@@ -561,6 +587,26 @@ def ep_all_to_all_bytes(tokens: int, d_model: int, top_k: int, ep: int, act_byte
         return {"fwd": 0, "bwd": 0}
     s = tokens * top_k * d_model * act_bytes
     return {"fwd": 2 * s, "bwd": 2 * s}
+
+
+def ep_comm_bytes(tokens: int, cfg: ModelConfig, ep: int, act_bytes: int = 4, recompute: bool = False) -> int:
+    """All-to-all payload bytes of one rank per MoE layer per microbatch under expert parallelism
+    (meshtrain/parallel/expert.py), with ``tokens`` = the tokens the rank's block sees (1/cp of each sequence,
+    1/tp more under SP): the per-expert counts (E int64), the dispatched rows (tokens x top_k x D), the rows
+    its experts send back, and in backward the same two row exchanges reversed. What a rank's experts
+    receive depends on the routing; summed over the ep group it is the group's tokens x top_k, so the
+    group's total is exactly ep times this balanced figure (dropless routing). Recompute repeats the forward
+    three."""
+    if ep <= 1:
+        return 0
+    rows = tokens * cfg.moe_top_k * cfg.d_model * act_bytes
+    counts = 8 * cfg.moe_experts
+    return counts + 4 * rows + ((counts + 2 * rows) if recompute else 0)
+
+
+def expert_params_per_rank(cfg: ModelConfig, ep: int, layers: int) -> int:
+    """Routed-expert parameters one expert-parallel rank holds (E/ep whole experts in each MoE layer)."""
+    return layers * cfg.moe_experts // ep * 3 * cfg.d_model * cfg.expert_hidden
 
 
 # ----------------------------------------------------------------------------- compute time
@@ -693,6 +739,7 @@ class StepTime:
     compute: float = 0.0  # matmuls and attention, recomputation included
     tp: float = 0.0  # TP/SP collectives (critical path)
     cp: float = 0.0  # ring-attention transfers not hidden behind attention
+    ep: float = 0.0  # expert-parallel all-to-alls (dispatch and combine: critical path)
     p2p: float = 0.0  # pipeline sends on the critical path (inside the simulated makespan)
     bubble: float = 0.0  # pipeline idle time
     dp: float = 0.0  # data-parallel / ZeRO communication not hidden behind compute
@@ -700,11 +747,11 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp + self.cp + self.p2p + self.bubble + self.dp + self.optimizer
+        return self.compute + self.tp + self.cp + self.ep + self.p2p + self.bubble + self.dp + self.optimizer
 
     @property
     def communication(self) -> float:
-        return self.tp + self.cp + self.p2p + self.dp
+        return self.tp + self.cp + self.ep + self.p2p + self.dp
 
     def bound(self) -> str:
         """What dominates besides useful compute: 'compute' unless communication or the bubble costs more

@@ -23,6 +23,7 @@ The step-time model, per optimizer step on the critical rank:
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -42,9 +43,11 @@ from meshtrain.plan.costs import (
     collective_time,
     cp_ring_bytes,
     dp_family_bytes,
+    ep_all_to_all_bytes,
     exposed,
     flops_per_token,
     layer_compute_time,
+    param_count,
     pp_p2p_bytes,
     stage_part_flops,
     state_bytes,
@@ -129,6 +132,8 @@ class Layout:
             parts.append(f"tp{self.tp}" + ("+sp" if self.sp else ""))
         if self.cp > 1:
             parts.append(f"cp{self.cp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         if self.pp > 1:
             sched = self.schedule + (f"(v{self.virtual})" if self.virtual > 1 else "")
             parts.append(f"pp{self.pp} {sched} m{self.microbatches}")
@@ -278,16 +283,32 @@ def _calls_time(op: str, total_bytes: float, calls: int, link: Link) -> float:
     return calls * collective_time(op, total_bytes / calls, link) if total_bytes > 0 else 0.0
 
 
-def _rank_units(cfg: ModelConfig, tp: int, blocks: int, first: bool, last: bool) -> list[int]:
+def _rank_units(cfg: ModelConfig, tp: int, blocks: int, first: bool, last: bool, ep: int = 1) -> list[int]:
     """Parameters per sharding unit on one rank: its blocks split tp ways (norms replicated), the embedding
-    and the head + final norm (vocabulary split tp ways) when this rank holds the first / last stage."""
+    and the head + final norm (vocabulary split tp ways) when this rank holds the first / last stage.
+    Mixture-of-experts blocks keep their router and experts whole (not split by tp); under expert
+    parallelism the routed experts belong to no unit (``_rank_experts``)."""
     d = cfg.d_model
     block = (block_params(cfg) - 2 * d) // tp + 2 * d
+    if cfg.moe_experts:
+        pc = param_count(cfg)
+        moe = pc.mlp // cfg.n_layers
+        block = pc.attention // cfg.n_layers // tp + 2 * d + moe - (_expert_numel(cfg) * cfg.moe_experts
+                                                                   if ep > 1 else 0)
     emb = -(-cfg.vocab_size // tp) * d
     units = [block] * blocks
     if cfg.tie_embeddings and first and last:
         return units + [emb + d]
     return ([emb] if first else []) + units + ([emb + d] if last else [])
+
+
+def _expert_numel(cfg: ModelConfig) -> int:
+    return 3 * cfg.d_model * cfg.expert_hidden
+
+
+def _rank_experts(cfg: ModelConfig, ep: int, blocks: int) -> int:
+    """Routed-expert parameters one rank holds under expert parallelism (E/ep per MoE block), else 0."""
+    return blocks * cfg.moe_experts // ep * _expert_numel(cfg) if cfg.moe_experts and ep > 1 else 0
 
 
 def evaluate(problem: Problem, layout: Layout, with_collectives: bool = False) -> Estimate:
@@ -333,6 +354,22 @@ def evaluate(problem: Problem, layout: Layout, with_collectives: bool = False) -
     if lay.recompute == "full":
         tp_b += tp_f  # the recomputed forward repeats its collectives
 
+    if cfg.moe_experts and tp > 1 and not lay.sp:
+        # MoE blocks are not split by tp: without SP every tp rank runs them on the same tokens.
+        t_layer += t * 2.0 * param_count(cfg).active_mlp / cfg.n_layers * (1 - 1 / tp) / (C * eff)
+        stage_f = [blocks[s] * t_layer + (t_head if s == n_stages - 1 else 0.0) for s in range(n_stages)]
+        f_c = max(stage_f)
+        b_c = 2 * f_c + (f_c if lay.recompute == "full" else 0.0)
+
+    # --- expert parallelism: dispatch and combine all-to-alls on the critical path, per MoE block
+    ep_link = _link(hw, lay.ep, tp, 1)
+    a2a = ep_all_to_all_bytes(t // (tp if lay.sp else 1), d, cfg.moe_top_k, lay.ep, prec.act) \
+        if cfg.moe_experts else {"fwd": 0, "bwd": 0}
+    ep_f = layers_max * collective_time("all_to_all", a2a["fwd"], ep_link) if a2a["fwd"] else 0.0
+    ep_b = layers_max * collective_time("all_to_all", a2a["bwd"], ep_link) if a2a["bwd"] else 0.0
+    if lay.recompute == "full":
+        ep_b += ep_f
+
     # --- context parallelism: ring transfers hidden behind attention where they fit
     cp_link = _link(hw, cp, tp, 1)
     ring = cp_ring_bytes(t, cfg, cp, tp, prec.act)
@@ -341,8 +378,8 @@ def evaluate(problem: Problem, layout: Layout, with_collectives: bool = False) -
     cp_b = layers_max * max(0.0, collective_time("send", ring["bwd"], cp_link) - 2 * attn_f) if cp > 1 else 0.0
 
     # One stage action (one chunk of layers, one microbatch); a rank runs v chunks per microbatch.
-    F = f_c + tp_f + cp_f
-    B = b_c + tp_b + cp_b
+    F = f_c + tp_f + cp_f + ep_f
+    B = b_c + tp_b + cp_b + ep_b
     step = StepTime()
     p2p_t = 0.0
     peaks = [1] * pp
@@ -361,13 +398,14 @@ def evaluate(problem: Problem, layout: Layout, with_collectives: bool = False) -
     step.compute = mc * v * (f_c + b_c) * scale
     step.tp = mc * v * (tp_f + tp_b) * scale
     step.cp = mc * v * (cp_f + cp_b) * scale
+    step.ep = mc * v * (ep_f + ep_b) * scale
 
     # --- data-parallel family over dp x cp (the runtime's dp_cp / dp_shard_cp / dp_replicate groups)
-    first_units = _rank_units(cfg, tp, blocks[0] if pp > 1 else cfg.n_layers, True, pp == 1)
-    last_units = _rank_units(cfg, tp, blocks[-1], False, True) if pp > 1 else first_units
+    first_units = _rank_units(cfg, tp, blocks[0] if pp > 1 else cfg.n_layers, True, pp == 1, lay.ep)
+    last_units = _rank_units(cfg, tp, blocks[-1], False, True, lay.ep) if pp > 1 else first_units
     if pp > 1 and v > 1:  # interleaved / V: a rank holds v chunks; count the heaviest rank's blocks
-        first_units = _rank_units(cfg, tp, layers_max * v, True, lay.schedule == "dualpipev")
-        last_units = _rank_units(cfg, tp, layers_max * v, lay.schedule == "dualpipev", True)
+        first_units = _rank_units(cfg, tp, layers_max * v, True, lay.schedule == "dualpipev", lay.ep)
+        last_units = _rank_units(cfg, tp, layers_max * v, lay.schedule == "dualpipev", True, lay.ep)
     units = max(first_units, last_units, key=sum)
     psi = sum(units)
     ndp = lay.dp * cp
@@ -402,12 +440,21 @@ def evaluate(problem: Problem, layout: Layout, with_collectives: bool = False) -
         bwd = ag_mb / 2 + rs_mb
         step.dp = accum * fwd + (accum - 1) * exposed(bwd, B, rs_mb * last_frac) \
             + exposed(bwd + t_rep, B, (rs_mb + t_rep) * last_frac)
-    local = psi / (shard if lay.zero >= 1 else 1)
+    # Expert parallelism: the rank's experts are whole (not ZeRO-sharded), their gradients all-reduced over
+    # edp = dp x cp / ep once per step, under the last backward like DP's buckets.
+    experts = _rank_experts(cfg, lay.ep, layers_max * v)
+    edp = ndp // lay.ep
+    if experts and edp > 1:
+        edp_link = _link(hw, edp, tp * lay.ep, axes)
+        step.dp += exposed(collective_time("all_reduce", experts * prec.grad, edp_link), B)
+    local = psi / (shard if lay.zero >= 1 else 1) + experts
     step.optimizer = local * (2 * prec.param + prec.grad + 2 * prec.optim) / hw.hbm_bw
 
     # --- memory of the heaviest rank
     st = state_bytes(psi, lay.zero, shard, prec.param, prec.grad, prec.optim)
     mem = dict(st)
+    if experts:
+        mem["experts"] = experts * (prec.param + prec.grad + prec.optim)
     if lay.zero == 3:
         mem["zero3_gathered"] = max(units) * (2 * prec.gather + prec.grad)  # current + prefetched unit, its grad
     inflight = max(peaks) if pp > 1 else 1  # (mb, stage chunk) pairs held at once, from the simulator
@@ -441,6 +488,14 @@ def _collectives(problem: Problem, lay: Layout, t: int, layers: int, tp_link: Li
             hidden = sec <= factor * attn_f
             out.append(Collective("cp", "send", f"{phase}: ring K/V ({lay.cp - 1} hops)", lay.cp, ring[phase], sec,
                                   per_step, "overlapped" if hidden else "partly"))
+    if lay.ep > 1 and cfg.moe_experts:
+        rows = t // (lay.tp if lay.sp else 1) * cfg.moe_top_k * cfg.d_model * prec.act
+        link = _link(problem.hw, lay.ep, lay.tp, 1)
+        for phase in ("fwd", "bwd"):
+            for what in ("dispatch", "combine"):
+                calls = per_step * (2 if (lay.recompute == "full" and phase == "fwd") else 1)
+                out.append(Collective("ep", "all_to_all", f"{phase}: {what} (tokens x top_k rows)", lay.ep, rows,
+                                      collective_time("all_to_all", rows, link), calls, "yes"))
     if lay.pp > 1:
         nbytes = pp_p2p_bytes(t, cfg.d_model, lay.tp, lay.sp, prec.hidden)
         out.append(Collective("pp", "send", "activation to next stage / its gradient back", 2, nbytes, p2p_t,
@@ -549,22 +604,24 @@ def candidate_layouts(problem: Problem, opts: SearchOptions | None = None) -> li
                 if problem.sequences % dp:
                     continue
                 rows = problem.sequences // dp
-                for sp in ((False, True) if tp > 1 and T % tp == 0 else (False,)):
-                    for rc in opts.recomputes:
-                        if pp == 1:
-                            for accum in _divisors(rows):
-                                for zero, shard in _zero_options(dp, opts, pp):
-                                    out.append(Layout(dp, tp, 1, cp, 1, zero, shard, sp, "1f1b", 1, accum, rc))
+                eps = [e for e in _pow2_divisors(dp * cp, 1, cfg.moe_experts) if cfg.moe_experts % e == 0] \
+                    if cfg.moe_experts else [1]  # experts are sharded over ranks carved out of dp x cp
+                sps = (False, True) if tp > 1 and T % tp == 0 else (False,)
+                for sp, ep, rc in itertools.product(sps, eps, opts.recomputes):
+                    if pp == 1:
+                        for accum in _divisors(rows):
+                            for zero, shard in _zero_options(dp, opts, pp):
+                                out.append(Layout(dp, tp, 1, cp, ep, zero, shard, sp, "1f1b", 1, accum, rc))
+                        continue
+                    for sched in opts.schedules:
+                        v = SCHEDULE_VIRTUAL[sched]
+                        if cfg.n_layers < pp * v:
                             continue
-                        for sched in opts.schedules:
-                            v = SCHEDULE_VIRTUAL[sched]
-                            if cfg.n_layers < pp * v:
+                        for m in _divisors(rows):  # m < pp runs too, with its large bubble
+                            if sched == "interleaved" and m % pp:
                                 continue
-                            for m in _divisors(rows):  # m < pp runs too, with its large bubble
-                                if sched == "interleaved" and m % pp:
-                                    continue
-                                for zero, shard in _zero_options(dp, opts, pp):
-                                    out.append(Layout(dp, tp, pp, cp, 1, zero, shard, sp, sched, v, m, rc))
+                            for zero, shard in _zero_options(dp, opts, pp):
+                                out.append(Layout(dp, tp, pp, cp, ep, zero, shard, sp, sched, v, m, rc))
     return out
 
 
