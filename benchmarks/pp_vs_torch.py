@@ -65,7 +65,8 @@ def _ours(args, name, virtual, pp):
     sync = DataParallel(model, mesh.group("dp", "cp"))  # size 1: no communication, same API as training
     opt = build_adamw(model_params(model), TrainConfig())
     engine = PipelineEngine(schedule, stages, mesh, (args.batch // args.microbatches, args.seq, args.d_model),
-                            torch.float32, cross_entropy_sum, sync, contextlib.nullcontext)
+                            torch.float32, cross_entropy_sum, sync, contextlib.nullcontext,
+                            recv_ahead=args.recv_ahead)
     m = args.microbatches
     times, traces = [], []
     for x, y in _batches(args):
@@ -164,6 +165,8 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--png", default="", help="folder for measured/simulated timeline charts")
     ap.add_argument("--schedules", default="", help="comma-separated subset, e.g. interleaved,zb-h1")
+    ap.add_argument("--recv-ahead", type=int, default=0,
+                    help="receives our engine posts ahead of use (0: all at the step's start)")
     ap.add_argument("--no-torch", action="store_true", help="only our engine (for bubble measurements)")
     ap.add_argument("--dump", default="", help="pickle every rank's measured timelines here (offline analysis)")
     args = ap.parse_args()

@@ -97,8 +97,9 @@ class PipelineEngine:
     """Executes a PipelineSchedule for this rank."""
 
     def __init__(self, schedule: PipelineSchedule, stages: dict[int, PipelineStage], mesh: Mesh,
-                 act_shape: tuple[int, ...], dtype: torch.dtype, loss_fn, sync, autocast) -> None:
+                 act_shape: tuple[int, ...], dtype: torch.dtype, loss_fn, sync, autocast, recv_ahead: int = 0) -> None:
         self.s, self.stages, self.mesh = schedule, stages, mesh
+        self.recv_ahead = recv_ahead  # receives posted ahead of use (0: all at the step's start)
         self.group = mesh.group("pp")
         self.act_shape, self.dtype = act_shape, dtype
         self.loss_fn, self.sync, self.autocast = loss_fn, sync, autocast
@@ -162,14 +163,15 @@ class PipelineEngine:
         self.trace = StepTrace()
         loss_total = 0.0
         actions = self.s.actions[self.rank]
-        # Receives this rank will need, in order: each is posted one remote input ahead of its use.
+        # Receives this rank will need, in order: each is posted ``recv_ahead`` remote inputs ahead of its
+        # use (0: all of them at the start of the step, one buffer per remote input held for the whole step).
         needs = [(i, r) for i, a in enumerate(actions) if (r := self._remote_input(a)) is not None]
         ahead = 0
         for i, a in enumerate(actions):
             while ahead < len(needs) and needs[ahead][0] <= i:
                 ahead += 1
-            if ahead < len(needs):
-                self._post_recv(*needs[ahead][1])
+            for _, need in needs[ahead: ahead + self.recv_ahead if self.recv_ahead else len(needs)]:
+                self._post_recv(*need)
             t0 = self._ready = time.perf_counter()
             slot = slots.setdefault((a.mb, a.stage), _Slot())
             if a.kind == "F":
