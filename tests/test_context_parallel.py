@@ -30,9 +30,8 @@ from meshtrain.parallel.context import (
 )
 from meshtrain.parallel.recompute import apply_recompute, saved_activation_bytes
 from meshtrain.parallel.state import gather_state
-from meshtrain.testing.equivalence import assert_planner_predicts_runs, assert_same_run, run_dir
+from meshtrain.testing.equivalence import assert_planner_predicts_runs, assert_same_run, prepared_stdlib, run_dir
 from meshtrain.testing.spawn import spawn
-from meshtrain.train.prepare import default_source_dir, prepare_data
 from meshtrain.train.trainer import Trainer
 
 STEPS = 5
@@ -110,9 +109,7 @@ def _worker(rank, world_size, data, layouts):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cpdata") / "stdlib"
-    prepare_data(default_source_dir(), out)
-    return str(out)
+    return prepared_stdlib(tmp_path_factory, "cpdata")
 
 
 @pytest.fixture(scope="module")

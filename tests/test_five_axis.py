@@ -15,12 +15,14 @@ import sys
 
 import pytest
 
-from meshtrain.config import load_config
-from meshtrain.parallel.state import gather_state
-from meshtrain.testing.equivalence import assert_planner_predicts_runs, assert_same_run, run_dir
+from meshtrain.testing.equivalence import (
+    assert_planner_predicts_runs,
+    assert_same_run,
+    layouts_worker,
+    prepared_stdlib,
+    train_and_gather,
+)
 from meshtrain.testing.spawn import spawn
-from meshtrain.train.prepare import default_source_dir, prepare_data
-from meshtrain.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 
@@ -43,41 +45,25 @@ LAYOUTS_16 = [
 ]
 
 
-def _run(data, overrides, out=None):
-    trainer = Trainer(load_config("tiny", [f"data.path={data}", *BASE, *overrides]), out)
-    losses = [r["loss"] for r in trainer.train()]
-    params, _ = gather_state(trainer.sync, trainer.optimizer, trainer.shapes, trainer.tp_group, trainer.pp_group)
-    return losses, params
-
-
-def _worker(rank, world_size, data, layouts):
-    out = {}
-    for name, overrides in layouts:
-        res = _run(data, overrides, run_dir(data, world_size, name))
-        out[name] = res if rank == 0 else None
-    return out
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fivedata") / "stdlib"
-    prepare_data(default_source_dir(), out)
-    return str(out)
+    return prepared_stdlib(tmp_path_factory, "fivedata")
 
 
 @pytest.fixture(scope="module")
 def reference(data):
-    return _run(data, [])
+    records, params, _ = train_and_gather(data, BASE)
+    return [r["loss"] for r in records], params
 
 
 def test_five_parallelisms_on_8_ranks_equal_one_device(data, reference):
-    results = spawn(_worker, 8, args=(data, LAYOUTS_8), timeout=900)[0]
+    results = spawn(layouts_worker, 8, args=(data, BASE, LAYOUTS_8), timeout=900)[0]
     for name, _ in LAYOUTS_8:
         assert_same_run(name, results[name], reference)
 
 
 def test_every_axis_above_one_on_16_ranks(data, reference):
-    results = spawn(_worker, 16, args=(data, LAYOUTS_16), timeout=900)[0]
+    results = spawn(layouts_worker, 16, args=(data, BASE, LAYOUTS_16), timeout=900)[0]
     for name, _ in LAYOUTS_16:
         assert_same_run(name, results[name], reference)
 

@@ -13,11 +13,14 @@ import sys
 import pytest
 
 from meshtrain.config import ConfigError, load_config
-from meshtrain.parallel.state import gather_state
-from meshtrain.testing.equivalence import assert_planner_predicts_runs, assert_same_run, run_dir
+from meshtrain.testing.equivalence import (
+    assert_planner_predicts_runs,
+    assert_same_run,
+    layouts_worker,
+    prepared_stdlib,
+    train_and_gather,
+)
 from meshtrain.testing.spawn import spawn
-from meshtrain.train.prepare import default_source_dir, prepare_data
-from meshtrain.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 
@@ -34,31 +37,15 @@ SCHEDULES = [
 ]
 
 
-def _run(data, overrides, out=None):
-    trainer = Trainer(load_config("tiny", [f"data.path={data}", *BASE, *overrides]), out)
-    losses = [r["loss"] for r in trainer.train()]
-    params, _ = gather_state(trainer.sync, trainer.optimizer, trainer.shapes, trainer.tp_group, trainer.pp_group)
-    return losses, params
-
-
-def _worker(rank, world_size, data, layouts):
-    out = {}
-    for name, overrides in layouts:
-        res = _run(data, overrides, run_dir(data, world_size, name))
-        out[name] = res if rank == 0 else None
-    return out
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ppdata") / "stdlib"
-    prepare_data(default_source_dir(), out)
-    return str(out)
+    return prepared_stdlib(tmp_path_factory, "ppdata")
 
 
 @pytest.fixture(scope="module")
 def reference(data):
-    return _run(data, [])
+    records, params, _ = train_and_gather(data, BASE)
+    return [r["loss"] for r in records], params
 
 
 @pytest.mark.parametrize("pp", [2, 4])
@@ -67,7 +54,7 @@ def test_every_schedule_equals_one_device(pp, data, reference):
     if pp == 2:  # the data-parallel family composes: pp=2 x dp=2 with ZeRO-1 needs 4 ranks, run below
         layouts.append(("1f1b accum-free recompute", [f"parallel.pp={pp}", "parallel.microbatches=4",
                                                      "train.recompute=full"]))
-    results = spawn(_worker, pp, args=(data, layouts), timeout=900)[0]
+    results = spawn(layouts_worker, pp, args=(data, BASE, layouts), timeout=900)[0]
     for name, _ in layouts:
         assert_same_run(f"pp={pp} {name}", results[name], reference)
 
@@ -75,7 +62,7 @@ def test_every_schedule_equals_one_device(pp, data, reference):
 def test_pp_with_dp_and_zero1_on_4_ranks(data, reference):
     layouts = [("pp2 x dp2 zero1 1f1b", ["parallel.pp=2", "parallel.microbatches=2", "parallel.zero=1"]),
                ("pp2 x dp2 dp zb-h1", ["parallel.pp=2", "parallel.microbatches=2", "parallel.schedule=zb-h1"])]
-    results = spawn(_worker, 4, args=(data, layouts), timeout=900)[0]
+    results = spawn(layouts_worker, 4, args=(data, BASE, layouts), timeout=900)[0]
     for name, _ in layouts:
         assert_same_run(name, results[name], reference)
 
@@ -85,7 +72,7 @@ def test_3d_dp2_tp2_pp2_on_8_ranks(data, reference):
                ("dp2 x tp2 sp x pp2 interleaved zero1", ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true",
                                                           "parallel.microbatches=2", "parallel.schedule=interleaved",
                                                           "parallel.virtual_stages=2", "parallel.zero=1"])]
-    results = spawn(_worker, 8, args=(data, layouts), timeout=900)[0]
+    results = spawn(layouts_worker, 8, args=(data, BASE, layouts), timeout=900)[0]
     for name, _ in layouts:
         assert_same_run(name, results[name], reference)
 

@@ -15,9 +15,8 @@ from meshtrain import comm
 from meshtrain.config import ConfigError, load_config
 from meshtrain.parallel.state import gather_state
 from meshtrain.plan.costs import tp_comm_bytes
-from meshtrain.testing.equivalence import assert_planner_predicts_runs, assert_same_run, run_dir
+from meshtrain.testing.equivalence import assert_planner_predicts_runs, assert_same_run, prepared_stdlib, run_dir
 from meshtrain.testing.spawn import spawn
-from meshtrain.train.prepare import default_source_dir, prepare_data
 from meshtrain.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow
@@ -84,9 +83,7 @@ def _worker(rank, world_size, data, layouts, measure):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tpdata") / "stdlib"
-    prepare_data(default_source_dir(), out)
-    return str(out)
+    return prepared_stdlib(tmp_path_factory, "tpdata")
 
 
 @pytest.fixture(scope="module")

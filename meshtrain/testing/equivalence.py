@@ -45,3 +45,37 @@ def assert_planner_predicts_runs(data: str) -> None:
         config = (run / "config.yaml").read_text()
         if "per_tensor" not in config and "optimizer: muon" not in config:
             assert memory_ok, text
+
+
+def prepared_stdlib(tmp_path_factory, name: str) -> str:
+    """The stdlib corpus prepared in a fresh temporary folder (one per test module: each module's run
+    folders sit next to it, for ``assert_planner_predicts_runs``)."""
+    from meshtrain.train.prepare import default_source_dir, prepare_data
+
+    out = tmp_path_factory.mktemp(name) / "stdlib"
+    prepare_data(default_source_dir(), out)
+    return str(out)
+
+
+def train_and_gather(data: str, overrides: list[str], out: str | None = None, preset: str = "tiny"):
+    """Train the preset on ``data`` with ``overrides`` (writing to ``out``); return (every step's record,
+    the logical parameters gathered from whatever layout ran, the trainer). Collective: call on every rank."""
+    from meshtrain.config import load_config
+    from meshtrain.parallel.state import gather_state
+    from meshtrain.train.trainer import Trainer
+
+    trainer = Trainer(load_config(preset, [f"data.path={data}", *overrides]), out)
+    records = trainer.train()
+    params, _ = gather_state(trainer.sync, trainer.optimizer, trainer.shapes, trainer.tp_group, trainer.pp_group)
+    return records, params, trainer
+
+
+def layouts_worker(rank: int, world_size: int, data: str, base: list[str], layouts: list[tuple[str, list[str]]]
+                   ) -> dict[str, tuple[list[float], dict[str, torch.Tensor]] | None]:
+    """Spawned-rank body shared by the equivalence files: train every (name, overrides) layout in turn into
+    its ``run_dir``; rank 0 returns {name: (losses, parameters)}."""
+    out = {}
+    for name, overrides in layouts:
+        records, params, _ = train_and_gather(data, [*base, *overrides], run_dir(data, world_size, name))
+        out[name] = ([r["loss"] for r in records], params) if rank == 0 else None
+    return out
