@@ -61,6 +61,8 @@ class MetricsLogger:
             post = {"loss": f"{record['loss']:.4f}", "tok/s": f"{record.get('tokens_per_s', 0):,.0f}"}
             if "val_loss" in record:
                 post["val"] = f"{record['val_loss']:.4f}"
+            if "moe_imbalance" in record:  # the busiest expert's tokens over the mean, worst layer
+                post["moe max/mean"] = f"{record['moe_imbalance']:.2f}"
             self._bar.set_postfix(post, refresh=True)
 
     def write(self, text: str) -> None:

@@ -375,6 +375,9 @@ class Trainer:
                           f"(unigram baseline {self.baseline:.3f}), "
                           f"{np.median([r['tokens_per_s'] for r in records]):,.0f} tokens/s, "
                           f"MFU {np.median([r['mfu'] for r in records]):.1%}")
+                if "expert_load" in last_rec:  # tokens routed to each expert in the last step, per layer
+                    log.write(f"experts: last step's tokens per expert by layer {last_rec['expert_load']}, "
+                              f"busiest/mean {last_rec['moe_imbalance']:.2f}, aux loss {last_rec['aux_loss']:.4f}")
             if self.step == t.steps and t.sample_tokens and self.tokenizer is not None and \
                     (self.pipeline is not None or self.cp is not None):
                 log.write("(no sample under pipeline or context parallelism: run `meshtrain generate --ckpt` on the "
