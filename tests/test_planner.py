@@ -378,5 +378,6 @@ def test_expert_parallel_layouts_for_a_mixture_of_experts():
     assert eight.memory["experts"] == pytest.approx(two.memory["experts"] / 4)
     assert eight.memory["params"] < one.memory["params"] / 5  # the dense rest is small: experts dominate
     assert eight.step.ep > 0 and any(c.axis == "ep" and c.op == "all_to_all" for c in eight.collectives)
+    assert any("E_EP" in line for line in planner.sharding(replace(base, ep=8), cfg.model, 4096))
     dense = planner.Problem(load_config("llama3-8b").model, 8192, 512, get_hardware("h100"), 8)
     assert {lay.ep for lay in planner.candidate_layouts(dense)} == {1}

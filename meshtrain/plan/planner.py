@@ -746,6 +746,14 @@ def sharding(layout: Layout, model: ModelConfig, seq_len: int) -> list[str]:
     ]
     if layout.cp > 1:
         lines.append("ring attention              K,V[B_X, T_S, K_Y, H] passed round S")
+    if model.moe_experts:  # experts are whole per rank (not split by tp), sharded over ep inside dp x cp
+        e = "E_EP" if layout.ep > 1 else "E"
+        lines[3] = (f"MoE experts                 Win,Wgate[{lz}{e}, D, F]  Wout[{lz}{e}, F, D]  "
+                    f"router[{lz}D, E]  (E = {model.moe_experts}, top-{model.moe_top_k}"
+                    + (f"; EP = ep {layout.ep}, inside X x S" if layout.ep > 1 else "") + ")")
+        lines[4] = "inside an expert            Tmp[rows routed to it, F]  (tokens x top_k / E rows on average)"
+        if layout.ep > 1:
+            lines.append(f"dispatch / combine          rows[B{bsub} x T{tsub} x top_k, D] all-to-all over EP")
     return lines
 
 
