@@ -54,7 +54,10 @@ CAPACITY_2 = [("dp2 capacity", CAPACITY), ("ep2 capacity", ["parallel.ep=2", *CA
 LAYOUTS_4 = [
     ("ep4 dp4", ["parallel.ep=4", *AUX]),
     ("ep2 dp4 edp2", ["parallel.ep=2", *AUX]),
+    # ZeRO over edp=2 for the experts too: stage 1; stage 2 with accumulation; ZeRO-3 (experts at stage 2).
     ("ep2 dp4 edp2 zero1 bias", ["parallel.ep=2", "parallel.zero=1", *BIAS]),
+    ("ep2 dp4 edp2 zero2 accum", ["parallel.ep=2", "parallel.zero=2", "train.grad_accum=2", *AUX]),
+    ("ep2 dp4 edp2 zero3", ["parallel.ep=2", "parallel.zero=3", *AUX]),
     ("ep2 x tp2", ["parallel.ep=2", "parallel.tp=2", *AUX]),
     ("ep2 x tp2 sp bias", ["parallel.ep=2", "parallel.tp=2", "parallel.sp=true", *BIAS]),
     ("ep2 x tp2 sp", ["parallel.ep=2", "parallel.tp=2", "parallel.sp=true", *AUX]),

@@ -5,7 +5,8 @@ On 8 processes at most three of the four grid axes (pp, dp, cp, tp) can exceed 1
 are pp=2 x cp=2 x tp=2 (dp=1) with ep=2 carved out of dp x cp (the two cp ranks exchange tokens for the
 experts), and pp=2 x dp=2 x cp=2 with ep=4 over dp x cp. Both run through the trainer; the first also
 through the CLI. A 16-process run puts every axis above 1 at once: dp=2 x cp=2 x tp=2 x pp=2 with ep=2
-(so experts are also replicated, over edp=2). Same rules as every equivalence test: 5 steps of a tiny
+and ZeRO-1 (so the experts' optimizer state is also sharded, over edp=2). Same rules as every
+equivalence test: 5 steps of a tiny
 model on real stdlib text, fp32, losses within 1e-5 relative, every parameter within 1e-5 relative.
 """
 
@@ -40,8 +41,8 @@ LAYOUTS_8 = [
                                                     "parallel.cp_layout=contiguous"]),
 ]
 LAYOUTS_16 = [
-    ("dp2 cp2 tp2 pp2 ep2", ["parallel.pp=2", "parallel.dp=2", "parallel.cp=2", "parallel.tp=2", "parallel.ep=2",
-                             "parallel.microbatches=2"]),
+    ("dp2 cp2 tp2 pp2 ep2 zero1", ["parallel.pp=2", "parallel.dp=2", "parallel.cp=2", "parallel.tp=2",
+                                   "parallel.ep=2", "parallel.microbatches=2", "parallel.zero=1"]),
 ]
 
 

@@ -39,6 +39,7 @@ class GradSync(abc.ABC):
 
     norm_group: AxisGroup | None = None  # where partial grad-norm sums are added (sharded grads)
     ep_group: AxisGroup | None = None  # where expert tensors differ (expert parallelism): norms and gathers add
+    expert_norm_group: AxisGroup | None = None  # where expert pieces are ZeRO-sharded (edp), if they are
     handles: list[comm.Handle]  # the async collectives of the last step, for overlap measurement
     always_sync = False  # True: gradients must be sent every microbatch (they are not kept whole)
     _sync = True  # read by the gradient hooks: send when a bucket / unit is complete
@@ -186,15 +187,17 @@ class DataParallel(GradSync):
 
 
 class WithExperts(GradSync):
-    """A dense data-parallel member plus the expert-parallel experts, all-reduced over edp (``experts``).
+    """A dense data-parallel member plus the expert-parallel experts (``experts``): all-reduced over edp
+    (ZeRO-0), or ZeRO-1/2-sharded over edp (``experts.norm_group``).
 
-    Expert gradients differ across ``ep_group`` (different experts) and are whole on every rank, so the
-    gradient norm adds their squares over ep (the dense ones over ``norm_group``), and checkpoints
-    gather them over ep.
+    Expert gradients differ across ``ep_group`` (different experts), so the gradient norm adds their
+    squares over the edp shards and then over ep (the dense ones over ``norm_group``), and checkpoints
+    rebuild them the same way.
     """
 
-    def __init__(self, dense: GradSync, experts: DataParallel, ep_group: AxisGroup) -> None:
+    def __init__(self, dense: GradSync, experts: GradSync, ep_group: AxisGroup) -> None:
         self.dense, self.experts, self.ep_group = dense, experts, ep_group
+        self.expert_norm_group = experts.norm_group  # None when every holder keeps them whole
         self.norm_group = dense.norm_group
         self.always_sync = dense.always_sync
         self._expert_ids = {id(op.tensor) for op in experts.optim_params()}
@@ -222,7 +225,8 @@ class WithExperts(GradSync):
         self.experts.finish_grads()
 
     def after_step(self) -> None:
-        self.dense.after_step()  # experts are updated whole on every holder: nothing to bring
+        self.dense.after_step()
+        self.experts.after_step()  # ZeRO: every holder gets the expert shards the others updated
 
     def zero_grad(self) -> None:
         self.dense.zero_grad()
@@ -243,7 +247,8 @@ def wrap(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, compute_dtype: torch
 
     Gradients are reduced over dp x cp (context-parallel ranks hold the same weights too).
     ZeRO-3 gathers parameters in ``compute_dtype``; everything else stays fp32. Under expert
-    parallelism the experts are all-reduced over edp instead, beside the chosen member (``WithExperts``).
+    parallelism the experts are synced over edp instead, beside the chosen member (``WithExperts``): all-reduced
+    with ZeRO-0, sharded with ZeRO-1/2 (stage 2 also for ZeRO-3: experts are not gathered per forward).
     """
     experts = [(n, p) for n, p in model.named_parameters() if expert_index(n) is not None] \
         if mesh.size("ep") > 1 else []
@@ -261,5 +266,16 @@ def wrap(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, compute_dtype: torch
                                          compute_dtype=compute_dtype, exclude=skip)
     if not experts:
         return dense
-    return WithExperts(dense, DataParallel(model, mesh.group("edp"), cfg.bucket_mb, params=experts),
-                       mesh.group("ep"))
+    edp = mesh.group("edp")
+    if cfg.zero == 0 or edp.size == 1:
+        sync: GradSync = DataParallel(model, edp, cfg.bucket_mb, params=experts)
+    else:  # ZeRO over the ranks holding the same experts: stage 1 or 2 (ZeRO-3 keeps experts at stage 2)
+        from meshtrain.parallel.units import Unit
+        from meshtrain.parallel.zero import ZeroOptimizer
+
+        by_layer: dict[str, list] = {}
+        for name, p in experts:
+            by_layer.setdefault(name.split(".feed_forward.")[0], []).append((name, p))
+        units = [Unit(f"{layer}.experts", [], params) for layer, params in by_layer.items()]
+        sync = ZeroOptimizer(model, mesh, stage=min(cfg.zero, 2), layout=cfg.zero_layout, units=units, group=edp)
+    return WithExperts(dense, sync, mesh.group("ep"))

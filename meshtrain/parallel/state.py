@@ -7,9 +7,9 @@ the tensor-parallel group to place the local slices in the logical tensor. Repli
 a stage. Loading cuts each rank's piece out of the full tensors. A checkpoint written by one layout
 therefore loads into any other.
 
-Under expert parallelism a routed expert is whole on the ranks that hold it (replicated over edp and,
-like the norms, over tp) and absent elsewhere: it skips both stages and is instead summed over the ep
-group (``sync.ep_group``), where exactly one rank holds it, zeros on the others.
+Under expert parallelism a routed expert lives on the ranks of one ep index (replicated, like the norms,
+over tp) and is absent elsewhere: it is rebuilt over its own ZeRO group (edp, when ``parallel.zero`` >= 1
+shards it) and then summed over the ep group (``sync.ep_group``), where exactly one index holds it.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ def gather_state(sync: GradSync, optimizer: torch.optim.Optimizer, shapes: dict[
     pieces = sync.optim_params()
     zgroup = sync.norm_group
     ep_group = sync.ep_group if _active(sync.ep_group) else None
+    ezgroup = sync.expert_norm_group if _active(sync.expert_norm_group) else None  # experts' ZeRO group
     by_name: dict[str, list[OptimParam]] = {}
     for op in pieces:
         by_name.setdefault(op.name, []).append(op)
@@ -62,7 +63,7 @@ def gather_state(sync: GradSync, optimizer: torch.optim.Optimizer, shapes: dict[
                                                    .items() if torch.is_tensor(v)}))
             for name, ops in by_name.items()}
     here: set[str] = set()
-    for g in (zgroup, ep_group, pp_group):
+    for g in (zgroup, ezgroup, ep_group, pp_group):
         if g is pp_group:
             here = set(info)  # the tensors of this pipeline stage (known to the whole ZeRO group)
         if not _active(g):
@@ -89,9 +90,11 @@ def gather_state(sync: GradSync, optimizer: torch.optim.Optimizer, shapes: dict[
             v = value_of(op)
             if v is not None:
                 _piece_of(local, op).copy_(v)
-        group = ep_group if ep_group is not None and expert_index(name) is not None else zgroup
-        if _active(group):
-            comm.all_reduce(local, group)
+        # Expert pieces: rebuilt over their ZeRO group, then over ep (zeros where another rank's experts sit).
+        groups = (ezgroup, ep_group) if ep_group is not None and expert_index(name) is not None else (zgroup,)
+        for group in groups:
+            if _active(group):
+                comm.all_reduce(local, group)
         if tp is None:
             return local
         full = torch.zeros(shape, dtype=torch.float32, device=device)
@@ -107,7 +110,7 @@ def gather_state(sync: GradSync, optimizer: torch.optim.Optimizer, shapes: dict[
             states = [optimizer.state[op.tensor][key] for op in by_name.get(name, []) if op.tensor in optimizer.state]
             if key == "step" or (states and states[0].dim() == 0):  # a counter, the same everywhere
                 value = torch.tensor(max([float(s) for s in states], default=0.0), device=device)
-                for g in (zgroup, ep_group, pp_group):
+                for g in (zgroup, ezgroup, ep_group, pp_group):
                     if _active(g):
                         comm.all_reduce(value, g, op="max")
                 optim[f"{name}/{key}"] = value.cpu()

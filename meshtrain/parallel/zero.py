@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from meshtrain import comm
-from meshtrain.mesh import Mesh
+from meshtrain.mesh import AxisGroup, Mesh
 from meshtrain.parallel.data import GradSync
 from meshtrain.parallel.units import Unit, model_units
 from meshtrain.train.optim import OptimParam, describe
@@ -84,21 +84,26 @@ class _FlatUnit:
 
 
 class ZeroOptimizer(GradSync):
-    """ZeRO stage 1 or 2 over the mesh's dp x cp ranks (sharded over dp_shard x cp for HSDP)."""
+    """ZeRO stage 1 or 2 over the mesh's dp x cp ranks (sharded over dp_shard x cp for HSDP).
+
+    ``units`` and ``group`` shard something else over another group: expert parallelism passes each
+    layer's local experts as a unit and the edp group (the ranks holding the same experts), with no
+    replicas."""
 
     def __init__(self, model: nn.Module, mesh: Mesh, stage: int, layout: str = "flat",
-                 exclude: frozenset[int] = frozenset()) -> None:
+                 exclude: frozenset[int] = frozenset(), units: list[Unit] | None = None,
+                 group: AxisGroup | None = None) -> None:
         if stage not in (1, 2) or layout not in ("flat", "per_tensor"):
             raise ValueError(f"ZeroOptimizer: stage must be 1 or 2 and layout flat or per_tensor, "
                              f"got {stage}, {layout}.")
         self.model, self.stage, self.layout = model, stage, layout
-        self.group = mesh.group("dp_shard", "cp")
-        self.replicas = mesh.group("dp_replicate")
+        self.group = group if group is not None else mesh.group("dp_shard", "cp")
+        self.replicas = mesh.group("dp_replicate") if group is None else None
         self.norm_group = self.group
         self.handles = []
         self.always_sync = stage == 2  # stage 2 keeps no full gradient, so it sends every microbatch
         n, me = self.group.size, self.group.index(mesh.rank)
-        self.units = model_units(model, exclude)
+        self.units = model_units(model, exclude) if units is None else units
         self._unit_of = {id(p): i for i, u in enumerate(self.units) for _, p in u.params}
         self._pending = [0] * len(self.units)
         self._inflight: list[list[tuple]] = [[] for _ in self.units]
@@ -174,7 +179,7 @@ class ZeroOptimizer(GradSync):
                 if self.stage == 2:
                     op.tensor.grad = self._acc[id(op.tensor)]
         grads = self.grads()
-        if self.replicas.size > 1:  # HSDP: the shards are replicated; sum them across replicas
+        if self.replicas is not None and self.replicas.size > 1:  # HSDP: shards replicated; sum across replicas
             for g in grads:
                 comm.all_reduce(g, self.replicas)
 

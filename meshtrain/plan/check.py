@@ -119,12 +119,16 @@ def predict_rank(cfg: Config, world_size: int, coords: dict[str, int]) -> tuple[
     tokens = rows // micro * t.seq_len // p.cp  # this rank's tokens of one microbatch
     moe_layers = len(layers) if m.moe_experts else 0
     experts = expert_params_per_rank(m, p.ep, moe_layers) if p.ep > 1 else 0
+    edp = ndp // p.ep
+    expert_units = [experts // moe_layers] * moe_layers if experts else []
+    expert_zero = min(p.zero, 2) if experts and edp > 1 else 0  # experts are ZeRO-1/2-sharded over edp
     if p.tp > 1:
         if p.zero in (1, 2) and p.zero_layout == "per_tensor":
             raise ValueError("tp bytes with per-tensor ZeRO depend on which rank owns each norm; not modelled")
         n = shard or ndp
         k = coords["dp"] % (p.dp_shard or dp) * p.cp + coords["cp"]  # this rank's index in the shard group
-        norms = norm_elems_held(m, p.tp, layers, first, last, p.zero, n, k, p.ep) + experts
+        norms = norm_elems_held(m, p.tp, layers, first, last, p.zero, n, k, p.ep) + sum(
+            _shard_overlap(u, edp if expert_zero else 1, coords["edp"] if expert_zero else 0) for u in expert_units)
         out.update(tp_comm_bytes(m, p.tp, p.sp, tokens, grad_accum=micro, act_bytes=4, layers=len(layers),
                                  embedding=first, head=last, norm_elems=norms,
                                  recompute=t.recompute != "none", mlp_tp=not m.moe_experts))
@@ -134,11 +138,21 @@ def predict_rank(cfg: Config, world_size: int, coords: dict[str, int]) -> tuple[
         out.update(pipeline_rank_p2p(schedule, coords["pp"], pp_p2p_bytes(tokens, m.d_model, p.tp, p.sp)))
     if moe_layers:
         _add(out, _moe_bytes(cfg, dp, tokens, micro, moe_layers, experts, compute_bytes))
+    if expert_zero:
+        for (_, op), v in dp_comm_bytes(m, expert_zero, edp, grad_accum=t.grad_accum, layout=p.zero_layout,
+                                        units=expert_units).items():
+            _add(out, {("edp", op): v})
     state = dp_state_bytes(m, p.zero, ndp, dp_shard=shard, units=units)
-    if experts:  # whole on every holder: fp32 parameters and gradients, AdamW's two moments
-        state = {"params": state["params"] + 4 * experts, "grads": state["grads"] + 4 * experts,
-                 "optim": state["optim"] + 8 * experts}
+    if experts:  # fp32 parameters and gradients, AdamW's two moments: whole, or ZeRO-sharded over edp
+        ex = dp_state_bytes(m, expert_zero, edp, units=expert_units)
+        state = {k: state[k] + ex[k] for k in state}
     return out, state
+
+
+def _shard_overlap(numel: int, n: int, k: int) -> int:
+    """Elements of a flat unit of ``numel`` inside shard k of n (padded to a multiple of n)."""
+    size = -(-numel // n)
+    return max(0, min(numel, (k + 1) * size) - k * size)
 
 
 def _add(out: dict[tuple[str, str], int], more: dict[tuple[str, str], int]) -> None:
@@ -157,7 +171,7 @@ def _moe_bytes(cfg: Config, dp: int, tokens: int, micro: int, layers: int, exper
     out = {("ep", "all_to_all"): micro * layers * ep_comm_bytes(block_tokens, m, p.ep, compute_bytes,
                                                                 t.recompute != "none")}
     edp = dp * p.cp // p.ep
-    if p.ep > 1 and edp > 1:
+    if p.ep > 1 and edp > 1 and p.zero == 0:  # ZeRO-1/2 over edp instead: predict_rank adds those
         out[("edp", "all_reduce")] = 4 * experts
     split = [a for a, n in (("cp", p.cp), ("tp", p.tp if p.sp else 1)) if n > 1]
     if split and m.moe_aux_loss_coef > 0:

@@ -440,21 +440,23 @@ def evaluate(problem: Problem, layout: Layout, with_collectives: bool = False) -
         bwd = ag_mb / 2 + rs_mb
         step.dp = accum * fwd + (accum - 1) * exposed(bwd, B, rs_mb * last_frac) \
             + exposed(bwd + t_rep, B, (rs_mb + t_rep) * last_frac)
-    # Expert parallelism: the rank's experts are whole (not ZeRO-sharded), their gradients all-reduced over
-    # edp = dp x cp / ep once per step, under the last backward like DP's buckets.
+    # Expert parallelism: the rank's experts' gradients are all-reduced (ZeRO-0) or reduce-scattered and their
+    # parameters re-gathered (ZeRO-1/2) over edp = dp x cp / ep once per step, under the last backward.
     experts = _rank_experts(cfg, lay.ep, layers_max * v)
     edp = ndp // lay.ep
     if experts and edp > 1:
         edp_link = _link(hw, edp, tp * lay.ep, axes)
         step.dp += exposed(collective_time("all_reduce", experts * prec.grad, edp_link), B)
-    local = psi / (shard if lay.zero >= 1 else 1) + experts
+    local = psi / (shard if lay.zero >= 1 else 1) + experts / (edp if lay.zero >= 1 else 1)
     step.optimizer = local * (2 * prec.param + prec.grad + 2 * prec.optim) / hw.hbm_bw
 
     # --- memory of the heaviest rank
     st = state_bytes(psi, lay.zero, shard, prec.param, prec.grad, prec.optim)
     mem = dict(st)
-    if experts:
-        mem["experts"] = experts * (prec.param + prec.grad + prec.optim)
+    if experts:  # ZeRO-1/2 shard the experts' optimizer state (and gradients) over edp, as the runtime does
+        ez = min(lay.zero, 2) if edp > 1 else 0
+        mem["experts"] = experts * (prec.param + prec.grad / (edp if ez >= 2 else 1)
+                                    + prec.optim / (edp if ez >= 1 else 1))
     if lay.zero == 3:
         mem["zero3_gathered"] = max(units) * (2 * prec.gather + prec.grad)  # current + prefetched unit, its grad
     inflight = max(peaks) if pp > 1 else 1  # (mb, stage chunk) pairs held at once, from the simulator

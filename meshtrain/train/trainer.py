@@ -255,19 +255,20 @@ class Trainer:
     def grad_norm(self, pieces: list) -> torch.Tensor:
         """Global gradient norm: each rank's pieces, replicated ones counted once, summed over the
         ZeRO shard group (expert-parallel experts: over the ep group) and the tensor-parallel group."""
-        def partial(ops: list, group) -> float:
+        def partial(ops: list, *groups) -> float:
             plain = [op.tensor.grad for op in ops if op.replicas == 1]
             norm_sq = float(grad_norm_squared(plain)) if plain else 0.0
             for r in sorted({op.replicas for op in ops} - {1}):
                 norm_sq += float(grad_norm_squared([op.tensor.grad for op in ops if op.replicas == r])) / r
-            if group is not None and group.size > 1:
-                norm_sq = comm.all_reduce_scalars([norm_sq], group, device=self.device)[0]
+            for group in groups:
+                if group is not None and group.size > 1:
+                    norm_sq = comm.all_reduce_scalars([norm_sq], group, device=self.device)[0]
             return norm_sq
 
         experts = [op for op in pieces if self.sync.is_expert(op)]
         norm_sq = partial([op for op in pieces if not self.sync.is_expert(op)], self.sync.norm_group)
-        if experts:  # whole on every holder, different across ep, replicated across edp
-            norm_sq += partial(experts, self.sync.ep_group)
+        if experts:  # different across ep; whole on every edp holder, or ZeRO-sharded over edp
+            norm_sq += partial(experts, self.sync.expert_norm_group, self.sync.ep_group)
         for g in (self.tp_group, self.pp_group):
             if g.size > 1:
                 norm_sq = comm.all_reduce_scalars([norm_sq], g, device=self.device)[0]
