@@ -142,16 +142,22 @@ def _train_until(rank, world_size, data, out, overrides, until):
     return [r["loss"] for r in Trainer(cfg, out).train(until=until)]
 
 
-def test_checkpoint_from_ep2_resumes_on_one_device(data, tmp_path):
-    """ep=2 writes logical tensors (every expert, and the aux-free bias); one process (ep=1) resumes them:
-    the losses are those of the uninterrupted single-device run."""
+def test_checkpoints_move_between_sharded_experts_and_one_device(data, tmp_path):
+    """ep=2 over 4 ranks with ZeRO-1 (each expert's optimizer state split over its edp=2 holders) writes
+    logical tensors (every expert, their AdamW moments, the aux-free bias); one process resumes them, and
+    the other way round: the losses are those of the uninterrupted single-device run."""
     both = ["model.moe_bias_update_rate=0.01"]  # aux loss and bias balancing together
+    sharded = ["parallel.ep=2", "parallel.zero=1", *both]
     full = _train_until(0, 1, data, None, both, None)
-    out = str(tmp_path / "run")
-    first = spawn(_train_until, 2, args=(data, out, ["parallel.ep=2", *both], 4), timeout=300)[0]
+    out = str(tmp_path / "ep2-then-one")
+    first = spawn(_train_until, 4, args=(data, out, sharded, 4), timeout=300)[0]
     rest = _train_until(0, 1, data, out, [*both, "train.resume=true"], None)
     assert first == pytest.approx(full[:4], rel=1e-5)
     assert rest == pytest.approx(full[3:], rel=1e-5)  # resumed from the step-3 checkpoint
+    out = str(tmp_path / "one-then-ep2")
+    _train_until(0, 1, data, out, both, 4)
+    rest = spawn(_train_until, 4, args=(data, out, [*sharded, "train.resume=true"], None), timeout=300)[0]
+    assert rest == pytest.approx(full[3:], rel=1e-5)
 
 
 def test_cli_ep2_matches_one_process(data, tmp_path):
