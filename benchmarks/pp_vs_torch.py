@@ -170,6 +170,8 @@ def main() -> None:
     ap.add_argument("--no-torch", action="store_true", help="only our engine (for bubble measurements)")
     ap.add_argument("--dump", default="", help="pickle every rank's measured timelines here (offline analysis)")
     args = ap.parse_args()
+    if args.recv_ahead < 0:
+        ap.error("--recv-ahead must be >= 0 (0: every receive at the step's start)")
     results = spawn(_worker, args.world, args=(args,), timeout=3000)
     if args.dump:
         import pickle

@@ -99,6 +99,8 @@ class PipelineEngine:
     def __init__(self, schedule: PipelineSchedule, stages: dict[int, PipelineStage], mesh: Mesh,
                  act_shape: tuple[int, ...], dtype: torch.dtype, loss_fn, sync, autocast, recv_ahead: int = 0) -> None:
         self.s, self.stages, self.mesh = schedule, stages, mesh
+        if recv_ahead < 0:
+            raise ValueError(f"recv_ahead must be >= 0 (0: every receive at the step's start), got {recv_ahead}.")
         self.recv_ahead = recv_ahead  # receives posted ahead of use (0: all at the step's start)
         self.group = mesh.group("pp")
         self.act_shape, self.dtype = act_shape, dtype
