@@ -8,9 +8,6 @@ and without SP), recompute and pipelines. The spawned runs also measure what CP 
 activation memory per rank falls as 1/cp, and zigzag gives every rank the same attention FLOPs.
 """
 
-import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -30,7 +27,13 @@ from meshtrain.parallel.context import (
 )
 from meshtrain.parallel.recompute import apply_recompute, saved_activation_bytes
 from meshtrain.parallel.state import gather_state
-from meshtrain.testing.equivalence import assert_planner_predicts_runs, assert_same_run, prepared_stdlib, run_dir
+from meshtrain.testing.equivalence import (
+    assert_planner_predicts_runs,
+    assert_same_run,
+    cli_train,
+    prepared_stdlib,
+    run_dir,
+)
 from meshtrain.testing.spawn import spawn
 from meshtrain.train.trainer import Trainer
 
@@ -351,11 +354,7 @@ def test_attention_activation_memory_falls_as_one_over_cp(world2, world4):
 @pytest.mark.slow
 def test_cli_cp2_matches_one_process(data, tmp_path):
     def run(out, *extra):
-        args = [sys.executable, "-m", "meshtrain.cli", "train", "--config", "tiny", "--out", str(out),
-                f"data.path={data}", *BASE, *extra]
-        r = subprocess.run(args, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-3000:]
-        recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        recs = cli_train(data, out, [*BASE, *extra])[0]
         return [r["loss"] for r in recs], [r["val_loss"] for r in recs if "val_loss" in r]
 
     one, val_one = run(tmp_path / "one")

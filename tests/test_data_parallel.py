@@ -16,7 +16,13 @@ from meshtrain import comm
 from meshtrain.config import ConfigError, load_config, validate
 from meshtrain.parallel.state import gather_state
 from meshtrain.plan.costs import dp_comm_bytes, dp_state_bytes, unit_numels
-from meshtrain.testing.equivalence import assert_planner_predicts_runs, assert_same_run, prepared_stdlib, run_dir
+from meshtrain.testing.equivalence import (
+    assert_planner_predicts_runs,
+    assert_same_run,
+    cli_train,
+    prepared_stdlib,
+    run_dir,
+)
 from meshtrain.testing.spawn import spawn
 from meshtrain.train.trainer import Trainer
 
@@ -191,17 +197,9 @@ def test_checkpoint_from_one_layout_resumes_in_another(data, tmp_path):
 
 
 def test_cli_zero3_on_4_processes_matches_one_process(data, tmp_path):
-    import json
-    import subprocess
-    import sys
 
     def run(out, *extra):
-        args = [sys.executable, "-m", "meshtrain.cli", "train", "--config", "tiny", "--out", str(out),
-                f"data.path={data}", *BASE, *extra]
-        r = subprocess.run(args, capture_output=True, text=True, timeout=300)
-        clues = [ln for ln in r.stderr.splitlines() if any(w in ln for w in ("terminate", "Error", "exitcode"))]
-        assert r.returncode == 0, "\n".join(clues[:20]) + "\n" + r.stderr[-2000:]
-        return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in cli_train(data, out, [*BASE, *extra])[0]]
 
     one = run(tmp_path / "one")
     four = run(tmp_path / "four", "--nproc", "4", "parallel.dp=4", "parallel.zero=3")

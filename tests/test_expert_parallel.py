@@ -7,29 +7,22 @@ fp32; with the aux loss on (the default coefficient 0.01) and with aux-loss-free
 One spawned group per world size runs every layout in turn.
 """
 
-import json
-import subprocess
-import sys
 
 import pytest
-import torch
 
 from meshtrain.config import ConfigError, load_config
 from meshtrain.parallel.state import gather_state
-from meshtrain.testing.equivalence import assert_planner_predicts_runs, assert_same_run, prepared_stdlib, run_dir
+from meshtrain.testing.equivalence import (
+    assert_planner_predicts_runs,
+    assert_same_run,
+    cli_train,
+    prepared_stdlib,
+    run_dir,
+)
 from meshtrain.testing.spawn import spawn
 from meshtrain.train.trainer import Trainer
 
-pytestmark = pytest.mark.slow
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread is fastest (two threads spin against each other on a busy 2-core box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]  # tests/conftest.py
 
 STEPS = 5
 BASE = ["train.progress=false", "train.tensorboard=false", "train.peak_flops=1e11", f"train.steps={STEPS}",
@@ -162,11 +155,7 @@ def test_checkpoints_move_between_sharded_experts_and_one_device(data, tmp_path)
 
 def test_cli_ep2_matches_one_process(data, tmp_path):
     def run(out, *extra):
-        args = [sys.executable, "-m", "meshtrain.cli", "train", "--config", "tiny", "--out", str(out),
-                f"data.path={data}", *BASE, *extra]
-        r = subprocess.run(args, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-3000:]
-        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], r.stdout
+        return cli_train(data, out, [*BASE, *extra])
 
     one, _ = run(tmp_path / "one")
     two, out = run(tmp_path / "two", "--nproc", "2", "parallel.ep=2")

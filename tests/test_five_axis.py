@@ -10,15 +10,13 @@ equivalence test: 5 steps of a tiny
 model on real stdlib text, fp32, losses within 1e-5 relative, every parameter within 1e-5 relative.
 """
 
-import json
-import subprocess
-import sys
 
 import pytest
 
 from meshtrain.testing.equivalence import (
     assert_planner_predicts_runs,
     assert_same_run,
+    cli_train,
     layouts_worker,
     prepared_stdlib,
     train_and_gather,
@@ -77,11 +75,8 @@ def test_planner_predicts_the_five_axis_runs(data):
 
 def test_cli_five_axis_layout_matches_one_process(data, tmp_path):
     def run(out, *extra):
-        args = [sys.executable, "-m", "meshtrain.cli", "train", "--config", "tiny", "--out", str(out),
-                f"data.path={data}", *BASE, *extra]
-        r = subprocess.run(args, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
-        return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()], r.stdout
+        records, stdout = cli_train(data, out, [*BASE, *extra], timeout=600)
+        return [r["loss"] for r in records], stdout
 
     one, _ = run(tmp_path / "one")
     eight, out = run(tmp_path / "eight", "--nproc", "8", *PP_CP_TP_EP)

@@ -13,14 +13,7 @@ from meshtrain.parallel.recompute import apply_recompute
 from meshtrain.parallel.units import model_units
 from meshtrain.plan.costs import flops_per_token, moe_param_count, param_count, unit_numels
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread is fastest (two threads spin against each other on a busy 2-core box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 CFG = ModelConfig(vocab_size=257, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64,

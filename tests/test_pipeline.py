@@ -6,9 +6,6 @@ equivalence tests: 5 steps of a tiny 8-layer model on real stdlib text, losses w
 every parameter within 1e-5 relative (Frobenius), fp32.
 """
 
-import json
-import subprocess
-import sys
 
 import pytest
 
@@ -16,6 +13,7 @@ from meshtrain.config import ConfigError, load_config
 from meshtrain.testing.equivalence import (
     assert_planner_predicts_runs,
     assert_same_run,
+    cli_train,
     layouts_worker,
     prepared_stdlib,
     train_and_gather,
@@ -92,11 +90,8 @@ def test_pipeline_refuses_what_it_cannot_run():
 
 def test_cli_pp2_1f1b_matches_one_process(data, tmp_path):
     def run(out, *extra):
-        args = [sys.executable, "-m", "meshtrain.cli", "train", "--config", "tiny", "--out", str(out),
-                f"data.path={data}", *BASE, *extra]
-        r = subprocess.run(args, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-3000:]
-        return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()], r.stdout
+        records, stdout = cli_train(data, out, [*BASE, *extra])
+        return [r["loss"] for r in records], stdout
 
     one, _ = run(tmp_path / "one")
     two, out = run(tmp_path / "two", "--nproc", "2", "parallel.pp=2", "parallel.schedule=1f1b",

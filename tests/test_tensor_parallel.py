@@ -5,9 +5,6 @@ vocabulary of 257 ids, which tp=2 and tp=4 must pad), losses within 1e-5 relativ
 parameter within 1e-5 relative (Frobenius), fp32.
 """
 
-import json
-import subprocess
-import sys
 
 import pytest
 
@@ -15,7 +12,13 @@ from meshtrain import comm
 from meshtrain.config import ConfigError, load_config
 from meshtrain.parallel.state import gather_state
 from meshtrain.plan.costs import tp_comm_bytes
-from meshtrain.testing.equivalence import assert_planner_predicts_runs, assert_same_run, prepared_stdlib, run_dir
+from meshtrain.testing.equivalence import (
+    assert_planner_predicts_runs,
+    assert_same_run,
+    cli_train,
+    prepared_stdlib,
+    run_dir,
+)
 from meshtrain.testing.spawn import spawn
 from meshtrain.train.trainer import Trainer
 
@@ -139,11 +142,8 @@ def test_tp_refuses_shapes_it_cannot_split():
 
 def test_cli_tp2_sp_matches_one_process(data, tmp_path):
     def run(out, *extra):
-        args = [sys.executable, "-m", "meshtrain.cli", "train", "--config", "tiny", "--out", str(out),
-                f"data.path={data}", *BASE, "train.sample_tokens=8", *extra]
-        r = subprocess.run(args, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-3000:]
-        return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()], r.stdout
+        records, stdout = cli_train(data, out, [*BASE, "train.sample_tokens=8", *extra])
+        return [r["loss"] for r in records], stdout
 
     one, out1 = run(tmp_path / "one")
     two, out2 = run(tmp_path / "two", "--nproc", "2", "parallel.tp=2", "parallel.sp=true")

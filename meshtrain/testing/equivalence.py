@@ -79,3 +79,19 @@ def layouts_worker(rank: int, world_size: int, data: str, base: list[str], layou
         records, params, _ = train_and_gather(data, [*base, *overrides], run_dir(data, world_size, name))
         out[name] = ([r["loss"] for r in records], params) if rank == 0 else None
     return out
+
+
+def cli_train(data: str, out: Path, overrides: list[str], timeout: float = 300) -> tuple[list[dict], str]:
+    """Run ``meshtrain train --config tiny`` as a user would (``--nproc N`` among the overrides launches torchrun);
+    return its metrics.jsonl records and stdout. A failed run raises with the lines of stderr that say why."""
+    import json
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", "meshtrain.cli", "train", "--config", "tiny", "--out", str(out),
+            f"data.path={data}", *overrides]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    clues = [ln for ln in r.stderr.splitlines() if any(w in ln for w in ("terminate", "Error", "exitcode"))]
+    assert r.returncode == 0, "\n".join(clues[:20]) + "\n" + r.stderr[-2000:]
+    records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return records, r.stdout
