@@ -137,8 +137,8 @@ def predict_rank(cfg: Config, world_size: int, coords: dict[str, int]) -> tuple[
     if schedule is not None:
         out.update(pipeline_rank_p2p(schedule, coords["pp"], pp_p2p_bytes(tokens, m.d_model, p.tp, p.sp)))
     if moe_layers:
-        _add(out, _moe_bytes(cfg, dp, tokens, micro, moe_layers, experts, compute_bytes))
-    if expert_zero:
+        _add(out, _moe_bytes(cfg, dp, tokens, micro, moe_layers, compute_bytes))
+    if experts and edp > 1:  # the experts' own data-parallel sync over edp: all-reduce, or ZeRO-1/2
         for (_, op), v in dp_comm_bytes(m, expert_zero, edp, grad_accum=t.grad_accum, layout=p.zero_layout,
                                         units=expert_units).items():
             _add(out, {("edp", op): v})
@@ -161,18 +161,15 @@ def _add(out: dict[tuple[str, str], int], more: dict[tuple[str, str], int]) -> N
             out[k] = out.get(k, 0) + v
 
 
-def _moe_bytes(cfg: Config, dp: int, tokens: int, micro: int, layers: int, experts: int, compute_bytes: int
+def _moe_bytes(cfg: Config, dp: int, tokens: int, micro: int, layers: int, compute_bytes: int
                ) -> dict[tuple[str, str], int]:
     """A rank's mixture-of-experts traffic per step: the ep all-to-alls (balanced routing; exact summed over
-    each ep group), the experts' gradient all-reduce over edp, and the aux loss's per-sequence expert counts
-    summed over the ranks that split each sequence (cp, and tp under SP)."""
+    each ep group) and the aux loss's per-sequence expert counts summed over the ranks that split each
+    sequence (cp, and tp under SP)."""
     p, t, m = cfg.parallel, cfg.train, cfg.model
     block_tokens = tokens // (p.tp if p.sp else 1)
     out = {("ep", "all_to_all"): micro * layers * ep_comm_bytes(block_tokens, m, p.ep, compute_bytes,
                                                                 t.recompute != "none")}
-    edp = dp * p.cp // p.ep
-    if p.ep > 1 and edp > 1 and p.zero == 0:  # ZeRO-1/2 over edp instead: predict_rank adds those
-        out[("edp", "all_reduce")] = 4 * experts
     split = [a for a, n in (("cp", p.cp), ("tp", p.tp if p.sp else 1)) if n > 1]
     if split and m.moe_aux_loss_coef > 0:
         rows = t.global_batch // dp // micro
