@@ -42,9 +42,12 @@ def _active(group: AxisGroup | None) -> bool:
 
 @torch.no_grad()
 def gather_state(sync: GradSync, optimizer: torch.optim.Optimizer, shapes: dict[str, tuple[int, ...]],
-                 tp_group: AxisGroup | None = None, pp_group: AxisGroup | None = None
+                 tp_group: AxisGroup | None = None, pp_group: AxisGroup | None = None, grads: bool = False
                  ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(parameters by name, optimizer state by "name/key"), full and on CPU, on every rank.
+
+    ``grads=True``: (the logical gradients by name, {}) instead, read from the pieces' ``.grad`` (call it
+    after the gradient sync and before the optimizer step; equivalence tests compare them).
 
     ``shapes`` lists every logical parameter (the same order on every rank, collectives follow it).
     Under pipeline parallelism each tensor lives on one stage: a final all-reduce over ``pp_group``
@@ -104,6 +107,8 @@ def gather_state(sync: GradSync, optimizer: torch.optim.Optimizer, shapes: dict[
         return full
 
     params, optim = {}, {}
+    if grads:
+        return {name: logical(name, shape, lambda op: op.tensor.grad) for name, shape in shapes.items()}, {}
     for name, shape in shapes.items():
         params[name] = logical(name, shape, lambda op: op.tensor)
         for key in info.get(name, (None, None, []))[2]:

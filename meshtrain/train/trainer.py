@@ -12,6 +12,7 @@ import contextlib
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,11 @@ def unigram_loss(tokens: np.ndarray, vocab_size: int) -> float:
 class Trainer:
     """Builds everything a run needs from a validated config, then trains."""
 
-    def __init__(self, cfg: Config, out_dir: str | Path | None = None) -> None:
+    def __init__(self, cfg: Config, out_dir: str | Path | None = None,
+                 grad_hook: Callable[[int, Trainer], None] | None = None) -> None:
+        """``grad_hook(step, trainer)``, if given, is called on every rank once a step's gradients are
+        synchronised and before they are clipped and applied (equivalence tests gather them there)."""
+        self.grad_hook = grad_hook
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         validate(cfg, world_size)  # before any process group starts
         self.cfg = cfg
@@ -239,6 +244,8 @@ class Trainer:
         pieces = [op for op in self.sync.optim_params() if op.tensor.grad is not None]
         if self.tp is not None:  # norm weights are replicated over tp: add (SP) or average their grads
             self.tp.sync_replicated_grads([op.tensor.grad for op in pieces if op.replicas > 1])
+        if self.grad_hook is not None:
+            self.grad_hook(step, self)
         grads = self.sync.grads()
         norm = self.grad_norm(pieces)
         clip_grads(grads, t.grad_clip, norm)
