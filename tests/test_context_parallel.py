@@ -26,7 +26,6 @@ from meshtrain.parallel.context import (
     rank_positions,
 )
 from meshtrain.parallel.recompute import apply_recompute, saved_activation_bytes
-from meshtrain.parallel.state import gather_state
 from meshtrain.testing.equivalence import (
     assert_planner_predicts_runs,
     assert_same_run,
@@ -75,8 +74,8 @@ MEM_B, MEM_T = 2, 64
 def _run(data, overrides, out=None):
     trainer = Trainer(load_config("tiny", [f"data.path={data}", *BASE, *overrides]), out)
     losses = [r["loss"] for r in trainer.train()]
-    params, _ = gather_state(trainer.sync, trainer.optimizer, trainer.shapes, trainer.tp_group, trainer.pp_group)
-    flops = vars(trainer.cp.flops).copy() if trainer.cp is not None else None
+    params, _ = trainer.parallel.gather_state(trainer.optimizer)
+    flops = vars(trainer.parallel.cp.flops).copy() if trainer.parallel.cp is not None else None
     return (losses, params), flops
 
 
@@ -170,7 +169,7 @@ def test_rope_tables_follow_real_positions():
         t = cp.shard(torch.zeros(1, 32)).shape[1]  # Llama.forward takes the first t rows
         assert torch.equal(model.rope_cos[:t], full.rope_cos[cp.positions])
         assert torch.equal(model.rope_sin[:t], full.rope_sin[cp.positions])
-        assert all(b.attention.attend == cp.attend for b in model.layers.values())
+        assert all(b.attention.core.cp is cp for b in model.layers.values())
 
 
 def _simulate(q, k, v, dy, cp, layout):

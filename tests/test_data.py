@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from meshtrain.parallel.parallelize import shard_rows
 from meshtrain.train import prepare as prep
-from meshtrain.train.data import SyntheticDataset, TokenDataset, shard_rows
+from meshtrain.train.data import SyntheticDataset, TokenDataset
 from meshtrain.train.prepare import ensure_prepared, is_val_document, prepare_data
 from meshtrain.train.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 

@@ -14,7 +14,6 @@ import pytest
 
 from meshtrain import comm
 from meshtrain.config import ConfigError, load_config, validate
-from meshtrain.parallel.state import gather_state
 from meshtrain.plan.costs import dp_comm_bytes, dp_state_bytes, unit_numels
 from meshtrain.testing.equivalence import (
     assert_planner_predicts_runs,
@@ -71,7 +70,7 @@ def _run(data, overrides, out=None):
     cfg = load_config("tiny", [f"data.path={data}", *BASE, *overrides])
     trainer = Trainer(cfg, out)
     records = trainer.train()
-    params, _ = gather_state(trainer.sync, trainer.optimizer, trainer.shapes)
+    params, _ = trainer.parallel.gather_state(trainer.optimizer)
     return [r["loss"] for r in records], params
 
 
@@ -92,7 +91,7 @@ def _equivalence_worker(rank, world_size, data, layouts, measured):
         snap = comm.METER.snapshot()
         meas[(zero, layout, dp_shard, accum)] = (
             {(axis, op): v["bytes"] for axis, ops in snap.items() for op, v in ops.items() if op != "metrics"},
-            trainer.sync.state_tensors(trainer.optimizer),
+            trainer.parallel.state_bytes(trainer.optimizer),
         )
     return out, meas
 

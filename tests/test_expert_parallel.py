@@ -11,7 +11,6 @@ One spawned group per world size runs every layout in turn.
 import pytest
 
 from meshtrain.config import ConfigError, load_config
-from meshtrain.parallel.state import gather_state
 from meshtrain.testing.equivalence import (
     assert_planner_predicts_runs,
     assert_same_run,
@@ -63,7 +62,7 @@ LAYOUTS_4 = [
 def _run(data, overrides, out=None):
     trainer = Trainer(load_config("tiny", [f"data.path={data}", *BASE, *overrides]), out)
     records = trainer.train()
-    params, _ = gather_state(trainer.sync, trainer.optimizer, trainer.shapes, trainer.tp_group, trainer.pp_group)
+    params, _ = trainer.parallel.gather_state(trainer.optimizer)
     return {"losses": [r["loss"] for r in records], "params": params, "loads": [r["expert_load"] for r in records],
             "aux": [r["aux_loss"] for r in records], "grad_norm": [r["grad_norm"] for r in records],
             "dropped": [r.get("moe_dropped") for r in records]}

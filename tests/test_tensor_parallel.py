@@ -10,7 +10,6 @@ import pytest
 
 from meshtrain import comm
 from meshtrain.config import ConfigError, load_config
-from meshtrain.parallel.state import gather_state
 from meshtrain.plan.costs import tp_comm_bytes
 from meshtrain.testing.equivalence import (
     assert_planner_predicts_runs,
@@ -54,7 +53,7 @@ def _model_overrides(overrides):
 def _run(data, overrides, out=None):
     trainer = Trainer(load_config("tiny", [f"data.path={data}", *BASE, *overrides]), out)
     losses = [r["loss"] for r in trainer.train()]
-    params, _ = gather_state(trainer.sync, trainer.optimizer, trainer.shapes, trainer.tp_group)
+    params, _ = trainer.parallel.gather_state(trainer.optimizer)
     return losses, params
 
 

@@ -19,35 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtrain.config import ModelConfig
+from meshtrain.model.layers import CausalAttention, FeedForward, RMSNorm, apply_rope, rope_tables
+from meshtrain.model.moe import MoEFeedForward
 
-
-class RMSNorm(nn.Module):
-    """Root-mean-square layer norm with a learned scale (computed in fp32 for stability)."""
-
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).type_as(x)
-
-
-def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles, shape [max_len, head_dim // 2], in fp32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
-    return angles.cos().float(), angles.sin().float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of x [B, H, T, D] by position-dependent angles (cos/sin [T, D/2])."""
-    xf = x.float().unflatten(-1, (-1, 2))
-    x0, x1 = xf[..., 0], xf[..., 1]
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-    return out.flatten(-2).type_as(x)
+__all__ = ["Attention", "Block", "CausalAttention", "FeedForward", "Llama", "RMSNorm", "apply_rope", "build_model",
+           "cross_entropy_sum", "decoder_forward", "init_weights", "rope_tables"]
 
 
 class Attention(nn.Module):
@@ -62,6 +38,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=False)
+        self.core = CausalAttention()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -70,29 +47,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = self.attend(q, k, v)
+        y = self.core(q, k, v)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention over [B, H, T, D]; context parallelism replaces this method."""
-        if k.shape[1] != q.shape[1]:
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x). ``hidden`` defaults to the dense rule (an expert passes its own)."""
-
-    def __init__(self, cfg: ModelConfig, hidden: int | None = None) -> None:
-        super().__init__()
-        hidden = hidden or cfg.hidden_dim
-        self.w1 = nn.Linear(cfg.d_model, hidden, bias=False)  # gate
-        self.w3 = nn.Linear(cfg.d_model, hidden, bias=False)  # up
-        self.w2 = nn.Linear(hidden, cfg.d_model, bias=False)  # down
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class Block(nn.Module):
@@ -104,8 +60,6 @@ class Block(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if cfg.moe_experts:
-            from meshtrain.model.moe import MoEFeedForward
-
             self.feed_forward: nn.Module = MoEFeedForward(cfg)
         else:
             self.feed_forward = FeedForward(cfg)
@@ -138,22 +92,29 @@ class Llama(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [B, T] (or hidden states [B, T, D] when this module has no embedding) -> logits.
+        """tokens [B, T] (or hidden states [B, T, D] when this module has no embedding) -> logits."""
+        return decoder_forward(self, tokens, positions)
 
-        ``positions`` [T] gives each token's position in its sequence (context parallelism
-        holds non-contiguous chunks); by default 0..T-1.
-        """
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        t = tokens.shape[1] if tokens.dim() == 2 else h.shape[1] * self.seq_shards
-        if positions is None:
-            cos, sin = self.rope_cos[:t], self.rope_sin[:t]
-        else:
-            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        for layer in self.layers.values():
-            h = layer(h, cos, sin)
-        if self.norm is not None:
-            h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+
+def decoder_forward(m: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """The decoder's forward over whatever parts ``m`` holds (a ``Llama`` or a pipeline stage of one):
+    ``tok_embeddings`` (or None: the input is already hidden states), ``layers``, ``norm`` and ``output`` (or
+    None: hidden states out), ``seq_shards`` and the RoPE tables.
+
+    ``positions`` [T] gives each token's position in its sequence; by default 0..T-1 (context parallelism
+    instead puts the rows of this rank's positions into the tables, so the default reads them).
+    """
+    h = m.tok_embeddings(tokens) if m.tok_embeddings is not None else tokens
+    t = tokens.shape[1] if tokens.dim() == 2 else h.shape[1] * m.seq_shards
+    if positions is None:
+        cos, sin = m.rope_cos[:t], m.rope_sin[:t]
+    else:
+        cos, sin = m.rope_cos[positions], m.rope_sin[positions]
+    for layer in m.layers.values():
+        h = layer(h, cos, sin)
+    if m.norm is not None:
+        h = m.norm(h)
+    return m.output(h) if m.output is not None else h
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

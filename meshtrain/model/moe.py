@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtrain.config import ModelConfig
+from meshtrain.model.layers import FeedForward
 
 
 def expert_index(name: str) -> int | None:
@@ -87,8 +88,6 @@ class MoEFeedForward(nn.Module):
     """Router -> top-k experts (plus shared experts) -> gate-weighted sum, on [..., T, D] hidden states."""
 
     def __init__(self, cfg: ModelConfig) -> None:
-        from meshtrain.model.llama import FeedForward  # llama.py builds this block: import at use
-
         super().__init__()
         self.n_experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
         self.capacity_factor = cfg.moe_capacity_factor

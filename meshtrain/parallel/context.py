@@ -14,7 +14,8 @@ tensor-parallel) model in place and returns a ``ContextParallel``:
   rotated by its real position without any change to the forward (also under sequence
   parallelism, where t = local hidden length × tp, and in the pipeline stages, which copy the
   tables when they are split off after this).
-- **Attention.** Every attention module's ``attend(q, k, v)`` is replaced by the cp version:
+- **Attention.** Every attention module's core (``CausalAttention``, a module without parameters) is
+  swapped for ``ContextParallelAttention``:
   ``ring`` passes the key/value block round the cp ranks with point-to-point transfers (the next
   transfer posted before the current block is computed), merging partial outputs with the
   online-softmax rule; backward passes the key/value blocks round again together with their
@@ -403,17 +404,27 @@ class ContextParallel:
                                     comm.P2P("recv", nxt, self.prev_rank, tag)], self.group)
 
 
+class ContextParallelAttention(nn.Module):
+    """The attention core under context parallelism (swapped in for ``CausalAttention``): this rank's
+    queries against the whole sequence's keys and values, by ring or all-gather."""
+
+    def __init__(self, cp: ContextParallel) -> None:
+        super().__init__()
+        self.cp = cp
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.cp.attend(q, k, v)
+
+
 def apply_context_parallel(model: nn.Module, mesh: Mesh, seq_len: int, layout: str = "zigzag",
                            attention: str = "ring") -> ContextParallel:
     """Make ``model`` (plain or tensor-parallel) run on this rank's chunks of each sequence, in place.
 
-    Replaces the RoPE tables by their rows at this rank's positions and every attention module's
-    ``attend`` by the cp version over ``mesh.group("cp")``. Apply after tensor parallelism and before
+    Replaces the RoPE tables by their rows at this rank's positions and every attention module's core
+    by ``ContextParallelAttention`` over ``mesh.group("cp")``. Apply after tensor parallelism and before
     the pipeline split. The caller feeds ``ContextParallel.shard(tokens)``; gradients must be summed
     over ("dp", "cp") and the loss divided by the global token count.
     """
-    if getattr(model, "_context_parallel", None) is not None:
-        raise ValueError("context parallelism is already applied to this model.")
     group = mesh.group("cp")
     cp = ContextParallel(group, mesh.coord("cp"), seq_len, layout, attention)
     cfg = getattr(model, "cfg", None)
@@ -428,12 +439,12 @@ def apply_context_parallel(model: nn.Module, mesh: Mesh, seq_len: int, layout: s
     model.rope_sin = model.rope_sin[pos]
     for block in model.layers.values():
         attn = block.attention
-        if not callable(getattr(attn, "attend", None)):
-            raise ValueError(f"{type(attn).__name__} has no attend(q, k, v) for context parallelism to replace.")
-        attn.attend = cp.attend  # an instance attribute: shadows Attention.attend, replaces TP's copy
-    model._context_parallel = cp
+        if isinstance(attn.core, ContextParallelAttention):
+            raise ValueError("context parallelism is already applied to this model.")
+        attn.core = ContextParallelAttention(cp)
     return cp
 
 
-__all__ = ["ATTENTIONS", "LAYOUTS", "AttentionFlops", "BlockPlan", "ContextParallel", "apply_context_parallel",
+__all__ = ["ATTENTIONS", "LAYOUTS", "AttentionFlops", "BlockPlan", "ContextParallel", "ContextParallelAttention",
+           "apply_context_parallel",
            "chunk_ids", "n_chunks", "rank_positions"]

@@ -10,7 +10,7 @@ rest of backward. ``finish_grads`` waits for all of them before the optimizer st
 The loss of each rank is already divided by the token count of the *global* batch (see the
 trainer), so the SUM over ranks is the single-device gradient: no extra division.
 
-``wrap`` picks the member of the family from ``parallel.zero``: this module (0), ``zero.py``
+``parallelize`` picks the member of the family from ``parallel.zero``: this module (0), ``zero.py``
 (1, 2) or ``fsdp.py`` (3). Under expert parallelism (ep > 1) the routed experts are left out of that
 member: each rank holds different experts, replicated only over ``edp``, so ``WithExperts`` adds a
 plain bucketed all-reduce of their gradients over edp beside it. ZeRO-1/2/3 therefore shard the dense
@@ -20,7 +20,6 @@ divided ep ways). At ep = 1 the experts are ordinary parameters of the chosen me
 
 from __future__ import annotations
 
-import abc
 import contextlib
 from collections.abc import Iterator
 
@@ -28,80 +27,9 @@ import torch
 from torch import nn
 
 from meshtrain import comm
-from meshtrain.config import ParallelConfig
-from meshtrain.mesh import AxisGroup, Mesh
-from meshtrain.model.moe import expert_index
-from meshtrain.train.optim import OptimParam, describe
-
-
-class GradSync(abc.ABC):
-    """What the trainer needs from any data-parallel strategy (plain DP, ZeRO-1/2/3, HSDP)."""
-
-    norm_group: AxisGroup | None = None  # where partial grad-norm sums are added (sharded grads)
-    ep_group: AxisGroup | None = None  # where expert tensors differ (expert parallelism): norms and gathers add
-    expert_norm_group: AxisGroup | None = None  # where expert pieces are ZeRO-sharded (edp), if they are
-    handles: list[comm.Handle]  # the async collectives of the last step, for overlap measurement
-    always_sync = False  # True: gradients must be sent every microbatch (they are not kept whole)
-    _sync = True  # read by the gradient hooks: send when a bucket / unit is complete
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally (every microbatch but the last), unless they cannot be kept."""
-        self._sync = self.always_sync
-        try:
-            yield
-        finally:
-            self._sync = True
-
-    def forward_context(self) -> contextlib.AbstractContextManager:
-        """Entered around each microbatch's forward (ZeRO-3 uses it to manage gathered weights)."""
-        return contextlib.nullcontext()
-
-    @abc.abstractmethod
-    def optim_params(self) -> list[OptimParam]:
-        """What the optimizer updates on this rank (whole parameters or ZeRO pieces)."""
-
-    def finish_grads(self) -> None:  # noqa: B027 - a no-op unless communication is in flight
-        """Wait for gradient communication; afterwards optim_params' ``.grad`` are the global sums."""
-
-    def after_step(self) -> None:  # noqa: B027 - nothing to do when every rank updated everything
-        """Bring every rank's parameters up to date after the optimizer step."""
-
-    @abc.abstractmethod
-    def zero_grad(self) -> None:
-        """Clear the accumulated gradients (keeping any buffers they live in)."""
-
-    def grads(self) -> list[torch.Tensor]:
-        return [p.tensor.grad for p in self.optim_params() if p.tensor.grad is not None]
-
-    def is_expert(self, op: OptimParam) -> bool:
-        """Whether ``op`` is an expert-parallel expert's (sharded over ``ep_group``, not ``norm_group``)."""
-        return False
-
-    def state_tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        """Bytes per rank of parameters, gradients and optimizer state, each storage counted once."""
-        return tensor_bytes(self.param_tensors(), self.grad_tensors(), optimizer)
-
-    @abc.abstractmethod
-    def param_tensors(self) -> list[torch.Tensor]:
-        """The parameter storage this rank keeps (for memory accounting)."""
-
-    def grad_tensors(self) -> list[torch.Tensor]:
-        return self.grads()
-
-
-def tensor_bytes(params: list[torch.Tensor], grads: list[torch.Tensor],
-                 optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Sum of live bytes by kind; views of one buffer count the buffer once."""
-    def total(tensors: list[torch.Tensor]) -> int:
-        seen: dict[int, int] = {}
-        for t in tensors:
-            s = t.untyped_storage()
-            seen[s.data_ptr()] = s.nbytes()
-        return sum(seen.values())
-
-    state = [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
-    return {"params": total(params), "grads": total(grads), "optim": total(state)}
+from meshtrain.mesh import AxisGroup
+from meshtrain.parallel.grad_sync import GradSync, replica_weighted_norm_sq
+from meshtrain.parallel.pieces import OptimParam, Placements, optim_param
 
 
 class _Bucket:
@@ -124,14 +52,14 @@ class DataParallel(GradSync):
     leaves some out (the experts, for the dense member).
     """
 
-    def __init__(self, model: nn.Module, group: AxisGroup, bucket_mb: float = 25.0,
+    def __init__(self, model: nn.Module, group: AxisGroup, placements: Placements, bucket_mb: float = 25.0,
                  params: list[tuple[str, nn.Parameter]] | None = None, exclude: frozenset[int] = frozenset()) -> None:
         self.model = model
         self.group = group
         self.handles = []
         named = params if params is not None else [(n, p) for n, p in model.named_parameters()
                                                     if p.requires_grad and id(p) not in exclude]
-        self._optim = [describe(n, p) for n, p in named]
+        self._optim = [optim_param(n, p, placements) for n, p in named]
         params = [p for _, p in named]
         device = params[0].device
         limit = max(int(bucket_mb * 2**20 / 4), 1)
@@ -192,7 +120,7 @@ class WithExperts(GradSync):
 
     Expert gradients differ across ``ep_group`` (different experts), so the gradient norm adds their
     squares over the edp shards and then over ep (the dense ones over ``norm_group``), and checkpoints
-    rebuild them the same way.
+    rebuild them the same way (``state.gather_state`` reads ``ep_group`` and ``expert_norm_group``).
     """
 
     def __init__(self, dense: GradSync, experts: GradSync, ep_group: AxisGroup) -> None:
@@ -200,7 +128,6 @@ class WithExperts(GradSync):
         self.expert_norm_group = experts.norm_group  # None when every holder keeps them whole
         self.norm_group = dense.norm_group
         self.always_sync = dense.always_sync
-        self._expert_ids = {id(op.tensor) for op in experts.optim_params()}
 
     @property
     def handles(self) -> list[comm.Handle]:
@@ -217,8 +144,11 @@ class WithExperts(GradSync):
     def optim_params(self) -> list[OptimParam]:
         return self.dense.optim_params() + self.experts.optim_params()
 
-    def is_expert(self, op: OptimParam) -> bool:
-        return id(op.tensor) in self._expert_ids
+    def grad_norm_sq(self, device: torch.device) -> float:
+        # The experts: whole on every edp holder, or ZeRO-sharded over edp; then different across ep.
+        return (self.dense.grad_norm_sq(device)
+                + replica_weighted_norm_sq(self.experts.optim_params(), [self.expert_norm_group, self.ep_group],
+                                           device))
 
     def finish_grads(self) -> None:
         self.dense.finish_grads()
@@ -240,42 +170,3 @@ class WithExperts(GradSync):
 
     def grad_tensors(self) -> list[torch.Tensor]:
         return self.dense.grad_tensors() + self.experts.grad_tensors()
-
-
-def wrap(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, compute_dtype: torch.dtype = torch.float32) -> GradSync:
-    """Apply the data-parallel member chosen by ``parallel.zero`` to ``model`` on ``mesh``.
-
-    Gradients are reduced over dp x cp (context-parallel ranks hold the same weights too).
-    ZeRO-3 gathers parameters in ``compute_dtype``; everything else stays fp32. Under expert
-    parallelism the experts are synced over edp instead, beside the chosen member (``WithExperts``): all-reduced
-    with ZeRO-0, sharded with ZeRO-1/2 (stage 2 also for ZeRO-3: experts are not gathered per forward).
-    """
-    experts = [(n, p) for n, p in model.named_parameters() if expert_index(n) is not None] \
-        if mesh.size("ep") > 1 else []
-    skip = frozenset(id(p) for _, p in experts)
-    if cfg.zero == 0:
-        dense: GradSync = DataParallel(model, mesh.group("dp", "cp"), cfg.bucket_mb, exclude=skip)
-    elif cfg.zero in (1, 2):
-        from meshtrain.parallel.zero import ZeroOptimizer
-
-        dense = ZeroOptimizer(model, mesh, stage=cfg.zero, layout=cfg.zero_layout, exclude=skip)
-    else:
-        from meshtrain.parallel.fsdp import FullyShardedDataParallel
-
-        dense = FullyShardedDataParallel(model, mesh, reshard_after_forward=cfg.reshard_after_forward,
-                                         compute_dtype=compute_dtype, exclude=skip)
-    if not experts:
-        return dense
-    edp = mesh.group("edp")
-    if cfg.zero == 0 or edp.size == 1:
-        sync: GradSync = DataParallel(model, edp, cfg.bucket_mb, params=experts)
-    else:  # ZeRO over the ranks holding the same experts: stage 1 or 2 (ZeRO-3 keeps experts at stage 2)
-        from meshtrain.parallel.units import Unit
-        from meshtrain.parallel.zero import ZeroOptimizer
-
-        by_layer: dict[str, list] = {}
-        for name, p in experts:
-            by_layer.setdefault(name.split(".feed_forward.")[0], []).append((name, p))
-        units = [Unit(f"{layer}.experts", [], params) for layer, params in by_layer.items()]
-        sync = ZeroOptimizer(model, mesh, stage=min(cfg.zero, 2), layout=cfg.zero_layout, units=units, group=edp)
-    return WithExperts(dense, sync, mesh.group("ep"))

@@ -31,9 +31,9 @@ from torch import nn
 
 from meshtrain import comm
 from meshtrain.mesh import AxisGroup, Mesh
-from meshtrain.parallel.data import GradSync
+from meshtrain.parallel.grad_sync import GradSync
+from meshtrain.parallel.pieces import OptimParam, Placements, optim_param
 from meshtrain.parallel.units import Unit, model_units
-from meshtrain.train.optim import OptimParam
 
 # The embedding's input (token ids) needs no gradient, so its backward pre-hook fires on the output
 # gradient alone, which is all we use: torch's warning about that is noise here.
@@ -81,7 +81,6 @@ class _ShardedUnit:
             offsets[id(p)] = off
             off += p.numel()
         self.offsets = [(name, offsets[id(p)], tuple(p.shape)) for name, p in unit.params]
-        self.logical = {name: getattr(p, "_logical", None) for name, p in unit.params}
         # This rank's fp32 master shard and its gradient: all that persists between steps.
         self.shard = flat[self.lo: self.hi].clone().requires_grad_(True)
         self.grad = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
@@ -174,7 +173,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 class FullyShardedDataParallel(GradSync):
     """ZeRO-3 over dp x cp (HSDP: sharded over dp_shard x cp, replicated over dp_replicate)."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh, reshard_after_forward: bool = True,
+    def __init__(self, model: nn.Module, mesh: Mesh, placements: Placements, reshard_after_forward: bool = True,
                  compute_dtype: torch.dtype = torch.float32, exclude: frozenset[int] = frozenset()) -> None:
         self.model = model
         self.group = mesh.group("dp_shard", "cp")
@@ -200,8 +199,7 @@ class FullyShardedDataParallel(GradSync):
                 if a < b:
                     piece = su.shard.detach()[a - su.lo: b - su.lo]
                     piece.grad = su.grad[a - su.lo: b - su.lo]
-                    shape_l, tp, replicas = su.logical[name] or (shape, None, 1)
-                    self._pieces.append(OptimParam(name, piece, tuple(shape_l), a - off, shape, tp, replicas))
+                    self._pieces.append(optim_param(name, piece, placements, piece, a - off, shape))
 
     # ------------------------------------------------------------------ hooks
 

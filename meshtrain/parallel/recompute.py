@@ -13,7 +13,7 @@ How the block is wrapped, and why:
 The block's *instance* ``forward`` attribute is replaced by a small callable; the module tree is not
 touched. So parameter and buffer names stay exactly ``layers.N.attention.wq.weight`` etc. (checkpoints
 and the deterministic init key on them), and whatever a parallelism has swapped inside the block
-(sharded Linears, a replaced ``Attention.attend``) is checkpointed along with it.
+(sharded Linears, a swapped attention core) is checkpointed along with it.
 
 Hooks: ``nn.Module.__call__`` runs the block's forward pre/post hooks around ``self.forward``, i.e.
 *outside* the checkpointed region. The recomputation in backward re-runs only the original forward

@@ -19,9 +19,8 @@ import torch
 from meshtrain import comm
 from meshtrain.mesh import AxisGroup
 from meshtrain.model.moe import expert_index
-from meshtrain.parallel.data import GradSync
-from meshtrain.train.checkpoint import apply_optimizer_state
-from meshtrain.train.optim import OptimParam
+from meshtrain.parallel.grad_sync import GradSync
+from meshtrain.parallel.pieces import OptimParam
 
 
 def _piece_of(local: torch.Tensor, op: OptimParam) -> torch.Tensor:
@@ -150,3 +149,19 @@ def load_state(sync: GradSync, optimizer: torch.optim.Optimizer, params: dict[st
                            _piece_of(_local_from_logical(v, op), op).clone())
                        for k, v in state.items()}
     apply_optimizer_state(optimizer, names, sliced)
+
+
+def apply_optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str],
+                          by_name: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Install per-name state for the optimizer's tensors (``names``: id(tensor) -> logical name)."""
+    optimizer.state.clear()
+    # AdamW keeps its step counter on the parameter's device when fused or capturable, else on the CPU.
+    step_on_device = bool(optimizer.defaults.get("fused") or optimizer.defaults.get("capturable"))
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = by_name.get(names.get(id(p), ""))
+            if state is None:
+                continue
+            optimizer.state[p] = {
+                k: v if (k == "step" and not step_on_device) else v.to(p.device) for k, v in state.items()
+            }

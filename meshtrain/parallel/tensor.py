@@ -23,9 +23,12 @@ holds (its sequence shard under SP; without SP every tp rank holds the same toke
 same thing), so its weights are replicated over tp like the norm weights, and their gradients are added
 (SP) or averaged over tp the same way.
 
-``parallelize(model, mesh, sp)`` takes each rank's slice of the single-device weights, so the same
-seed gives the same model on any tp. Parameter names do not change; each local parameter carries
-its place in the logical tensor (``p._logical``) for checkpoints and the gradient norm.
+``apply_tensor_parallel(model, mesh, rules, sp)`` takes each rank's slice of the single-device weights,
+so the same seed gives the same model on any tp. What is sliced, along which dimension, and what is
+replicated is read from the logical-axis rules table (``meshtrain/rules.py``, ``model/axes.py``): a
+weight dimension whose logical axis maps to ``tp`` is sliced; a weight with none is replicated.
+Parameter names do not change; the returned ``TensorParallel.placements`` says where each local
+parameter sits in its logical tensor, for checkpoints and the gradient norm.
 """
 
 from __future__ import annotations
@@ -39,9 +42,10 @@ from torch import nn
 from meshtrain import comm
 from meshtrain.config import ModelConfig
 from meshtrain.mesh import AxisGroup, Mesh
+from meshtrain.model.axes import param_axes
 from meshtrain.model.llama import Attention, Block, FeedForward, apply_rope
-from meshtrain.model.moe import MoEFeedForward
-from meshtrain.train.optim import TPSlice
+from meshtrain.parallel.pieces import Placement, Placements, TPSlice
+from meshtrain.rules import Rules, check_executable, tp_dim
 
 # ----------------------------------------------------------------------------- the f / g operators
 
@@ -137,19 +141,47 @@ def scatter_seq(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
 # ----------------------------------------------------------------------------- sharded layers
 
 
-def _place(p: nn.Parameter, shape: tuple[int, ...], tp: TPSlice | None, replicas: int) -> nn.Parameter:
-    p._logical = (tuple(shape), tp, replicas)
-    return p
+class Sharder:
+    """Cuts this rank's slice of a logical weight along the dimension the rules give its logical axes, and
+    records the slice's ``Placement`` by parameter name."""
+
+    def __init__(self, rules: Rules, group: AxisGroup, index: int) -> None:
+        self.rules, self.group, self.index = rules, group, index
+        self.placements: Placements = {}
+
+    def shard(self, name: str, w: torch.Tensor) -> tuple[torch.Tensor, TPSlice | None]:
+        """(this rank's slice of ``w``, padded to ceil(n / tp) along the sliced dimension; its TPSlice), or
+        (``w`` itself, None) when no dimension is split over tp."""
+        shape = tuple(w.shape)
+        dim = tp_dim(param_axes(name), self.rules)
+        if dim is None:
+            self.placements[name] = Placement(shape, None, self.group.size)
+            return w, None
+        n = shape[dim]
+        per = math.ceil(n / self.group.size)
+        start = self.index * per
+        length = max(0, min(n, start + per) - start)
+        local = w.new_zeros((*shape[:dim], per, *shape[dim + 1:]))
+        local.narrow(dim, 0, length).copy_(w.detach().narrow(dim, start, length))
+        tp = TPSlice(dim, start, length)
+        self.placements[name] = Placement(shape, tp, 1)
+        return local, tp
+
+    def replicate(self, name: str, p: nn.Parameter) -> nn.Parameter:
+        """A parameter every tp rank holds whole (norms, MoE router and experts): its rules give it no tp axis."""
+        if tp_dim(param_axes(name), self.rules) is not None:
+            raise ValueError(f"{name} has a tensor-parallel axis in the rules but no sharded layer executes it.")
+        self.placements[name] = Placement(tuple(p.shape), None, self.group.size)
+        return p
 
 
 class ColumnParallelLinear(nn.Module):
     """y[..., out/tp] = enter(x) @ W[rows of this rank]^T. ``enter`` is f (or the SP all-gather)."""
 
-    def __init__(self, weight: torch.Tensor, group: AxisGroup, sp: bool, row_start: int, rows_logical: int,
-                 logical_shape: tuple[int, int]) -> None:
+    def __init__(self, weight: torch.Tensor, group: AxisGroup, sp: bool) -> None:
         super().__init__()
         self.group, self.sp = group, sp
-        self.weight = _place(nn.Parameter(weight), logical_shape, TPSlice(0, row_start, rows_logical), 1)
+        self.weight = nn.Parameter(weight)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         return gather_seq(x, self.group) if self.sp else copy_to_tp(x, self.group)
@@ -161,79 +193,63 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = exit(x[..., in/tp] @ W[:, columns of this rank]^T). ``exit`` is g (or the SP reduce-scatter)."""
 
-    def __init__(self, weight: torch.Tensor, group: AxisGroup, sp: bool, col_start: int,
-                 logical_shape: tuple[int, int]) -> None:
+    def __init__(self, weight: torch.Tensor, group: AxisGroup, sp: bool) -> None:
         super().__init__()
         self.group, self.sp = group, sp
-        self.weight = _place(nn.Parameter(weight), logical_shape, TPSlice(1, col_start, weight.shape[1]), 1)
+        self.weight = nn.Parameter(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
         return scatter_seq(y, self.group) if self.sp else reduce_from_tp(y, self.group)
 
 
-def _rows(w: torch.Tensor, start: int, n: int) -> torch.Tensor:
-    return w.detach()[start: start + n].clone()
-
-
-def _cols(w: torch.Tensor, start: int, n: int) -> torch.Tensor:
-    return w.detach()[:, start: start + n].clone()
+def _linear(sharder: Sharder, name: str, lin: nn.Linear, sp: bool) -> nn.Module:
+    """The sharded twin of ``lin`` the rules ask for: column-parallel (dim 0 split) or row-parallel (dim 1)."""
+    local, tp = sharder.shard(name, lin.weight)
+    if tp is None or tp.dim not in (0, 1):
+        raise ValueError(f"{name}: the rules must split a linear weight along dim 0 or 1 over tp.")
+    cls = ColumnParallelLinear if tp.dim == 0 else RowParallelLinear
+    return cls(local, sharder.group, sp)
 
 
 class ParallelAttention(nn.Module):
     """GQA attention on this rank's heads: fused QKV (one matmul over the concatenated column shards
-    of wq, wk, wv, one entry collective), RoPE, causal SDPA, row-parallel output projection."""
+    of wq, wk, wv, one entry collective), RoPE, the attention core, row-parallel output projection."""
 
-    # The plain model's method, not a bound one (that would keep the unsliced Attention alive);
-    # context parallelism replaces it per instance.
-    attend = Attention.attend
-
-    def __init__(self, attn: Attention, group: AxisGroup, sp: bool) -> None:
+    def __init__(self, attn: Attention, sharder: Sharder, prefix: str, sp: bool) -> None:
         super().__init__()
-        tp, r = group.size, group.index(torch.distributed.get_rank()) if group.size > 1 else 0
-        hd = attn.head_dim
-        self.head_dim = hd
-        self.q_heads, self.kv_heads = attn.n_heads // tp, attn.n_kv_heads // tp
-        q_rows, kv_rows = self.q_heads * hd, self.kv_heads * hd
-
-        def col(lin: nn.Linear, rows: int) -> ColumnParallelLinear:
-            return ColumnParallelLinear(_rows(lin.weight, r * rows, rows), group, sp, r * rows, rows,
-                                        tuple(lin.weight.shape))
-
-        self.wq, self.wk, self.wv = col(attn.wq, q_rows), col(attn.wk, kv_rows), col(attn.wv, kv_rows)
-        self.wo = RowParallelLinear(_cols(attn.wo.weight, r * q_rows, q_rows), group, sp, r * q_rows,
-                                    tuple(attn.wo.weight.shape))
+        self.head_dim = attn.head_dim
+        self.wq, self.wk, self.wv, self.wo = (_linear(sharder, f"{prefix}.{n}.weight", getattr(attn, n), sp)
+                                              for n in ("wq", "wk", "wv", "wo"))
+        if not all(isinstance(m, ColumnParallelLinear) for m in (self.wq, self.wk, self.wv)) or \
+                not isinstance(self.wo, RowParallelLinear):
+            raise ValueError("the rules must split attention by heads (wq, wk, wv by rows, wo by columns).")
+        self.q_rows, self.kv_rows = self.wq.weight.shape[0], self.wk.weight.shape[0]
+        self.core = attn.core  # causal SDPA, or context parallelism's ring
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = self.wq.enter(x)  # one collective serves q, k and v
         qkv = F.linear(x, torch.cat([self.wq.weight, self.wk.weight, self.wv.weight]))
         b, t, _ = qkv.shape
-        q, k, v = qkv.split([self.q_heads * self.head_dim, self.kv_heads * self.head_dim,
-                             self.kv_heads * self.head_dim], dim=-1)
+        q, k, v = qkv.split([self.q_rows, self.kv_rows, self.kv_rows], dim=-1)
         q = q.view(b, t, -1, self.head_dim).transpose(1, 2)
         k = k.view(b, t, -1, self.head_dim).transpose(1, 2)
         v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = self.attend(q, k, v)
+        y = self.core(q, k, v)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class ParallelFeedForward(nn.Module):
     """SwiGLU with fused gate/up (one matmul over the column shards of w1 and w3) and a row-parallel w2."""
 
-    def __init__(self, ff: FeedForward, group: AxisGroup, sp: bool) -> None:
+    def __init__(self, ff: FeedForward, sharder: Sharder, prefix: str, sp: bool) -> None:
         super().__init__()
-        tp, r = group.size, group.index(torch.distributed.get_rank()) if group.size > 1 else 0
-        hidden = ff.w1.weight.shape[0] // tp
-        self.hidden = hidden
-
-        def col(lin: nn.Linear) -> ColumnParallelLinear:
-            return ColumnParallelLinear(_rows(lin.weight, r * hidden, hidden), group, sp, r * hidden, hidden,
-                                        tuple(lin.weight.shape))
-
-        self.w1, self.w3 = col(ff.w1), col(ff.w3)
-        self.w2 = RowParallelLinear(_cols(ff.w2.weight, r * hidden, hidden), group, sp, r * hidden,
-                                    tuple(ff.w2.weight.shape))
+        self.w1, self.w3, self.w2 = (_linear(sharder, f"{prefix}.{n}.weight", getattr(ff, n), sp)
+                                     for n in ("w1", "w3", "w2"))
+        if not isinstance(self.w1, ColumnParallelLinear) or not isinstance(self.w2, RowParallelLinear):
+            raise ValueError("the rules must split the MLP by its hidden units (w1, w3 by rows, w2 by columns).")
+        self.hidden = self.w1.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.w1.enter(x)
@@ -245,16 +261,11 @@ class VocabParallelEmbedding(nn.Module):
     """Rows [start, start + V/tp) of the (padded) embedding; other ids contribute zeros, and the parts
     are added by an all-reduce (or a reduce-scatter to sequence shards with SP)."""
 
-    def __init__(self, emb: nn.Embedding, group: AxisGroup, sp: bool, vocab: int) -> None:
+    def __init__(self, weight: torch.Tensor, tp: TPSlice, group: AxisGroup, sp: bool) -> None:
         super().__init__()
-        tp, r = group.size, group.index(torch.distributed.get_rank()) if group.size > 1 else 0
         self.group, self.sp = group, sp
-        per = math.ceil(vocab / tp)
-        self.start, self.end = r * per, min((r + 1) * per, vocab)
-        weight = torch.zeros(per, emb.weight.shape[1], dtype=emb.weight.dtype, device=emb.weight.device)
-        weight[: self.end - self.start] = emb.weight.detach()[self.start: self.end]
-        self.weight = _place(nn.Parameter(weight), tuple(emb.weight.shape),
-                             TPSlice(0, self.start, self.end - self.start), 1)
+        self.start, self.end = tp.start, tp.start + tp.length
+        self.weight = nn.Parameter(weight)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         mine = (tokens >= self.start) & (tokens < self.end)
@@ -264,22 +275,13 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelHead(ColumnParallelLinear):
-    """LM head over this rank's vocabulary rows; returns local logits [B, T, V/tp]."""
+    """LM head over this rank's vocabulary rows [start, end) of ``vocab``; returns local logits [B, T, V/tp]."""
 
-    def __init__(self, out: nn.Linear, group: AxisGroup, sp: bool, vocab: int,
-                 shared: VocabParallelEmbedding | None = None) -> None:
+    def __init__(self, weight: nn.Parameter, tp: TPSlice, vocab: int, group: AxisGroup, sp: bool) -> None:
         nn.Module.__init__(self)
-        self.group, self.sp = group, sp
-        tp, r = group.size, group.index(torch.distributed.get_rank()) if group.size > 1 else 0
-        per = math.ceil(vocab / tp)
-        self.start, self.end = r * per, min((r + 1) * per, vocab)
-        if shared is not None:  # tied embeddings: the same vocabulary rows, the same parameter
-            self.weight = shared.weight
-        else:
-            weight = torch.zeros(per, out.weight.shape[1], dtype=out.weight.dtype, device=out.weight.device)
-            weight[: self.end - self.start] = out.weight.detach()[self.start: self.end]
-            self.weight = _place(nn.Parameter(weight), tuple(out.weight.shape),
-                                 TPSlice(0, self.start, self.end - self.start), 1)
+        self.group, self.sp, self.vocab = group, sp, vocab
+        self.start, self.end = tp.start, tp.start + tp.length
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -326,8 +328,7 @@ def gather_vocab(logits: torch.Tensor, head: VocabParallelHead) -> torch.Tensor:
     lt = logits.movedim(-1, 0).contiguous()
     out = lt.new_empty((lt.shape[0] * group.size, *lt.shape[1:]))
     comm.all_gather(out, lt, group)
-    vocab = head.weight._logical[0][0]
-    return out.movedim(0, -1)[..., :vocab]
+    return out.movedim(0, -1)[..., : head.vocab]
 
 
 class VocabParallelLoss:
@@ -345,10 +346,11 @@ class VocabParallelLoss:
 
 
 class TensorParallel:
-    """What ``parallelize`` returns: the loss to use and the replicated-gradient sync."""
+    """What ``apply_tensor_parallel`` returns: the loss to use, where each local parameter sits in its
+    logical tensor, and the replicated-gradient sync."""
 
-    def __init__(self, group: AxisGroup, sp: bool, loss_fn, replicated: list[nn.Parameter]) -> None:
-        self.group, self.sp, self.loss_fn, self.replicated = group, sp, loss_fn, replicated
+    def __init__(self, group: AxisGroup, sp: bool, loss_fn, placements: Placements, head: VocabParallelHead) -> None:
+        self.group, self.sp, self.loss_fn, self.placements, self.head = group, sp, loss_fn, placements, head
 
     def sync_replicated_grads(self, grads: list[torch.Tensor]) -> None:
         """Norm weights are replicated over tp. With SP each rank saw a different part of the
@@ -364,44 +366,42 @@ class TensorParallel:
             g.copy_(flat[off: off + g.numel()].view_as(g))
             off += g.numel()
 
-
-def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """The shapes tensor parallelism needs; a clear error otherwise."""
-    if cfg.n_heads % tp:
-        raise ValueError(f"parallel.tp={tp} must divide model.n_heads={cfg.n_heads} (attention is split by heads).")
-    if cfg.kv_heads % tp:
-        raise ValueError(
-            f"parallel.tp={tp} must divide model.n_kv_heads={cfg.kv_heads}: each rank keeps whole key/value heads "
-            f"for its query heads. Replicating kv heads across ranks would need a second gradient reduction "
-            f"inside tp; use tp <= n_kv_heads or more kv heads.")
-    if cfg.hidden_dim % tp:
-        raise ValueError(f"parallel.tp={tp} must divide the MLP hidden size {cfg.hidden_dim} (model.ffn_hidden).")
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Every vocabulary column of a few positions' local logits (generation)."""
+        return gather_vocab(logits, self.head)
 
 
-def parallelize(model: nn.Module, mesh: Mesh, sp: bool = False) -> TensorParallel:
-    """Swap the plain model's layers for tensor-parallel twins holding this rank's slices (in place)."""
+def apply_tensor_parallel(model: nn.Module, mesh: Mesh, rules: Rules, sp: bool = False) -> TensorParallel:
+    """Swap the plain model's layers for tensor-parallel twins holding this rank's slices (in place), as the
+    logical-axis ``rules`` say. Shape checks (tp divides heads, kv heads, hidden) are the config's
+    (``config.validate``), before any process starts."""
+    check_executable(rules)
     group = mesh.group("tp")
+    sharder = Sharder(rules, group, mesh.coord("tp"))
     cfg: ModelConfig = model.cfg
-    check_tp(cfg, group.size)
-    replicated = []
-    for block in model.layers.values():
+    for key, block in model.layers.items():
         block: Block
-        block.attention = ParallelAttention(block.attention, group, sp)
-        if isinstance(block.feed_forward, MoEFeedForward):  # experts are not split by tp: replicated
+        prefix = f"layers.{key}"
+        block.attention = ParallelAttention(block.attention, sharder, f"{prefix}.attention", sp)
+        if isinstance(block.feed_forward, FeedForward):
+            block.feed_forward = ParallelFeedForward(block.feed_forward, sharder, f"{prefix}.feed_forward", sp)
+        else:  # a mixture of experts: router and experts are whole on every tp rank (the rules give them no tp axis)
             for name, p in block.feed_forward.named_parameters():
-                _place(p, tuple(p.shape), None, group.size)
-                if not name.startswith("experts."):  # routed experts may be pruned by EP: hold no reference
-                    replicated.append(p)
-        else:
-            block.feed_forward = ParallelFeedForward(block.feed_forward, group, sp)
-        for norm in (block.attention_norm, block.ffn_norm):
-            replicated.append(_place(norm.weight, tuple(norm.weight.shape), None, group.size))
+                sharder.replicate(f"{prefix}.feed_forward.{name}", p)
+        for norm in ("attention_norm", "ffn_norm"):
+            sharder.replicate(f"{prefix}.{norm}.weight", getattr(block, norm).weight)
     if sp:
         model.seq_shards = group.size
-    emb = VocabParallelEmbedding(model.tok_embeddings, group, sp, cfg.vocab_size)
-    tied = cfg.tie_embeddings
+    emb_w, emb_tp = sharder.shard("tok_embeddings.weight", model.tok_embeddings.weight)
+    if emb_tp is None or emb_tp.dim != 0:
+        raise ValueError("the rules must split the embedding by vocabulary rows over tp.")
+    emb = VocabParallelEmbedding(emb_w, emb_tp, group, sp)
     model.tok_embeddings = emb
-    head = VocabParallelHead(model.output, group, sp, cfg.vocab_size, shared=emb if tied else None)
+    if cfg.tie_embeddings:  # the same vocabulary rows, the same parameter
+        head = VocabParallelHead(emb.weight, emb_tp, cfg.vocab_size, group, sp)
+    else:
+        head_w, head_tp = sharder.shard("output.weight", model.output.weight)
+        head = VocabParallelHead(head_w, head_tp, cfg.vocab_size, group, sp)
     model.output = head
-    replicated.append(_place(model.norm.weight, tuple(model.norm.weight.shape), None, group.size))
-    return TensorParallel(group, sp, VocabParallelLoss(head), replicated)
+    sharder.replicate("norm.weight", model.norm.weight)
+    return TensorParallel(group, sp, VocabParallelLoss(head), sharder.placements, head)

@@ -26,9 +26,9 @@ from torch import nn
 
 from meshtrain import comm
 from meshtrain.mesh import AxisGroup, Mesh
-from meshtrain.parallel.data import GradSync
+from meshtrain.parallel.grad_sync import GradSync
+from meshtrain.parallel.pieces import OptimParam, Placements, optim_param
 from meshtrain.parallel.units import Unit, model_units
-from meshtrain.train.optim import OptimParam, describe
 
 
 def assign_owners(sizes: list[int], n: int) -> list[int]:
@@ -45,8 +45,8 @@ def assign_owners(sizes: list[int], n: int) -> list[int]:
 class _FlatUnit:
     """One unit's parameters and gradients as padded flat buffers, with this rank's shard."""
 
-    def __init__(self, unit: Unit, n: int, rank: int, keep_full_grad: bool) -> None:
-        self.unit = unit
+    def __init__(self, unit: Unit, n: int, rank: int, keep_full_grad: bool, placements: Placements) -> None:
+        self.unit, self.placements = unit, placements
         self.params = [p for _, p in unit.params]
         numel = unit.numel
         self.shard = -(-numel // n)
@@ -79,22 +79,23 @@ class _FlatUnit:
                 continue
             piece = self.param_buf[a:b]
             piece.grad = self.grad_shard[a - self.lo: b - self.lo]
-            out.append(describe(name, p, piece, offset=a - o))
+            out.append(optim_param(name, p, self.placements, piece, offset=a - o))
         return out
 
 
-class ZeroOptimizer(GradSync):
-    """ZeRO stage 1 or 2 over the mesh's dp x cp ranks (sharded over dp_shard x cp for HSDP).
+class ZeroGradSync(GradSync):
+    """ZeRO stage 1 or 2 (gradients reduce-scattered to their owners, owners' updates all-gathered) over
+    the mesh's dp x cp ranks (sharded over dp_shard x cp for HSDP).
 
     ``units`` and ``group`` shard something else over another group: expert parallelism passes each
     layer's local experts as a unit and the edp group (the ranks holding the same experts), with no
     replicas."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh, stage: int, layout: str = "flat",
+    def __init__(self, model: nn.Module, mesh: Mesh, placements: Placements, stage: int, layout: str = "flat",
                  exclude: frozenset[int] = frozenset(), units: list[Unit] | None = None,
                  group: AxisGroup | None = None) -> None:
         if stage not in (1, 2) or layout not in ("flat", "per_tensor"):
-            raise ValueError(f"ZeroOptimizer: stage must be 1 or 2 and layout flat or per_tensor, "
+            raise ValueError(f"ZeroGradSync: stage must be 1 or 2 and layout flat or per_tensor, "
                              f"got {stage}, {layout}.")
         self.model, self.stage, self.layout = model, stage, layout
         self.group = group if group is not None else mesh.group("dp_shard", "cp")
@@ -108,13 +109,13 @@ class ZeroOptimizer(GradSync):
         self._pending = [0] * len(self.units)
         self._inflight: list[list[tuple]] = [[] for _ in self.units]
         if layout == "flat":
-            self.flat = [_FlatUnit(u, n, me, keep_full_grad=stage == 1) for u in self.units]
+            self.flat = [_FlatUnit(u, n, me, stage == 1, placements) for u in self.units]
             self._pieces = [op for f in self.flat for op in f.pieces()]
         else:
             named = [(name, p) for u in self.units for name, p in u.params]
             owners = assign_owners([p.numel() for _, p in named], n)
             self.owner = {id(p): o for (_, p), o in zip(named, owners, strict=True)}
-            self._pieces = [describe(name, p) for name, p in named if self.owner[id(p)] == me]
+            self._pieces = [optim_param(name, p, placements) for name, p in named if self.owner[id(p)] == me]
             self._acc = {id(op.tensor): torch.zeros_like(op.tensor) for op in self._pieces} if stage == 2 else {}
         self.me = me
         for u in self.units:

@@ -61,12 +61,11 @@ def train_and_gather(data: str, overrides: list[str], out: str | None = None, pr
     """Train the preset on ``data`` with ``overrides`` (writing to ``out``); return (every step's record,
     the logical parameters gathered from whatever layout ran, the trainer). Collective: call on every rank."""
     from meshtrain.config import load_config
-    from meshtrain.parallel.state import gather_state
     from meshtrain.train.trainer import Trainer
 
     trainer = Trainer(load_config(preset, [f"data.path={data}", *overrides]), out)
     records = trainer.train()
-    params, _ = gather_state(trainer.sync, trainer.optimizer, trainer.shapes, trainer.tp_group, trainer.pp_group)
+    params, _ = trainer.parallel.gather_state(trainer.optimizer)
     return records, params, trainer
 
 

@@ -27,6 +27,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from meshtrain.parallel.state import apply_optimizer_state
+
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -197,19 +199,3 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     apply_optimizer_state(optimizer, _param_names(model), read_optimizer_state(path))
     restore_rng(path)
     return meta
-
-
-def apply_optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str],
-                          by_name: dict[str, dict[str, torch.Tensor]]) -> None:
-    """Install per-name state for the optimizer's tensors (``names``: id(tensor) -> logical name)."""
-    optimizer.state.clear()
-    # AdamW keeps its step counter on the parameter's device when fused or capturable, else on the CPU.
-    step_on_device = bool(optimizer.defaults.get("fused") or optimizer.defaults.get("capturable"))
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = by_name.get(names.get(id(p), ""))
-            if state is None:
-                continue
-            optimizer.state[p] = {
-                k: v if (k == "step" and not step_on_device) else v.to(p.device) for k, v in state.items()
-            }

@@ -2,8 +2,9 @@
 
 Every batch is a pure function of ``(seed, step, split)``: the random offsets come from
 ``np.random.default_rng([seed, step, split_id])``. Each rank can therefore build the same *global*
-batch and cut out its own rows with :func:`shard_rows`, so the data seen does not depend on the parallel
-layout, and a run resumed at step N sees exactly the batches it would have seen without stopping.
+batch and cut out its own rows with ``shard_rows`` (``parallel/parallelize.py``), so the data seen
+does not depend on the parallel layout, and a run resumed at step N sees exactly the batches it would
+have seen without stopping.
 """
 
 from __future__ import annotations
@@ -225,20 +226,3 @@ class SyntheticDataset:
 
     def __repr__(self) -> str:
         return f"SyntheticDataset(vocab_size={self._vocab_size}, split={self.split!r})"
-
-
-def shard_rows(x: torch.Tensor, index: int, count: int) -> torch.Tensor:
-    """Rows of the global batch ``x`` owned by data-parallel coordinate ``index`` of ``count``.
-
-    Returns the contiguous block ``[index * r, (index + 1) * r)`` with ``r = rows // count`` (a view).
-    """
-    if count < 1 or not 0 <= index < count:
-        raise ValueError(f"data-parallel index {index} out of range for {count} shards")
-    rows = x.shape[0]
-    if rows % count:
-        raise ValueError(
-            f"train.global_batch ({rows} rows) is not divisible by the {count} data-parallel shards; "
-            f"choose a multiple of {count}"
-        )
-    r = rows // count
-    return x[index * r : (index + 1) * r]

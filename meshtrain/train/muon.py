@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.optim.adamw import adamw as adamw_functional
 
 from meshtrain.config import TrainConfig
-from meshtrain.train.optim import OptimParam
+from meshtrain.parallel.pieces import OptimParam
 
 # Quintic Newton-Schulz coefficients: chosen to push every singular value in (0, 1] towards ~1 as fast
 # as possible in few steps, at the price of leaving them in roughly [0.7, 1.2] instead of exactly 1.

@@ -3,61 +3,18 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from meshtrain.config import TrainConfig
+from meshtrain.parallel.pieces import OptimParam, Placements, optim_param
 
 
-@dataclass(frozen=True)
-class TPSlice:
-    """Where a tensor-parallel parameter sits in its logical tensor: ``logical.narrow(dim, start,
-    length) == local.narrow(dim, 0, length)`` (the local tensor may carry padding rows after that)."""
-
-    dim: int
-    start: int
-    length: int
-
-
-@dataclass(frozen=True)
-class OptimParam:
-    """What the optimizer updates: ``tensor`` is the whole parameter, or the piece of it this rank owns.
-
-    ``name`` and ``shape`` are the logical (single-device) parameter's. ``offset`` is where the piece
-    starts in the flattened *local* parameter (ZeRO cuts pieces), whose shape is ``local_shape``;
-    ``tp`` places the local parameter in the logical one (tensor parallelism), and ``replicas`` says
-    how many tensor-parallel ranks hold the same values (norm weights: tp; sharded weights: 1).
-    """
-
-    name: str
-    tensor: torch.Tensor
-    shape: tuple[int, ...]
-    offset: int = 0
-    local_shape: tuple[int, ...] | None = None
-    tp: TPSlice | None = None
-    replicas: int = 1
-
-    @property
-    def is_whole(self) -> bool:
-        return tuple(self.tensor.shape) == self.shape
-
-    @property
-    def local(self) -> tuple[int, ...]:
-        return self.local_shape if self.local_shape is not None else self.shape
-
-
-def describe(name: str, p: torch.Tensor, tensor: torch.Tensor | None = None, offset: int = 0) -> OptimParam:
-    """The OptimParam for (a piece of) parameter ``p``, reading the logical placement that tensor
-    parallelism attaches to parameters (``p._logical``: (shape, TPSlice | None, replicas))."""
-    shape, tp, replicas = getattr(p, "_logical", (tuple(p.shape), None, 1))
-    return OptimParam(name, p if tensor is None else tensor, tuple(shape), offset, tuple(p.shape), tp, replicas)
-
-
-def model_params(model: nn.Module) -> list[OptimParam]:
-    """Every trainable parameter of a (non-sharded) model, tied ones once."""
-    return [describe(n, p) for n, p in model.named_parameters() if p.requires_grad]
+def model_params(model: nn.Module, placements: Placements | None = None) -> list[OptimParam]:
+    """Every trainable parameter of a model whose parameters are whole on this rank, tied ones once
+    (``placements``: where tensor parallelism put each local parameter, if it was applied)."""
+    return [optim_param(n, p, placements or {}) for n, p in model.named_parameters() if p.requires_grad]
 
 
 def adamw_groups(params: list[OptimParam], weight_decay: float) -> list[dict]:
@@ -103,22 +60,3 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     progress = min((step - cfg.warmup_steps) / span, 1.0)
     floor = cfg.lr * cfg.min_lr_ratio
     return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-@torch.no_grad()
-def grad_norm_squared(grads: list[torch.Tensor]) -> torch.Tensor:
-    """Sum of squared gradient entries, in fp32. Sharded layouts add the sums of their shards
-    (one all-reduce) before the square root, so the norm is that of the whole model."""
-    if not grads:
-        return torch.zeros((), dtype=torch.float32)
-    norms = torch._foreach_norm([g.float() for g in grads], 2.0)
-    return torch.stack(norms).pow(2).sum()
-
-
-@torch.no_grad()
-def clip_grads(grads: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
-    """Scale gradients so their global norm is at most ``max_norm`` (0: no clipping)."""
-    if max_norm <= 0 or not grads:
-        return
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    torch._foreach_mul_(grads, coef.to(grads[0].device))

@@ -8,7 +8,6 @@ parallelism) gives exactly the single-device mean.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import time
@@ -23,9 +22,8 @@ from meshtrain import comm
 from meshtrain.config import Config, ConfigError, save_config, validate
 from meshtrain.generate import sample
 from meshtrain.mesh import Mesh, init_distributed
-from meshtrain.model.llama import build_model, cross_entropy_sum
-from meshtrain.parallel.data import wrap
-from meshtrain.parallel.state import gather_state, load_state
+from meshtrain.model.llama import build_model
+from meshtrain.parallel.parallelize import DTYPES, parallelize
 from meshtrain.plan.costs import flops_per_token, mfu, param_count
 from meshtrain.plan.hardware import peak_flops
 from meshtrain.train.checkpoint import (
@@ -37,13 +35,11 @@ from meshtrain.train.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from meshtrain.train.data import SyntheticDataset, TokenDataset, shard_rows
+from meshtrain.train.data import SyntheticDataset, TokenDataset
 from meshtrain.train.metrics import MetricsLogger, peak_memory_bytes
-from meshtrain.train.optim import build_optimizer, clip_grads, grad_norm_squared, set_lr
+from meshtrain.train.optim import build_optimizer, set_lr
 from meshtrain.train.prepare import ensure_prepared
 from meshtrain.train.tokenizer import load_tokenizer
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def resolve_device(kind: str) -> torch.device:
@@ -82,7 +78,6 @@ class Trainer:
         p = cfg.parallel
         self.mesh = Mesh(pp=p.pp, dp=world_size // (p.pp * p.cp * p.tp), cp=p.cp, tp=p.tp, ep=p.ep,
                          dp_shard=p.dp_shard, device=self.device)
-        self.dp_group = self.mesh.group("dp", "cp")
         self.is_logger = self.mesh.rank == 0
         self.dtype = DTYPES[t.dtype]
 
@@ -108,52 +103,11 @@ class Trainer:
 
         # A split too small for one sequence (e.g. prepared with val_fraction=0) means no validation.
         self.can_validate = self.val_data.num_tokens >= t.seq_len + 2
-        # The plain model, then each transformation in turn: tensor parallelism, the pipeline split,
-        # recompute, then the data-parallel family.
+        # The plain model, then every parallelism in one fixed order (parallel/parallelize.py).
         self.model = build_model(cfg.model, t.seed, self.device)
-        self.shapes = {n: tuple(q.shape) for n, q in self.model.named_parameters()}
         _, self.aliases = model_state(self.model)
-        self.tp_group = self.mesh.group("tp")
-        self.tp = None
-        self.loss_fn = cross_entropy_sum
-        if p.tp > 1:
-            from meshtrain.parallel.tensor import parallelize
-
-            self.tp = parallelize(self.model, self.mesh, sp=p.sp)
-            self.loss_fn = self.tp.loss_fn
-        self.cp = None
-        if p.cp > 1:  # after TP (it swaps attention modules), before the pipeline split copies the RoPE tables
-            from meshtrain.parallel.context import apply_context_parallel
-
-            self.cp = apply_context_parallel(self.model, self.mesh, t.seq_len, p.cp_layout, p.cp_attention)
-        self.moe = None
-        if cfg.model.moe_experts:  # after TP and CP (it needs their token split), before the pipeline split
-            from meshtrain.parallel.expert import apply_expert_parallel
-
-            self.moe = apply_expert_parallel(self.model, self.mesh, sp=p.sp, global_sequences=t.global_batch)
-        self.pp_group = self.mesh.group("pp")
-        self.pipeline = None
-        if p.pp > 1:
-            from meshtrain.parallel.pipeline.engine import split
-            from meshtrain.parallel.pipeline.partition import partition_model
-            from meshtrain.parallel.pipeline.schedules import build_schedule
-
-            self.schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
-            self.partition = partition_model(cfg.model, t.seq_len, self.schedule.n_stages)
-            self.stages = split(self.model, self.mesh, self.schedule, self.partition)
-        if t.recompute != "none":
-            from meshtrain.parallel.recompute import apply_recompute
-
-            apply_recompute(self.model, t.recompute)
-        self.sync = wrap(self.model, self.mesh, p, self.dtype)
-        self.optimizer = build_optimizer(self.sync.optim_params(), t)
-        if p.pp > 1:
-            from meshtrain.parallel.pipeline.engine import PipelineEngine
-
-            rows = t.global_batch // self.mesh.size("dp") // p.microbatches
-            seq = t.seq_len // p.cp // (p.tp if p.sp else 1)
-            self.pipeline = PipelineEngine(self.schedule, self.stages, self.mesh, (rows, seq, cfg.model.d_model),
-                                           torch.float32, self.loss_fn, self.sync, self.autocast)
+        self.parallel = parallelize(self.model, self.mesh, cfg)
+        self.optimizer = build_optimizer(self.parallel.optim_params(), t)
         self.step = 0
         self.ckpt_root = self.out_dir / "checkpoints" if self.out_dir else None
         self._check_out_dir()
@@ -189,130 +143,48 @@ class Trainer:
         if path is None:
             return  # nothing yet: a fresh start, so a restarted job can always pass resume=true
         meta = read_checkpoint_meta(path)
-        tensors = read_model_state(path)
-        load_state(self.sync, self.optimizer, tensors, read_optimizer_state(path))
-        if self.moe is not None:
-            self.moe.load_bias(tensors)
+        self.parallel.load_state(self.optimizer, read_model_state(path), read_optimizer_state(path))
         restore_rng(path)
         self.step = int(meta["step"])
 
     # ------------------------------------------------------------------ the step
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        if self.dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
-
     def local_batch(self, data, step: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """This rank's rows of the global batch of ``step``, and the global batch's token count."""
+        """This rank's part of the global batch of ``step``, and the global batch's token count."""
         t = self.cfg.train
         inputs, targets = data.batch(t.seed, step, t.global_batch, t.seq_len)
         n_tokens = int((targets != -100).sum())
-        dp, index = self.mesh.size("dp"), self.mesh.coord("dp")
-        inputs, targets = shard_rows(inputs, index, dp), shard_rows(targets, index, dp)
-        if self.cp is not None:  # this rank's chunks of every sequence
-            inputs, targets = self.cp.shard(inputs), self.cp.shard(targets)
-        return inputs, targets, n_tokens
+        return (*self.parallel.shard_batch(inputs, targets), n_tokens)
 
-    def train_step(self, step: int) -> dict[str, float]:
+    def train_step(self, step: int) -> dict[str, Any]:
         """One optimizer step on the global batch of ``step``; returns its metrics."""
         t = self.cfg.train
         inputs, targets, n_tokens = self.local_batch(self.train_data, step)
-        if self.pipeline is not None:
-            m = self.cfg.parallel.microbatches
-            loss = self.pipeline.run(list(inputs.chunk(m)), list(targets.chunk(m)), n_tokens)
-            loss = comm.all_reduce_scalars([loss], self.pp_group, device=self.device)[0]
-            return self._update(step, loss)
-        loss_total = torch.zeros((), dtype=torch.float64)
-        micro = list(zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum), strict=True))
-        for i, (x, y) in enumerate(micro):
-            x, y = x.to(self.device), y.to(self.device)
-            # Gradients are communicated only with the last microbatch (ZeRO-2/3 reduce every one).
-            with self.sync.no_sync() if i < len(micro) - 1 else contextlib.nullcontext():
-                with self.sync.forward_context(), self.autocast():
-                    logits = self.model(x)
-                # Each rank divides by the global token count, so the sum over ranks is the global mean.
-                loss = self.loss_fn(logits, y) / n_tokens
-                loss.backward()
-            loss_total += loss.detach().double().cpu()
-        return self._update(step, float(loss_total))
-
-    def _update(self, step: int, loss_total: float) -> dict[str, float]:
-        """After the gradients of a step are in: sync, clip, optimizer step; returns the step's metrics."""
-        t = self.cfg.train
-        self.sync.finish_grads()
-        pieces = [op for op in self.sync.optim_params() if op.tensor.grad is not None]
-        if self.tp is not None:  # norm weights are replicated over tp: add (SP) or average their grads
-            self.tp.sync_replicated_grads([op.tensor.grad for op in pieces if op.replicas > 1])
+        loss = self.parallel.forward_backward(inputs, targets, n_tokens)
+        self.parallel.sync_grads()
         if self.grad_hook is not None:
             self.grad_hook(step, self)
-        grads = self.sync.grads()
-        norm = self.grad_norm(pieces)
-        clip_grads(grads, t.grad_clip, norm)
+        norm = self.parallel.clip_grads(t.grad_clip)
         lr = set_lr(self.optimizer, step, t)
         self.optimizer.step()
-        self.sync.after_step()
-        self.sync.zero_grad()
-        loss = comm.all_reduce_scalars([float(loss_total)], self.dp_group, device=self.device)[0]
-        rec = {"loss": loss, "lr": lr, "grad_norm": float(norm)}
-        if self.moe is not None:  # routing metrics of the step, and the aux-loss-free bias update
-            rec.update(self.moe.after_step())
-        return rec
+        routing = self.parallel.after_optimizer_step()
+        return {"loss": loss, "lr": lr, "grad_norm": norm, **routing}
 
-    def grad_norm(self, pieces: list) -> torch.Tensor:
-        """Global gradient norm: each rank's pieces, replicated ones counted once, summed over the
-        ZeRO shard group (expert-parallel experts: over the ep group) and the tensor-parallel group."""
-        def partial(ops: list, *groups) -> float:
-            plain = [op.tensor.grad for op in ops if op.replicas == 1]
-            norm_sq = float(grad_norm_squared(plain)) if plain else 0.0
-            for r in sorted({op.replicas for op in ops} - {1}):
-                norm_sq += float(grad_norm_squared([op.tensor.grad for op in ops if op.replicas == r])) / r
-            for group in groups:
-                if group is not None and group.size > 1:
-                    norm_sq = comm.all_reduce_scalars([norm_sq], group, device=self.device)[0]
-            return norm_sq
-
-        experts = [op for op in pieces if self.sync.is_expert(op)]
-        norm_sq = partial([op for op in pieces if not self.sync.is_expert(op)], self.sync.norm_group)
-        if experts:  # different across ep; whole on every edp holder, or ZeRO-sharded over edp
-            norm_sq += partial(experts, self.sync.expert_norm_group, self.sync.ep_group)
-        for g in (self.tp_group, self.pp_group):
-            if g.size > 1:
-                norm_sq = comm.all_reduce_scalars([norm_sq], g, device=self.device)[0]
-        return torch.tensor(norm_sq, dtype=torch.float32).sqrt()
-
-    @torch.no_grad()
     def evaluate(self) -> float:
         """Mean token loss on the same ``eval_batches`` validation batches every time (in the
         microbatches of training, so it needs no more memory)."""
-        t = self.cfg.train
-        self.model.eval()
         total, count = 0.0, 0
-        for i in range(t.eval_batches):
+        for i in range(self.cfg.train.eval_batches):
             inputs, targets, _ = self.local_batch(self.val_data, i)
-            if self.pipeline is not None:
-                m = self.cfg.parallel.microbatches
-                s, c = self.pipeline.forward_only(list(inputs.chunk(m)), list(targets.chunk(m)))
-                total, count = total + s, count + c
-                continue
-            for x, y in zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum), strict=True):
-                with self.sync.forward_context(), self.autocast():
-                    logits = self.model(x.to(self.device))
-                total += float(self.loss_fn(logits, y.to(self.device)))
-                count += int((y != -100).sum())
-        self.model.train()
-        if self.pipeline is not None:  # only the last stage's ranks computed the loss
-            total, count = comm.all_reduce_scalars([total, count], self.pp_group, device=self.device)
-        total, count = comm.all_reduce_scalars([total, count], self.dp_group, device=self.device)
+            s, c = self.parallel.evaluate(inputs, targets)
+            total, count = total + s, count + c
         return total / count
 
     def save(self) -> Path | None:
         if self.ckpt_root is None:
             return None
         # Collective under sharding: every rank takes part, rank 0 writes.
-        params, optim = gather_state(self.sync, self.optimizer, self.shapes, self.tp_group, self.pp_group)
-        if self.moe is not None:  # the aux-loss-free selection bias is state too (a buffer, not a parameter)
-            params.update(self.moe.bias_state(self.pp_group))
+        params, optim = self.parallel.gather_state(self.optimizer)
         if not self.is_logger:
             return None
         params = {n: v for n, v in params.items() if n not in self.aliases}
@@ -340,10 +212,8 @@ class Trainer:
             base = unigram_loss(self.train_data._tokens, cfg.model.vocab_size) \
                 if isinstance(self.train_data, TokenDataset) else math.log(cfg.model.vocab_size)
             self.baseline = base
-            if self.pipeline is not None:
-                log.write(f"pipeline: {self.schedule.name}, {self.schedule.n_stages} stages over pp="
-                          f"{self.schedule.pp}, {self.schedule.microbatches} microbatches\n"
-                          + self.partition.table(self.schedule.placement))
+            if self.parallel.describe():
+                log.write(self.parallel.describe())
             if not self.can_validate:
                 log.write("the validation split is too small for one sequence: no validation loss.")
             log.write(f"meshtrain: {n.total / 1e6:.2f}M parameters, {tokens_per_step} tokens/step, "
@@ -387,7 +257,7 @@ class Trainer:
                     log.write(f"experts: last step's tokens per expert by layer {last_rec['expert_load']}, "
                               f"busiest/mean {last_rec['moe_imbalance']:.2f}, aux loss {last_rec['aux_loss']:.4f}")
             if self.step == t.steps and t.sample_tokens and self.tokenizer is not None and \
-                    (self.pipeline is not None or self.cp is not None):
+                    self.parallel.sampler() is None:
                 log.write("(no sample under pipeline or context parallelism: run `meshtrain generate --ckpt` on the "
                           "checkpoint)")
             elif self.step == t.steps and t.sample_tokens and self.tokenizer is not None:
@@ -405,7 +275,7 @@ class Trainer:
             "rank": self.mesh.rank, "coords": {k: int(v) for k, v in self.mesh.coords.items()},
             "bytes": {f"{axis}/{op}": v["bytes"] for axis, ops in comm.METER.snapshot().items()
                       for op, v in ops.items() if op != "metrics"},
-            "state": self.sync.state_tensors(self.optimizer),
+            "state": self.parallel.state_bytes(self.optimizer),
         }
         everyone = comm.gather_objects(mine, self.mesh.group("world"))
         if self.out_dir is not None and self.is_logger:
@@ -414,14 +284,7 @@ class Trainer:
             (self.out_dir / "comm.json").write_text(json.dumps({"step": self.step + 1, "ranks": everyone}, indent=1))
 
     def generate(self, prompt: str, n_tokens: int, temperature: float = 0.8, top_k: int = 40) -> str:
-        logits_fn, pad = None, 1
-        if self.tp is not None:
-            from meshtrain.parallel.tensor import gather_vocab
-
-            def logits_fn(x):
-                return gather_vocab(x, self.model.output)
-
-            pad = self.tp_group.size if self.tp.sp else 1
+        logits_fn, pad = self.parallel.sampler()
         ids = sample(self.model, self.tokenizer.encode(prompt), n_tokens, self.cfg.train.seq_len,
                      temperature=temperature, top_k=top_k, seed=self.cfg.train.seed, logits_fn=logits_fn,
                      pad_multiple=pad)

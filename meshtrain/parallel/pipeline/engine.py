@@ -33,16 +33,17 @@ from torch import nn
 
 from meshtrain import comm
 from meshtrain.mesh import Mesh
-from meshtrain.model.llama import Llama
+from meshtrain.model.llama import Llama, decoder_forward
+from meshtrain.parallel.microsteps import ForwardLoss
 from meshtrain.parallel.pipeline.partition import Partition
 from meshtrain.parallel.pipeline.schedules import Action, PipelineSchedule
-from meshtrain.parallel.pipeline.wgrad import WeightGradStore, defer_weight_grads
+from meshtrain.parallel.pipeline.wgrad import WeightGradStore, defer_weight_grads, immediate_params
 
 
 class PipelineStage(nn.Module):
     """One stage: a contiguous run of blocks, with the embedding (first) or head (last) if it has them.
 
-    It reuses ``Llama.forward``: that code already tolerates a missing embedding or head.
+    Its forward is the decoder's (``decoder_forward``), which tolerates a missing embedding or head.
     """
 
     def __init__(self, model: Llama, layers: list[int], first: bool, last: bool) -> None:
@@ -55,11 +56,14 @@ class PipelineStage(nn.Module):
         self.seq_shards = model.seq_shards
         self.rope_cos, self.rope_sin = model.rope_cos, model.rope_sin
 
-    forward = Llama.forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return decoder_forward(self, x)
 
 
-def split(model: Llama, mesh: Mesh, schedule: PipelineSchedule, partition: Partition) -> dict[int, PipelineStage]:
-    """Prune ``model`` to this rank's stages (in place) and return {stage: PipelineStage}."""
+def split(model: Llama, mesh: Mesh, schedule: PipelineSchedule, partition: Partition,
+          wgrad: WeightGradStore | None = None) -> dict[int, PipelineStage]:
+    """Prune ``model`` to this rank's stages (in place) and return {stage: PipelineStage}. With ``wgrad``
+    (zero-bubble schedules) the stages' linear layers defer their weight gradients to W actions."""
     rank = mesh.coord("pp")
     mine = [s for s, r in enumerate(schedule.placement) if r == rank]
     last = schedule.n_stages - 1
@@ -73,6 +77,9 @@ def split(model: Llama, mesh: Mesh, schedule: PipelineSchedule, partition: Parti
     if last not in mine:
         model.norm = None
         model.output = None
+    if wgrad is not None:
+        for stage in stages.values():
+            defer_weight_grads(stage, wgrad)
     return stages
 
 
@@ -97,14 +104,15 @@ class PipelineEngine:
     """Executes a PipelineSchedule for this rank."""
 
     def __init__(self, schedule: PipelineSchedule, stages: dict[int, PipelineStage], mesh: Mesh,
-                 act_shape: tuple[int, ...], dtype: torch.dtype, loss_fn, sync, autocast, recv_ahead: int = 0) -> None:
+                 act_shape: tuple[int, ...], forward: ForwardLoss, wgrad: WeightGradStore | None = None,
+                 recv_ahead: int = 0, act_dtype: torch.dtype = torch.float32) -> None:
         self.s, self.stages, self.mesh = schedule, stages, mesh
         if recv_ahead < 0:
             raise ValueError(f"recv_ahead must be >= 0 (0: every receive at the step's start), got {recv_ahead}.")
         self.recv_ahead = recv_ahead  # receives posted ahead of use (0: all at the step's start)
         self.group = mesh.group("pp")
-        self.act_shape, self.dtype = act_shape, dtype
-        self.loss_fn, self.sync, self.autocast = loss_fn, sync, autocast
+        self.act_shape, self.dtype = act_shape, act_dtype
+        self.forward, self.sync = forward, forward.sync
         self.rank = mesh.coord("pp")
         self.last = schedule.n_stages - 1
         # The last backward actions of each stage (B, or I and W): data-parallel sync is enabled for
@@ -114,10 +122,9 @@ class PipelineEngine:
         for a in schedule.actions[self.rank]:
             last_of[(a.stage, a.kind)] = a
         self.final = {a for (_, kind), a in last_of.items() if kind in ("B", "I", "W")}
-        self.wgrad = WeightGradStore()
-        if schedule.split_backward:
-            for stage in stages.values():
-                defer_weight_grads(stage, self.wgrad)
+        if schedule.split_backward and wgrad is None:
+            raise ValueError(f"schedule {schedule.name} splits backward: split() the model with a WeightGradStore.")
+        self.wgrad = wgrad
         self.trace = StepTrace()
         self._posted: dict[tuple[int, int, int], tuple[torch.Tensor, list[comm.Handle]]] = {}
 
@@ -156,8 +163,10 @@ class PipelineEngine:
         self._sends += comm.batch_p2p([comm.P2P("send", t.contiguous(), self._peer(to_stage),
                                                 self._tag(kind, mb, to_stage))], self.group)
 
-    def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor], n_tokens: int) -> float:
-        """One step over the microbatches; returns this rank's summed loss (non-zero on the last stage)."""
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor, n_tokens: int) -> float:
+        """One step over this rank's rows, cut into the schedule's microbatches; returns this rank's loss sum /
+        ``n_tokens`` (non-zero on the last stage only)."""
+        inputs, targets = list(inputs.chunk(self.s.microbatches)), list(targets.chunk(self.s.microbatches))
         slots: dict[tuple[int, int], _Slot] = {}
         local: dict[tuple[int, int, int], torch.Tensor] = {}  # same-rank hand-overs
         self._sends: list[comm.Handle] = []
@@ -196,12 +205,11 @@ class PipelineEngine:
             x = local.pop((0, a.mb, a.stage)) if prev_here else self._recv(0, a.mb, a.stage - 1, a.stage)
             x = x.detach().requires_grad_(True)
         slot.inp = x
-        with self.sync.forward_context(), self.autocast():
-            y = stage(x)
         if a.stage == self.last:
-            loss = self.loss_fn(y, targets[a.mb].to(self.mesh.device)) / n_tokens
+            loss = self.forward(stage, x, targets[a.mb].to(self.mesh.device)) / n_tokens
             slot.out = loss
             return float(loss.detach())
+        y = self.forward(stage, x)
         slot.out = y
         if self.s.placement[a.stage + 1] == self.rank:
             local[(0, a.mb, a.stage + 1)] = y.detach()
@@ -231,8 +239,7 @@ class PipelineEngine:
         else:
             # I: the input gradient and the cheap parameters' gradients now; the linear layers stash
             # what their weight gradients need for W.
-            others = [p for p in self.stages[a.stage].parameters() if p.requires_grad and not _is_linear_weight(p)]
-            inputs = ([slot.inp] if needs_input else []) + others
+            inputs = ([slot.inp] if needs_input else []) + immediate_params(self.stages[a.stage])
             self.wgrad.key = (a.mb, a.stage)
             try:
                 with self._sync_ctx(a):
@@ -255,9 +262,10 @@ class PipelineEngine:
         slot.out = slot.inp = slot.grad_out = None
 
     @torch.no_grad()
-    def forward_only(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> tuple[float, int]:
+    def forward_only(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
         """Evaluation: every microbatch through every stage in order (no backward); returns the
         summed token loss and token count on the last stage's ranks (zeros elsewhere)."""
+        inputs, targets = list(inputs.chunk(self.s.microbatches)), list(targets.chunk(self.s.microbatches))
         total, count = 0.0, 0
         for mb in range(len(inputs)):
             x = None
@@ -268,19 +276,14 @@ class PipelineEngine:
                         x = inputs[mb].to(self.mesh.device)
                     elif self.s.placement[s - 1] != self.rank:
                         x = self._recv(2, mb, s - 1, s)
-                    with self.sync.forward_context(), self.autocast():
-                        x = self.stages[s](x)
                     if s == self.last:
                         y = targets[mb].to(self.mesh.device)
-                        total += float(self.loss_fn(x, y))
+                        total += float(self.forward(self.stages[s], x, y))
                         count += int((y != -100).sum())
-                    elif self.s.placement[s + 1] != self.rank:
+                        continue
+                    x = self.forward(self.stages[s], x)
+                    if self.s.placement[s + 1] != self.rank:
                         for h in comm.batch_p2p([comm.P2P("send", x.contiguous(), self._peer(s + 1),
                                                           self._tag(2, mb, s + 1))], self.group):
                             h.wait()
         return total, count
-
-
-def _is_linear_weight(p: torch.Tensor) -> bool:
-    """Weights whose gradient W computes (set by ``defer_weight_grads``)."""
-    return getattr(p, "_deferred_wgrad", False)

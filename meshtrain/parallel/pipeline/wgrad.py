@@ -59,12 +59,30 @@ class _DeferredLinear(torch.autograd.Function):
         return grad_x, gw.to(weight.dtype), None
 
 
-def defer_weight_grads(module: nn.Module, store: WeightGradStore) -> None:
-    """Route every bias-free ``nn.Linear`` in ``module`` through the deferrable backward."""
-    for m in module.modules():
-        if type(m) is nn.Linear and m.bias is None:
-            m.weight._deferred_wgrad = True
+class DeferredLinear(nn.Linear):
+    """A bias-free linear layer whose weight gradient the W action computes (when the store is armed)."""
 
-            def forward(x: torch.Tensor, m: nn.Linear = m) -> torch.Tensor:
-                return _DeferredLinear.apply(x, m.weight, store)
-            m.forward = forward
+    def __init__(self, lin: nn.Linear, store: WeightGradStore) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = lin.in_features, lin.out_features
+        self.weight = lin.weight  # the same parameter object
+        self.bias = None
+        self.store = store
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _DeferredLinear.apply(x, self.weight, self.store)
+
+
+def defer_weight_grads(module: nn.Module, store: WeightGradStore) -> None:
+    """Swap every bias-free ``nn.Linear`` in ``module`` for a ``DeferredLinear`` (in place)."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.bias is None:
+                setattr(parent, name, DeferredLinear(child, store))
+
+
+def immediate_params(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters whose gradients the I action computes: all but the ``DeferredLinear`` weights."""
+    params = {id(p): p for m in module.modules() if not isinstance(m, DeferredLinear)
+              for p in m.parameters(recurse=False) if p.requires_grad}
+    return list(params.values())

@@ -1,0 +1,65 @@
+"""Building blocks shared by the dense model and the mixture of experts: RMSNorm, RoPE, the SwiGLU MLP
+and the causal attention core. No distributed code lives here."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshtrain.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm with a learned scale (computed in fp32 for stability)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).type_as(x)
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, shape [max_len, head_dim // 2], in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of x [B, H, T, D] by position-dependent angles (cos/sin [T, D/2])."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x). ``hidden`` defaults to the dense rule (an expert passes its own)."""
+
+    def __init__(self, cfg: ModelConfig, hidden: int | None = None) -> None:
+        super().__init__()
+        hidden = hidden or cfg.hidden_dim
+        self.w1 = nn.Linear(cfg.d_model, hidden, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.d_model, hidden, bias=False)  # up
+        self.w2 = nn.Linear(hidden, cfg.d_model, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class CausalAttention(nn.Module):
+    """The attention core: causal softmax attention over [B, H, T, D] after RoPE, key/value heads shared by
+    groups of query heads (GQA). A module without parameters, so context parallelism can swap it for its
+    ring or all-gather version (``parallel/context.py``) the way tensor parallelism swaps Linears."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if k.shape[1] != q.shape[1]:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -1,0 +1,75 @@
+"""The micro-steps of one optimizer step, and the one forward-and-loss every path uses.
+
+``ForwardLoss`` runs a module (the whole model, or a pipeline stage) on a microbatch under the data-parallel
+family's forward context and autocast, and gives the sum of token losses when it is handed targets. The
+step, the pipeline engine and evaluation all call it, so they cannot drift apart.
+
+``Accumulation`` is the degenerate schedule: a rank holding every layer runs its microbatches one after
+another (``train.grad_accum`` of them), gradients communicated with the last. ``PipelineEngine``
+(``pipeline/engine.py``) is the general case; both answer ``run`` (train) and ``forward_only`` (evaluate)
+with the same signature, so ``Parallel`` drives either the same way.
+
+Loss scaling: each microbatch's token-loss sum is divided by the token count of the *global* batch, so the
+sum over microbatches and ranks is exactly the single-device mean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from meshtrain.parallel.grad_sync import GradSync
+
+
+@dataclass
+class ForwardLoss:
+    """``forward(module, x)`` -> output; ``forward(module, x, targets)`` -> sum of token losses (fp32)."""
+
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    sync: GradSync
+    dtype: torch.dtype
+    device: torch.device
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    def __call__(self, module: nn.Module, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        with self.sync.forward_context(), self.autocast():
+            out = module(x)
+        return out if targets is None else self.loss_fn(out, targets)
+
+
+class Accumulation:
+    """Plain gradient accumulation over ``n`` microbatches of a rank that holds the whole model."""
+
+    def __init__(self, model: nn.Module, forward: ForwardLoss, n: int) -> None:
+        self.model, self.forward, self.n = model, forward, n
+
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor, n_tokens: int) -> float:
+        """Forward and backward of every microbatch; returns this rank's loss sum / ``n_tokens``."""
+        sync, device = self.forward.sync, self.forward.device
+        total = torch.zeros((), dtype=torch.float64)
+        micro = list(zip(inputs.chunk(self.n), targets.chunk(self.n), strict=True))
+        for i, (x, y) in enumerate(micro):
+            # Gradients are communicated only with the last microbatch (ZeRO-2/3 reduce every one).
+            with sync.no_sync() if i < len(micro) - 1 else contextlib.nullcontext():
+                loss = self.forward(self.model, x.to(device), y.to(device)) / n_tokens
+                loss.backward()
+            total += loss.detach().double().cpu()
+        return float(total)
+
+    @torch.no_grad()
+    def forward_only(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
+        """Evaluation in the training microbatches: (sum of token losses, token count) on this rank."""
+        total, count = 0.0, 0
+        for x, y in zip(inputs.chunk(self.n), targets.chunk(self.n), strict=True):
+            y = y.to(self.forward.device)
+            total += float(self.forward(self.model, x.to(self.forward.device), y))
+            count += int((y != -100).sum())
+        return total, count

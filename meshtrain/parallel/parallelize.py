@@ -1,0 +1,254 @@
+"""``parallelize(model, mesh, cfg)``: the one place where parallelism is applied, and ``Parallel``, the one
+object that owns what is parallel about a training step.
+
+The transformations run in one fixed order, each on what the previous one left:
+
+1. **TP** (``tensor.py``): Linears and the embedding become sharded twins, as the logical-axis rules say
+   (``meshtrain/rules.py``); the loss becomes the vocabulary-parallel one.
+2. **CP** (``context.py``): the attention core becomes ring (or all-gather) attention and RoPE reads this
+   rank's positions. After TP, because it swaps the core inside TP's attention.
+3. **EP** (``expert.py``): each MoE block keeps its experts and dispatches tokens by all-to-all. After TP
+   and CP, because it must know how they split the tokens.
+4. **PP** (``pipeline/``): the model is pruned to this rank's stages; zero-bubble schedules defer weight
+   gradients. After the above (they change what a stage holds), before the DP family (which records
+   which modules hold each parameter).
+5. **Recompute** (``recompute.py``): blocks recompute their activations in backward.
+6. **DP family** (``data.py``, ``zero.py``, ``fsdp.py``): gradients (and with ZeRO, state) synchronised and
+   sharded over dp x cp; experts over edp.
+
+``Parallel`` then owns, for the trainer: sharding the global batch (``shard_batch``), the micro-steps
+(``forward_backward``: a pipeline schedule, or plain accumulation as its degenerate case) with the loss
+reduced to the global mean, the gradient sync (``sync_grads``), the global gradient norm and clipping
+(``clip_grads``), what follows the optimizer step (``after_optimizer_step``), evaluation, and the logical
+state (``gather_state`` / ``load_state``). The trainer's step therefore has no branch on which axis is on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from meshtrain import comm
+from meshtrain.config import Config, ParallelConfig
+from meshtrain.mesh import Mesh
+from meshtrain.model.llama import Llama, cross_entropy_sum
+from meshtrain.model.moe import expert_index
+from meshtrain.parallel.context import ContextParallel, apply_context_parallel
+from meshtrain.parallel.data import DataParallel, WithExperts
+from meshtrain.parallel.expert import ExpertParallel, apply_expert_parallel
+from meshtrain.parallel.fsdp import FullyShardedDataParallel
+from meshtrain.parallel.grad_sync import GradSync, clip_grads
+from meshtrain.parallel.microsteps import Accumulation, ForwardLoss
+from meshtrain.parallel.pieces import OptimParam, Placements
+from meshtrain.parallel.pipeline.engine import PipelineEngine, split
+from meshtrain.parallel.pipeline.partition import Partition, partition_model
+from meshtrain.parallel.pipeline.schedules import PipelineSchedule, build_schedule
+from meshtrain.parallel.pipeline.wgrad import WeightGradStore
+from meshtrain.parallel.recompute import apply_recompute
+from meshtrain.parallel.state import gather_state, load_state
+from meshtrain.parallel.tensor import TensorParallel, apply_tensor_parallel
+from meshtrain.parallel.units import Unit
+from meshtrain.parallel.zero import ZeroGradSync
+from meshtrain.rules import Rules, check_executable, rules_for
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ORDER = ("tp", "cp", "ep", "pp", "recompute", "dp")  # the order parallelize applies them in
+
+
+def shard_rows(x: torch.Tensor, index: int, count: int) -> torch.Tensor:
+    """Rows of the global batch ``x`` owned by data-parallel coordinate ``index`` of ``count``.
+
+    Returns the contiguous block ``[index * r, (index + 1) * r)`` with ``r = rows // count`` (a view).
+    """
+    if count < 1 or not 0 <= index < count:
+        raise ValueError(f"data-parallel index {index} out of range for {count} shards")
+    rows = x.shape[0]
+    if rows % count:
+        raise ValueError(
+            f"train.global_batch ({rows} rows) is not divisible by the {count} data-parallel shards; "
+            f"choose a multiple of {count}"
+        )
+    r = rows // count
+    return x[index * r : (index + 1) * r]
+
+
+def data_parallel(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, placements: Placements,
+                  compute_dtype: torch.dtype = torch.float32) -> GradSync:
+    """The data-parallel member chosen by ``parallel.zero``, over dp x cp (context-parallel ranks hold the
+    same weights too).
+
+    ZeRO-3 gathers parameters in ``compute_dtype``; everything else stays fp32. Under expert parallelism
+    the experts are synced over edp instead, beside the chosen member (``WithExperts``): all-reduced with
+    ZeRO-0, sharded with ZeRO-1/2 (stage 2 also for ZeRO-3: experts are not gathered per forward).
+    """
+    experts = [(n, p) for n, p in model.named_parameters() if expert_index(n) is not None] \
+        if mesh.size("ep") > 1 else []
+    skip = frozenset(id(p) for _, p in experts)
+    if cfg.zero == 0:
+        dense: GradSync = DataParallel(model, mesh.group("dp", "cp"), placements, cfg.bucket_mb, exclude=skip)
+    elif cfg.zero in (1, 2):
+        dense = ZeroGradSync(model, mesh, placements, stage=cfg.zero, layout=cfg.zero_layout, exclude=skip)
+    else:
+        dense = FullyShardedDataParallel(model, mesh, placements, reshard_after_forward=cfg.reshard_after_forward,
+                                         compute_dtype=compute_dtype, exclude=skip)
+    if not experts:
+        return dense
+    edp = mesh.group("edp")
+    if cfg.zero == 0 or edp.size == 1:
+        sync: GradSync = DataParallel(model, edp, placements, cfg.bucket_mb, params=experts)
+    else:  # ZeRO over the ranks holding the same experts: stage 1 or 2 (ZeRO-3 keeps experts at stage 2)
+        by_layer: dict[str, list] = {}
+        for name, p in experts:
+            by_layer.setdefault(name.split(".feed_forward.")[0], []).append((name, p))
+        units = [Unit(f"{layer}.experts", [], params) for layer, params in by_layer.items()]
+        sync = ZeroGradSync(model, mesh, placements, stage=min(cfg.zero, 2), layout=cfg.zero_layout, units=units,
+                            group=edp)
+    return WithExperts(dense, sync, mesh.group("ep"))
+
+
+class Parallel:
+    """What is parallel about a training step, for one rank (built by ``parallelize``)."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, cfg: Config, rules: Rules, shapes: dict[str, tuple[int, ...]],
+                 sync: GradSync, micro: Accumulation | PipelineEngine, forward: ForwardLoss,
+                 tp: TensorParallel | None, cp: ContextParallel | None, moe: ExpertParallel | None,
+                 schedule: PipelineSchedule | None, partition: Partition | None) -> None:
+        self.model, self.mesh, self.cfg, self.rules, self.shapes = model, mesh, cfg, rules, shapes
+        self.sync, self.micro, self.forward = sync, micro, forward
+        self.tp, self.cp, self.moe = tp, cp, moe
+        self.schedule, self.partition = schedule, partition
+        self.device = mesh.device
+        # The loss and token counts live on the last stage of each dp x cp coordinate: summed over these.
+        self.loss_group = mesh.group("pp", "dp", "cp")
+
+    # ------------------------------------------------------------------ the step
+
+    def shard_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a global batch: its dp rows, then (context parallelism) its sequence chunks."""
+        dp, index = self.mesh.size("dp"), self.mesh.coord("dp")
+        inputs, targets = shard_rows(inputs, index, dp), shard_rows(targets, index, dp)
+        if self.cp is not None:
+            inputs, targets = self.cp.shard(inputs), self.cp.shard(targets)
+        return inputs, targets
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, n_tokens: int) -> float:
+        """The micro-steps of one optimizer step on this rank's batch (``shard_batch``); ``n_tokens`` is the
+        global batch's token count. Returns the step's loss, the mean over every token of the global batch
+        (the same on every rank); the gradients may still be in flight (``sync_grads`` waits)."""
+        local = self.micro.run(inputs, targets, n_tokens)
+        return comm.all_reduce_scalars([local], self.loss_group, device=self.device)[0]
+
+    def sync_grads(self) -> None:
+        """Wait for the gradient communication; then the pieces' ``.grad`` are the global gradients
+        (tensor-parallel replicas added under SP, averaged without)."""
+        self.sync.finish_grads()
+        if self.tp is not None:
+            self.tp.sync_replicated_grads([op.tensor.grad for op in self.sync.optim_params()
+                                           if op.tensor.grad is not None and op.replicas > 1])
+
+    def clip_grads(self, max_norm: float) -> float:
+        """The global gradient norm (every logical entry once, whatever holds it); gradients scaled so it is
+        at most ``max_norm`` (0: no clipping). Returns the norm before clipping."""
+        norm_sq = self.sync.grad_norm_sq(self.device)
+        for axis in ("tp", "pp"):  # different slices (tp) and different layers (pp) add
+            norm_sq = comm.all_reduce_scalars([norm_sq], self.mesh.group(axis), device=self.device)[0]
+        norm = torch.tensor(norm_sq, dtype=torch.float32).sqrt()
+        clip_grads(self.sync.grads(), max_norm, norm)
+        return float(norm)
+
+    def after_optimizer_step(self) -> dict[str, object]:
+        """Parameters up to date on every rank, gradients cleared; returns the step's routing metrics (MoE)."""
+        self.sync.after_step()
+        self.sync.zero_grad()
+        return self.moe.after_step() if self.moe is not None else {}
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
+        """(sum of token losses, token count) of a global batch's ``shard_batch`` parts, over every rank."""
+        self.model.eval()
+        try:
+            total, count = self.micro.forward_only(inputs, targets)
+        finally:
+            self.model.train()
+        total, count = comm.all_reduce_scalars([total, count], self.loss_group, device=self.device)
+        return total, int(count)
+
+    # ------------------------------------------------------------------ state
+
+    def optim_params(self) -> list[OptimParam]:
+        """What the optimizer updates on this rank."""
+        return self.sync.optim_params()
+
+    def gather_state(self, optimizer: torch.optim.Optimizer, grads: bool = False
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Logical (single-device) parameters and optimizer state, full on every rank (``grads=True``: the
+        logical gradients instead). Collective."""
+        params, optim = gather_state(self.sync, optimizer, self.shapes, self.mesh.group("tp"),
+                                     self.mesh.group("pp"), grads=grads)
+        if self.moe is not None and not grads:  # the aux-loss-free selection bias is state too (a buffer)
+            params.update(self.moe.bias_state(self.mesh.group("pp")))
+        return params, optim
+
+    def load_state(self, optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor],
+                   optim: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Install logical tensors into this rank's pieces (parameters, optimizer state, MoE bias)."""
+        load_state(self.sync, optimizer, params, optim)
+        if self.moe is not None:
+            self.moe.load_bias(params)
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Live bytes of parameters, gradients and optimizer state on this rank."""
+        return self.sync.state_tensors(optimizer)
+
+    # ------------------------------------------------------------------ reporting and generation
+
+    def describe(self) -> str:
+        """What a log should say about the layout beyond the mesh (the pipeline's stages)."""
+        if self.schedule is None:
+            return ""
+        s = self.schedule
+        return (f"pipeline: {s.name}, {s.n_stages} stages over pp={s.pp}, {s.microbatches} microbatches\n"
+                + self.partition.table(s.placement))
+
+    def sampler(self) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, int] | None:
+        """(full-vocabulary logits from the model's output, sequence padding multiple) for sampling on this
+        layout, or None where the model is not whole along the sequence on each rank (pipeline, context)."""
+        if self.schedule is not None or self.cp is not None:
+            return None
+        if self.tp is None:
+            return None, 1
+        return self.tp.full_logits, self.tp.group.size if self.tp.sp else 1
+
+
+def parallelize(model: Llama, mesh: Mesh, cfg: Config) -> Parallel:
+    """Apply TP -> CP -> EP -> PP -> recompute -> DP family to the plain ``model`` on ``mesh`` (in place), as
+    ``cfg.parallel`` and the logical-axis rules say; returns the ``Parallel`` that runs its steps."""
+    p, t = cfg.parallel, cfg.train
+    shapes = {n: tuple(q.shape) for n, q in model.named_parameters()}
+    rules = rules_for(p)
+    check_executable(rules)
+    dtype = DTYPES[t.dtype]
+    tp = apply_tensor_parallel(model, mesh, rules, sp=p.sp) if mesh.size("tp") > 1 else None
+    cp = apply_context_parallel(model, mesh, t.seq_len, p.cp_layout, p.cp_attention) if mesh.size("cp") > 1 \
+        else None
+    moe = apply_expert_parallel(model, mesh, sp=p.sp, global_sequences=t.global_batch) \
+        if cfg.model.moe_experts else None
+    schedule = partition = wgrad = stages = None
+    if mesh.size("pp") > 1:
+        schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
+        partition = partition_model(cfg.model, t.seq_len, schedule.n_stages)
+        wgrad = WeightGradStore() if schedule.split_backward else None
+        stages = split(model, mesh, schedule, partition, wgrad)
+    apply_recompute(model, t.recompute)
+    sync = data_parallel(model, mesh, p, tp.placements if tp else {}, dtype)
+    forward = ForwardLoss(tp.loss_fn if tp else cross_entropy_sum, sync, dtype, mesh.device)
+    if schedule is not None:
+        rows = t.global_batch // mesh.size("dp") // p.microbatches
+        seq = t.seq_len // p.cp // (p.tp if p.sp else 1)
+        micro: Accumulation | PipelineEngine = PipelineEngine(schedule, stages, mesh, (rows, seq, cfg.model.d_model),
+                                                              forward, wgrad)
+    else:
+        micro = Accumulation(model, forward, t.grad_accum)
+    return Parallel(model, mesh, cfg, rules, shapes, sync, micro, forward, tp, cp, moe, schedule, partition)
