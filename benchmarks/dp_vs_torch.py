@@ -24,10 +24,11 @@ from meshtrain import comm
 from meshtrain.config import ModelConfig, ParallelConfig, TrainConfig
 from meshtrain.mesh import Mesh
 from meshtrain.model.llama import build_model, cross_entropy_sum
-from meshtrain.parallel.data import wrap
+from meshtrain.parallel.grad_sync import clip_grads, grad_norm_squared
+from meshtrain.parallel.parallelize import data_parallel, shard_rows
 from meshtrain.testing.spawn import spawn
-from meshtrain.train.data import SyntheticDataset, shard_rows
-from meshtrain.train.optim import build_adamw, clip_grads, grad_norm_squared, model_params
+from meshtrain.train.data import SyntheticDataset
+from meshtrain.train.optim import build_adamw, model_params
 
 
 def _batches(args, rank, world):
@@ -43,7 +44,7 @@ def _ours(args, zero, rank, world, trace_dir):
     cfg = ModelConfig(vocab_size=257, d_model=args.d_model, n_layers=args.layers, n_heads=8, max_seq_len=args.seq)
     model = build_model(cfg, seed=0)
     mesh = Mesh(dp=world)
-    sync = wrap(model, mesh, ParallelConfig(zero=zero, bucket_mb=args.bucket_mb))
+    sync = data_parallel(model, mesh, ParallelConfig(zero=zero, bucket_mb=args.bucket_mb), {})
     opt = build_adamw(sync.optim_params(), TrainConfig())
     times, overlap = [], []
     for i, (x, y, n) in enumerate(_batches(args, rank, world)):

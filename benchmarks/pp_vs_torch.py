@@ -27,10 +27,12 @@ from meshtrain.config import ModelConfig, TrainConfig
 from meshtrain.mesh import Mesh
 from meshtrain.model.llama import build_model, cross_entropy_sum
 from meshtrain.parallel.data import DataParallel
+from meshtrain.parallel.microsteps import ForwardLoss
 from meshtrain.parallel.pipeline.engine import PipelineEngine, split
 from meshtrain.parallel.pipeline.partition import partition_model
 from meshtrain.parallel.pipeline.schedules import build_schedule, dependencies, done_key
 from meshtrain.parallel.pipeline.simulator import bubble_of_timelines, inflight_peaks, simulate
+from meshtrain.parallel.pipeline.wgrad import WeightGradStore
 from meshtrain.testing.spawn import spawn
 from meshtrain.train.data import SyntheticDataset
 from meshtrain.train.optim import build_adamw, model_params
@@ -48,30 +50,28 @@ def _batches(args):
     return [data.batch(0, s, args.batch, args.seq) for s in range(args.steps)]
 
 
-def _setup(args, name, virtual, pp):
+def _setup(args, name, virtual, pp, defer=True):
     cfg = _cfg(args)
     model = build_model(cfg, seed=0)
     mesh = Mesh(pp=pp)
     schedule = build_schedule(name, pp, args.microbatches, virtual)
     part = partition_model(cfg, args.seq, schedule.n_stages)
-    stages = split(model, mesh, schedule, part)
-    return model, mesh, schedule, stages
+    wgrad = WeightGradStore() if schedule.split_backward and defer else None  # ours defers W; torch's own
+    stages = split(model, mesh, schedule, part, wgrad)
+    return model, mesh, schedule, stages, wgrad
 
 
 def _ours(args, name, virtual, pp):
-    import contextlib
-
-    model, mesh, schedule, stages = _setup(args, name, virtual, pp)
-    sync = DataParallel(model, mesh.group("dp", "cp"))  # size 1: no communication, same API as training
+    model, mesh, schedule, stages, wgrad = _setup(args, name, virtual, pp)
+    sync = DataParallel(model, mesh.group("dp", "cp"), {})  # size 1: no communication, same API as training
     opt = build_adamw(model_params(model), TrainConfig())
     engine = PipelineEngine(schedule, stages, mesh, (args.batch // args.microbatches, args.seq, args.d_model),
-                            torch.float32, cross_entropy_sum, sync, contextlib.nullcontext,
+                            ForwardLoss(cross_entropy_sum, sync, torch.float32, mesh.device), wgrad,
                             recv_ahead=args.recv_ahead)
-    m = args.microbatches
     times, traces = [], []
     for x, y in _batches(args):
         t0 = time.perf_counter()
-        engine.run(list(x.chunk(m)), list(y.chunk(m)), y.numel())
+        engine.run(x, y, y.numel())
         opt.step()
         sync.zero_grad()
         times.append(time.perf_counter() - t0)
@@ -82,7 +82,7 @@ def _ours(args, name, virtual, pp):
 def _torch(args, name, torch_name, virtual, pp):
     import torch.distributed.pipelining as tp_
 
-    model, mesh, schedule, stages = _setup(args, name, virtual, pp)
+    model, mesh, schedule, stages, _ = _setup(args, name, virtual, pp, defer=False)
     n_tokens = args.batch * args.seq
     pipe_stages = [tp_.PipelineStage(stages[s], s, schedule.n_stages, torch.device("cpu"),
                                      group=mesh.group("pp").pg) for s in sorted(stages)]

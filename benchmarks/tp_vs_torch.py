@@ -17,10 +17,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from meshtrain.config import ModelConfig, TrainConfig
+from meshtrain.config import ModelConfig, ParallelConfig, TrainConfig
 from meshtrain.mesh import Mesh
 from meshtrain.model.llama import build_model
-from meshtrain.parallel.tensor import parallelize
+from meshtrain.parallel.tensor import apply_tensor_parallel
+from meshtrain.rules import rules_for
 from meshtrain.testing.spawn import spawn
 from meshtrain.train.data import SyntheticDataset
 from meshtrain.train.optim import build_adamw, model_params
@@ -38,8 +39,8 @@ def _batches(args):
 
 def _ours(args, sp, world):
     model = build_model(_cfg(args), seed=0)
-    tp = parallelize(model, Mesh(tp=world), sp=sp)
-    params = model_params(model)
+    tp = apply_tensor_parallel(model, Mesh(tp=world), rules_for(ParallelConfig(tp=world, sp=sp)), sp=sp)
+    params = model_params(model, tp.placements)
     opt = build_adamw(params, TrainConfig())
     replicated = [op.tensor for op in params if op.replicas > 1]
     times, losses = [], []

@@ -85,12 +85,12 @@ def _attention_saved_bytes(cp: int, attention: str | None = "ring") -> int:
     global hidden states at every cp."""
     cfg = load_config("tiny", ["model.vocab_size=257", f"model.max_seq_len={MEM_T}"]).model
     model = build_model(cfg, 0)
-    if attention is not None:
-        apply_context_parallel(model, Mesh(cp=cp) if cp > 1 else Mesh(), MEM_T, "zigzag", attention)
+    cp_ = apply_context_parallel(model, Mesh(cp=cp) if cp > 1 else Mesh(), MEM_T, "zigzag", attention) \
+        if attention is not None else None
     g = torch.Generator().manual_seed(1)
     x = torch.randn(MEM_B, MEM_T, model.cfg.d_model, generator=g)
-    if attention is not None:
-        x = model._context_parallel.shard(x)
+    if cp_ is not None:
+        x = cp_.shard(x)
     x.requires_grad_(True)
     t = x.shape[1]
     cos, sin = model.rope_cos[:t], model.rope_sin[:t]
