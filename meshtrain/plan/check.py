@@ -98,8 +98,8 @@ def predict_rank(cfg: Config, world_size: int, coords: dict[str, int]) -> tuple[
     compute_bytes = 2 if t.dtype == "bf16" else 4
     layers, first, last, schedule = None, True, True, None
     if p.pp > 1:
-        from meshtrain.parallel.pipeline.partition import partition_model
-        from meshtrain.parallel.pipeline.schedules import build_schedule
+        from meshtrain.plan.partition import partition_model
+        from meshtrain.plan.schedules import build_schedule
 
         schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
         part = partition_model(m, t.seq_len, schedule.n_stages)

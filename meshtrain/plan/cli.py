@@ -86,8 +86,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--max-pp", type=int, default=16)
     ap.add_argument("--no-hsdp", action="store_true", help="do not try HSDP shard groups")
     ap.add_argument("--all", action="store_true",
-                    help="also try parallelisms the runtime does not run yet (cp > 1 today); --emit still "
-                         "writes the best runnable layout")
+                    help="no effect, kept for old command lines: the search tries every parallelism, as the "
+                         "runtime runs them all")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table and explanation")
     ap.add_argument("--emit", help="write the best runnable layout as a config for meshtrain train --config")
     ap.add_argument("--plot", help="draw communication vs compute time per layer against the batch (PNG)")
@@ -124,7 +124,7 @@ def main(argv: list[str]) -> int:
             print(f"wrote {args.plot}")
     opts = SearchOptions(tps=args.tp, pps=args.pp, cps=args.cp, zeros=args.zero,
                          schedules=tuple(s for s in args.schedules.split(",") if s), max_pp=args.max_pp,
-                         hsdp=not args.no_hsdp, runnable_only=not args.all)
+                         hsdp=not args.no_hsdp)
     result = search(problem, opts)
     top = result.ranked[: max(1, args.top)]
     for est in top:

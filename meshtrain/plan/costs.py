@@ -699,7 +699,7 @@ def pipeline_sim(schedule: str, pp: int, microbatches: int, virtual: int = 1, f:
     generated schedules is built with the runtime's default costs, as the runtime builds it. The in-flight
     peaks are what activation memory multiplies (each counts one stage's layers for one microbatch)."""
     sched = _cached_schedule(schedule, pp, microbatches, virtual)
-    from meshtrain.parallel.pipeline.simulator import simulate
+    from meshtrain.plan.simulator import simulate
 
     res = simulate(sched, f, b, w, p2p)
     return res.makespan, res.idle_time, list(res.peak_inflight)
@@ -717,7 +717,7 @@ _SCHEDULES: dict[tuple[str, int, int, int], object] = {}
 def _cached_schedule(name: str, pp: int, m: int, v: int):  # noqa: ANN202 - a PipelineSchedule
     key = (name, pp, m, v)
     if key not in _SCHEDULES:
-        from meshtrain.parallel.pipeline.schedules import build_schedule
+        from meshtrain.plan.schedules import build_schedule
 
         _SCHEDULES[key] = build_schedule(name, pp, m, v)
     return _SCHEDULES[key]

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from meshtrain.config import Config, ConfigError, ModelConfig, load_config, validate
+from meshtrain.config import Config, ConfigError, ModelConfig, load_config
 from meshtrain.plan import costs
 from meshtrain.plan.costs import (
     DEFAULT_REVISION,
@@ -54,8 +54,10 @@ from meshtrain.plan.costs import (
     tp_layer_collectives,
 )
 from meshtrain.plan.hardware import Hardware
+from meshtrain.plan.schedules import DEFAULT_VIRTUAL
+from meshtrain.plan.validate import validate_layout
 
-SCHEDULE_VIRTUAL = {"afab": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1, "dualpipev": 2}
+PARALLEL_AXES = ("dp", "tp", "pp", "cp", "ep")
 DEFAULT_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "dualpipev")
 
 
@@ -236,7 +238,7 @@ def _partition(cfg: ModelConfig, seq_len: int, n_stages: int) -> tuple[list[int]
     """(blocks per stage, forward FLOPs per token per stage) of the runtime's cost-balanced partition."""
     key = (cfg.d_model, cfg.n_layers, cfg.hidden_dim, cfg.vocab_size, cfg.n_heads, cfg.kv_heads, seq_len, n_stages)
     if key not in _PARTITIONS:
-        from meshtrain.parallel.pipeline.partition import partition_model
+        from meshtrain.plan.partition import partition_model
 
         part = partition_model(cfg, seq_len, n_stages)
         _PARTITIONS[key] = ([len(x) for x in part.layers], list(part.costs))
@@ -548,9 +550,6 @@ class SearchOptions:
     recomputes: tuple[str, ...] = ("none", "selective", "full")
     max_pp: int = 16
     hsdp: bool = True
-    # Only parallelisms the runtime runs today (config.check_supported); False also tries the planned ones
-    # (cp > 1 now), to see what they would buy.
-    runnable_only: bool = True
 
 
 @dataclass
@@ -567,16 +566,10 @@ class SearchResult:
 
 
 def runtime_supports(axis: str) -> bool:
-    """Does the runtime run ``parallel.<axis> = 2`` today? Asks ``config.check_supported``, the one list of
-    not-yet-supported options, so the search follows the runtime as parallelisms land."""
-    from meshtrain.config import check_supported
-
-    cfg = Config()
-    setattr(cfg.parallel, axis, 2)
-    try:
-        check_supported(cfg, 2)
-    except ConfigError:
-        return False
+    """Does the runtime run ``parallel.<axis> > 1`` today? Every axis the search tries does (dp, tp, pp, cp, ep);
+    a name that is not one of them is an error."""
+    if axis not in PARALLEL_AXES:
+        raise ValueError(f"{axis!r} is not a parallel axis: one of {', '.join(PARALLEL_AXES)}")
     return True
 
 
@@ -597,8 +590,6 @@ def candidate_layouts(problem: Problem, opts: SearchOptions | None = None) -> li
         for cp in opts.cps:
             if T % (2 * cp) and cp > 1:
                 continue
-            if opts.runnable_only and cp > 1 and not runtime_supports("cp"):
-                continue
             for pp in pps:
                 if n % (tp * cp * pp):
                     continue
@@ -616,7 +607,7 @@ def candidate_layouts(problem: Problem, opts: SearchOptions | None = None) -> li
                                 out.append(Layout(dp, tp, 1, cp, ep, zero, shard, sp, "1f1b", 1, accum, rc))
                         continue
                     for sched in opts.schedules:
-                        v = SCHEDULE_VIRTUAL[sched]
+                        v = DEFAULT_VIRTUAL[sched]
                         if cfg.n_layers < pp * v:
                             continue
                         for m in _divisors(rows):  # m < pp runs too, with its large bubble
@@ -677,7 +668,7 @@ def to_config(problem: Problem, layout: Layout) -> Config:
 def check_runnable(problem: Problem, est: Estimate) -> Estimate:
     """Fill ``est.runnable``: does the runtime accept this layout today (``config.validate`` at this world size)?"""
     try:
-        validate(to_config(problem, est.layout), problem.devices)
+        validate_layout(to_config(problem, est.layout), problem.devices)
         est.runnable, est.not_runnable_reason = True, ""
     except ConfigError as e:
         est.runnable, est.not_runnable_reason = False, str(e)
@@ -690,7 +681,7 @@ def emit_yaml(problem: Problem, est: Estimate, path: str | Path) -> Path:
     import yaml
 
     cfg = to_config(problem, est.layout)
-    validate(cfg, problem.devices)
+    validate_layout(cfg, problem.devices)
     path = Path(path)
     head = (f"# meshtrain plan: {problem.model_name} on {problem.nodes} x {problem.hw.devices_per_node} "
             f"{problem.hw.name}, {problem.batch_tokens:,} tokens per step\n"

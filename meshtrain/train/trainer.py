@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from meshtrain import comm
-from meshtrain.config import Config, ConfigError, save_config, validate
+from meshtrain.config import Config, ConfigError, save_config
 from meshtrain.generate import sample
 from meshtrain.mesh import Mesh, init_distributed
 from meshtrain.model.llama import build_model, cross_entropy_sum
@@ -28,6 +28,7 @@ from meshtrain.parallel.data import wrap
 from meshtrain.parallel.state import gather_state, load_state
 from meshtrain.plan.costs import flops_per_token, mfu, param_count
 from meshtrain.plan.hardware import peak_flops
+from meshtrain.plan.validate import validate_layout
 from meshtrain.train.checkpoint import (
     latest_checkpoint,
     model_state,
@@ -71,7 +72,7 @@ class Trainer:
         synchronised and before they are clipped and applied (equivalence tests gather them there)."""
         self.grad_hook = grad_hook
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        validate(cfg, world_size)  # before any process group starts
+        validate_layout(cfg, world_size)  # before any process group starts
         self.cfg = cfg
         self.out_dir = Path(out_dir) if out_dir else None
         t = cfg.train
@@ -135,8 +136,8 @@ class Trainer:
         self.pipeline = None
         if p.pp > 1:
             from meshtrain.parallel.pipeline.engine import split
-            from meshtrain.parallel.pipeline.partition import partition_model
-            from meshtrain.parallel.pipeline.schedules import build_schedule
+            from meshtrain.plan.partition import partition_model
+            from meshtrain.plan.schedules import build_schedule
 
             self.schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
             self.partition = partition_model(cfg.model, t.seq_len, self.schedule.n_stages)

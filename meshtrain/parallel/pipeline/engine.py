@@ -34,9 +34,9 @@ from torch import nn
 from meshtrain import comm
 from meshtrain.mesh import Mesh
 from meshtrain.model.llama import Llama
-from meshtrain.parallel.pipeline.partition import Partition
-from meshtrain.parallel.pipeline.schedules import Action, PipelineSchedule
 from meshtrain.parallel.pipeline.wgrad import WeightGradStore, defer_weight_grads
+from meshtrain.plan.partition import Partition
+from meshtrain.plan.schedules import Action, PipelineSchedule
 
 
 class PipelineStage(nn.Module):
