@@ -15,7 +15,7 @@ import sys
 
 from meshtrain.config import ConfigError, load_config
 from meshtrain.plan import costs
-from meshtrain.plan.hardware import HARDWARE, calibrate_cpu_local, get_hardware, hardware_cache_dir
+from meshtrain.plan.hardware import HARDWARE, get_hardware, hardware_cache_dir
 from meshtrain.plan.planner import (
     DEFAULT_SCHEDULES,
     Problem,
@@ -103,7 +103,9 @@ def main(argv: list[str]) -> int:
         print(text)
         return 0 if ok else 1
 
-    if args.calibrate:
+    if args.calibrate:  # measured (processes, collectives): meshtrain/calibrate.py
+        from meshtrain.calibrate import calibrate_cpu_local
+
         hw = calibrate_cpu_local()
         print(f"wrote {hardware_cache_dir() / 'cpu-local.json'}: matmul {hw.bf16_flops / 1e9:.1f} GFLOP/s, "
               f"all-reduce {hw.intra_bw / 1e9:.2f} GB/s per process, memory copy {hw.hbm_bw / 1e9:.1f} GB/s")
