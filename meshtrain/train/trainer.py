@@ -26,7 +26,7 @@ from meshtrain.mesh import Mesh, init_distributed
 from meshtrain.model.llama import build_model, cross_entropy_sum
 from meshtrain.parallel.data import wrap
 from meshtrain.parallel.state import gather_state, load_state
-from meshtrain.plan.costs import flops_per_token, mfu, param_count
+from meshtrain.plan.flops import flops_per_token, mfu, param_count
 from meshtrain.plan.hardware import peak_flops
 from meshtrain.plan.validate import validate_layout
 from meshtrain.train.checkpoint import (
