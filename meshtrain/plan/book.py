@@ -14,8 +14,6 @@ from __future__ import annotations
 import math
 
 MIXED_REVISIONS = ("000", "003")
-
-
 # Default: seed 003's later revision, where the FSDP (X) and TP (Y) collectives overlap each other. They
 # run on different links (different torus axes; NVLink for TP against InfiniBand for FSDP on GPU
 # clusters), which is what the planner's own link model assumes too. Seed 000's sum is the stricter bound.

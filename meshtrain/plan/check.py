@@ -23,7 +23,7 @@ from meshtrain.plan.units import expert_params_per_rank, norm_elems_held, unit_n
 
 
 def pipeline_rank_p2p(schedule, pp_rank: int, transfer: int) -> dict[tuple[str, str], int]:
-    """Sends and receives of one step on a pipeline rank: ``transfer`` bytes (``costs.pp_p2p_bytes``) per
+    """Sends and receives of one step on a pipeline rank: ``transfer`` bytes (``comm_bytes.pp_p2p_bytes``) per
     forward activation and per backward gradient that crosses to another rank."""
     sent = received = 0
     last = schedule.n_stages - 1

@@ -16,9 +16,7 @@ from meshtrain.plan.steptime import evaluate
 from meshtrain.plan.validate import validate_layout
 
 PARALLEL_AXES = ("dp", "tp", "pp", "cp", "ep")
-
-
-DEFAULT_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "dualpipev")
+DEFAULT_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "dualpipev")  # not afab: 1F1B, same bubble, fewer activations
 
 
 def _pow2_divisors(n: int, lo: int = 1, hi: int | None = None) -> list[int]:
@@ -32,7 +30,7 @@ def _divisors(n: int) -> list[int]:
 
 @dataclass
 class SearchOptions:
-    """Which values the search tries (defaults cover what the runtime can run, plus cp)."""
+    """Which values the search tries (the defaults cover what the runtime runs)."""
 
     tps: tuple[int, ...] | None = None  # default: powers of two up to hw.tp_max that divide heads/kv/hidden
     pps: tuple[int, ...] | None = None  # default: 1, 2, 4, ... up to min(max_pp, layers)
