@@ -29,10 +29,10 @@ from meshtrain.model.llama import build_model, cross_entropy_sum
 from meshtrain.parallel.data import DataParallel
 from meshtrain.parallel.microsteps import ForwardLoss
 from meshtrain.parallel.pipeline.engine import PipelineEngine, split
-from meshtrain.parallel.pipeline.partition import partition_model
-from meshtrain.parallel.pipeline.schedules import build_schedule, dependencies, done_key
-from meshtrain.parallel.pipeline.simulator import bubble_of_timelines, inflight_peaks, simulate
 from meshtrain.parallel.pipeline.wgrad import WeightGradStore
+from meshtrain.plan.partition import partition_model
+from meshtrain.plan.schedules import build_schedule, dependencies, done_key
+from meshtrain.plan.simulator import bubble_of_timelines, inflight_peaks, simulate
 from meshtrain.testing.spawn import spawn
 from meshtrain.train.data import SyntheticDataset
 from meshtrain.train.optim import build_adamw, model_params
@@ -214,7 +214,7 @@ def main() -> None:
                 if args.png and r == args.rounds - 1 and i == n - 1:
                     import os
 
-                    from meshtrain.parallel.pipeline.simulator import png_chart
+                    from meshtrain.plan.simulator import png_chart
 
                     os.makedirs(args.png, exist_ok=True)
                     png_chart(timelines, f"{args.png}/{name}_measured.png", f"{name} measured")

@@ -15,7 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from meshtrain.config import ConfigError, load_config, validate
+from meshtrain.config import ConfigError, load_config
+from meshtrain.plan.validate import validate_layout
 from meshtrain.train.checkpoint import CheckpointError
 
 
@@ -43,7 +44,7 @@ def _train(argv: list[str]) -> int:
     if args.nproc and "LOCAL_RANK" not in os.environ:
         if args.nproc < 1:
             raise ConfigError(f"--nproc must be >= 1, got {args.nproc}.")
-        validate(cfg, args.nproc)  # a layout that cannot run is refused before any process starts
+        validate_layout(cfg, args.nproc)  # a layout that cannot run is refused before any process starts
         rest = _without_option(argv, "--nproc")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
                "-m", "meshtrain.cli", "train", *rest]
@@ -109,7 +110,7 @@ def _prepare(argv: list[str]) -> int:
 
 
 def _schedule(argv: list[str]) -> int:
-    from meshtrain.parallel.pipeline.cli import main
+    from meshtrain.plan.schedule_cli import main
 
     return main(argv)
 

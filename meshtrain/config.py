@@ -20,6 +20,12 @@ import yaml
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
+# The choices of the string options, defined once here (the bottom layer) for everything that checks them.
+SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1", "dualpipev")  # parallel.schedule (meshtrain/plan/schedules.py)
+RECOMPUTE_MODES = ("none", "full", "selective")  # train.recompute (meshtrain/parallel/recompute.py)
+CP_LAYOUTS = ("zigzag", "contiguous")  # parallel.cp_layout (meshtrain/parallel/context.py)
+CP_ATTENTIONS = ("ring", "allgather")  # parallel.cp_attention
+
 
 class ConfigError(ValueError):
     """A configuration mistake, with a message that names the option and the fix."""
@@ -353,7 +359,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _need(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1).")
     _need(t.grad_clip >= 0, "train.grad_clip must be >= 0 (0 disables clipping).")
     _need(t.optimizer in ("adamw", "muon"), f"train.optimizer must be 'adamw' or 'muon', got '{t.optimizer}'.")
-    _need(t.recompute in ("none", "full", "selective"),
+    _need(t.recompute in RECOMPUTE_MODES,
           f"train.recompute must be none, full or selective, got '{t.recompute}'.")
     _need(t.muon_lr >= 0 and 0 <= t.muon_momentum < 1,
           "train.muon_lr must be >= 0 (0: train.lr) and train.muon_momentum in [0, 1).")
@@ -402,20 +408,13 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         f"train.global_batch={t.global_batch} must be divisible by data-parallel size {dp} x "
         f"train.grad_accum={t.grad_accum}: each microbatch needs a whole number of sequences per rank.",
     )
-    check_supported(cfg, dp)
 
 
 def _check_pipeline(cfg: Config, dp: int) -> None:
-    """What pipeline parallelism needs from the rest of the config (before any process starts)."""
-    from meshtrain.parallel.pipeline.schedules import build_schedule
-
+    """What pipeline parallelism needs from the rest of the config (before any process starts). Whether the
+    schedule itself can be built (name, virtual stages, microbatches, enough layers for its stages) is the plan
+    layer's check: ``meshtrain.plan.validate.validate_layout``."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    try:
-        sched = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    _need(m.n_layers >= sched.n_stages, f"{sched.n_stages} pipeline stages (parallel.pp x virtual stages) need at "
-          f"least as many layers; model.n_layers={m.n_layers}.")
     _need(p.zero in (0, 1), f"parallel.zero={p.zero} does not combine with parallel.pp > 1: ZeRO-2 would "
           f"reduce-scatter gradients after every one of the {p.microbatches} pipeline microbatches and ZeRO-3 would "
           f"also re-gather every weight for each of them. Use parallel.zero=0 or 1 with pipelines.")
@@ -466,9 +465,9 @@ def _check_moe(m: ModelConfig) -> None:
 def _check_context_and_experts(cfg: Config, dp: int, known: bool) -> None:
     """What context and expert parallelism need from the shapes (before any process starts)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    _need(p.cp_layout in ("zigzag", "contiguous"),
+    _need(p.cp_layout in CP_LAYOUTS,
           f"parallel.cp_layout must be zigzag or contiguous, got '{p.cp_layout}'.")
-    _need(p.cp_attention in ("ring", "allgather"),
+    _need(p.cp_attention in CP_ATTENTIONS,
           f"parallel.cp_attention must be ring or allgather, got '{p.cp_attention}'.")
     if p.cp > 1:
         chunks = 2 * p.cp if p.cp_layout == "zigzag" else p.cp
@@ -484,16 +483,3 @@ def _check_context_and_experts(cfg: Config, dp: int, known: bool) -> None:
               f"(each expert-parallel rank holds moe_experts/ep whole experts).")
         _need(not known or (dp * p.cp) % p.ep == 0, f"parallel.ep={p.ep} must divide dp*cp = {dp}*{p.cp} = "
               f"{dp * p.cp}: the expert-parallel group is carved out of the data- and context-parallel ranks.")
-
-
-# One place that says what the runtime cannot run yet; each parallelism's issue removed its entry, and
-# the planner's search asks this list (plan/planner.runtime_supports). Every axis runs today.
-_PLANNED: tuple[str, ...] = ()
-
-
-def check_supported(cfg: Config, dp: int) -> None:
-    """Refuse layouts whose parallelism is not built yet, instead of silently ignoring them."""
-    p = cfg.parallel
-    unsupported = [f"parallel.{name}={getattr(p, name)}" for name in _PLANNED if getattr(p, name) != 1]
-    if unsupported:
-        raise ConfigError(f"{', '.join(unsupported)} is not yet supported in this version of meshtrain.")

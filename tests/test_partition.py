@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from meshtrain.config import load_config
-from meshtrain.parallel.pipeline.partition import partition_layers, partition_model
+from meshtrain.plan.partition import partition_layers, partition_model
 
 
 def _brute(costs, k):

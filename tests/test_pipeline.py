@@ -10,6 +10,7 @@ every parameter within 1e-5 relative (Frobenius), fp32.
 import pytest
 
 from meshtrain.config import ConfigError, load_config
+from meshtrain.plan.validate import validate_layout
 from meshtrain.testing.equivalence import (
     assert_planner_predicts_runs,
     assert_same_run,
@@ -85,7 +86,7 @@ def test_pipeline_refuses_what_it_cannot_run():
     with pytest.raises(ConfigError, match="parallel.microbatches"):
         load_config("tiny", ["parallel.pp=2", "parallel.microbatches=3"])
     with pytest.raises(ConfigError, match="need at least as many layers"):
-        load_config("tiny", ["parallel.pp=4", "parallel.microbatches=4"])
+        validate_layout(load_config("tiny", ["parallel.pp=4", "parallel.microbatches=4"]))
 
 
 def test_cli_pp2_1f1b_matches_one_process(data, tmp_path):

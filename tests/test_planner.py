@@ -180,7 +180,7 @@ def test_long_schedules_extend_linearly():
     for sched, pp, v in (("1f1b", 4, 1), ("interleaved", 4, 2), ("zb-h1", 4, 1), ("dualpipev", 4, 2)):
         for p2p in (0.0, 0.3):
             full = costs.pipeline_sim(sched, pp, 8 * pp, v, 1.0, 2.2, p2p)
-            fast = planner._sim(sched, pp, 8 * pp, v, 1.0, 2.2, p2p)
+            fast = planner.pipeline_sim_fast(sched, pp, 8 * pp, v, 1.0, 2.2, p2p)
             assert fast[0] == pytest.approx(full[0], rel=0.03)
             assert max(fast[2]) == max(full[2])
 
@@ -384,3 +384,23 @@ def test_expert_parallel_layouts_for_a_mixture_of_experts():
     assert any("E_EP" in line for line in planner.sharding(replace(base, ep=8), cfg.model, 4096))
     dense = planner.Problem(load_config("llama3-8b").model, 8192, 512, get_hardware("h100"), 8)
     assert {lay.ep for lay in planner.candidate_layouts(dense)} == {1}
+
+
+def test_plan_units_are_the_runtime_units():
+    """plan/units.py (from the config) names and sizes each sharding unit as parallel/units.py builds it from the
+    module: dense, tied embeddings, and a mixture of experts (with expert parallelism the routed experts leave
+    the block units)."""
+    from meshtrain.model.llama import build_model
+    from meshtrain.parallel.units import model_units
+    from meshtrain.plan.units import expert_params_per_rank, unit_layouts
+
+    for overrides in ([], ["model.tie_embeddings=true"], ["model.moe_experts=4", "model.moe_shared_experts=1"]):
+        cfg = load_config("tiny", overrides).model
+        cfg.vocab_size = 257
+        runtime = [(u.name, u.numel) for u in model_units(build_model(cfg, 0))]
+        assert [(name, sum(n for n, _ in params)) for name, params in unit_layouts(cfg)] == runtime
+    model = build_model(cfg, 0)
+    experts = {id(p) for n, p in model.named_parameters() if ".experts." in n and "shared" not in n}
+    assert experts and sum(u.numel for u in model_units(model, frozenset(experts))) == sum(unit_numels(cfg, ep=2))
+    assert sum(p.numel() for p in model.parameters() if id(p) in experts) == 2 * expert_params_per_rank(
+        cfg, 2, cfg.n_layers)

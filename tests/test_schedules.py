@@ -4,18 +4,9 @@ from collections import Counter
 
 import pytest
 
-from meshtrain.parallel.pipeline import (
-    SCHEDULES,
-    Action,
-    PipelineSchedule,
-    SimResult,
-    bubble_of_timelines,
-    build_schedule,
-    check_schedule,
-    png_chart,
-    simulate,
-    text_chart,
-)
+from meshtrain.config import SCHEDULES
+from meshtrain.plan.schedules import Action, PipelineSchedule, build_schedule
+from meshtrain.plan.simulator import SimResult, bubble_of_timelines, check_schedule, png_chart, simulate, text_chart
 
 VIRTUAL = {"afab": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1, "dualpipev": 2}
 M = 8

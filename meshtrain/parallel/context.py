@@ -38,10 +38,10 @@ import torch
 from torch import nn
 
 from meshtrain import comm
+from meshtrain.config import CP_ATTENTIONS as ATTENTIONS
+from meshtrain.config import CP_LAYOUTS as LAYOUTS
 from meshtrain.mesh import AxisGroup, Mesh
 
-LAYOUTS = ("zigzag", "contiguous")
-ATTENTIONS = ("ring", "allgather")
 _TAG_KV, _TAG_DKV = 71, 72  # the two ring streams between the same pair of ranks must not be confused
 
 

@@ -43,14 +43,14 @@ from meshtrain.parallel.grad_sync import GradSync, clip_grads
 from meshtrain.parallel.microsteps import Accumulation, ForwardLoss
 from meshtrain.parallel.pieces import OptimParam, Placements
 from meshtrain.parallel.pipeline.engine import PipelineEngine, split
-from meshtrain.parallel.pipeline.partition import Partition, partition_model
-from meshtrain.parallel.pipeline.schedules import PipelineSchedule, build_schedule
 from meshtrain.parallel.pipeline.wgrad import WeightGradStore
 from meshtrain.parallel.recompute import apply_recompute
 from meshtrain.parallel.state import gather_state, load_state
 from meshtrain.parallel.tensor import TensorParallel, apply_tensor_parallel
 from meshtrain.parallel.units import Unit
 from meshtrain.parallel.zero import ZeroGradSync
+from meshtrain.plan.partition import Partition, partition_model
+from meshtrain.plan.schedules import PipelineSchedule, build_schedule
 from meshtrain.rules import Rules, check_executable, rules_for
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

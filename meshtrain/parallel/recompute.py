@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-RECOMPUTE_MODES: tuple[str, ...] = ("none", "full", "selective")
+from meshtrain.config import RECOMPUTE_MODES
 
 # Ops whose outputs selective recompute keeps: matmuls and every attention kernel this torch has
 # (which one SDPA picks depends on device, dtype and shapes). Matched by overload packet so that all

@@ -3,79 +3,27 @@
 A run folder's ``comm.json`` (written by the trainer) holds, for every rank, the payload bytes of
 each (axis, collective) in one steady-state training step and the live bytes of parameters,
 gradients and optimizer state. ``predict_rank`` computes the same from the config alone with the
-cost model (``plan/costs.py``), using the rank's mesh coordinates: its tensor-parallel shard of
-each unit, and under pipeline parallelism only its stages' units and its p2p transfers.
+cost model (``plan/comm_bytes.py``, ``plan/memory.py``), using the rank's mesh coordinates: its tensor-parallel
+shard of each unit (``plan/units.py``), and under pipeline parallelism only its stages' units and its p2p transfers.
 ``check_run`` prints the two side by side.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
-from meshtrain.config import Config, ModelConfig, resolve_dp, update_from_dict
-from meshtrain.plan.costs import (
-    cp_comm_bytes,
-    dp_comm_bytes,
-    dp_state_bytes,
-    ep_comm_bytes,
-    expert_params_per_rank,
-    pp_p2p_bytes,
-    tp_comm_bytes,
-)
-
-
-def _unit_layouts(cfg: ModelConfig, tp: int, layers: list[int], first: bool, last: bool, ep: int = 1
-                  ) -> list[list[tuple[int, bool]]]:
-    """Each unit of one tensor-parallel rank as its parameters in order: (numel, replicated over tp).
-
-    Norm weights are replicated over tp; so is a mixture-of-experts block's router and experts (not split
-    by tp). Under expert parallelism (ep > 1) the routed experts belong to no unit (they are all-reduced
-    over edp on their own)."""
-    d, hd = cfg.d_model, cfg.head_dim
-    q, kv, hidden = cfg.n_heads * hd // tp, cfg.kv_heads * hd // tp, cfg.hidden_dim // tp
-    emb = math.ceil(cfg.vocab_size / tp) * d  # the vocabulary is padded to a multiple of tp
-    block = [(d, True), (q * d, False), (kv * d, False), (kv * d, False), (d * q, False), (d, True)]
-    if cfg.moe_experts:
-        expert = [(cfg.expert_hidden * d, True)] * 3
-        block += [(cfg.moe_experts * d, True)] + (expert * cfg.moe_experts if ep == 1 else [])
-        if cfg.moe_shared_experts:
-            block += [(cfg.moe_shared_experts * cfg.expert_hidden * d, True)] * 3
-    else:
-        block += [(hidden * d, False), (hidden * d, False), (d * hidden, False)]
-    if cfg.tie_embeddings:
-        return [block] * len(layers) + ([[(emb, False), (d, True)]] if first or last else [])
-    return ([[(emb, False)]] if first else []) + [block] * len(layers) + ([[(d, True), (emb, False)]] if last else [])
-
-
-def local_units(cfg: ModelConfig, tp: int, layers: list[int] | None = None, first: bool = True,
-                last: bool = True, ep: int = 1) -> list[int]:
-    """Parameters per sharding unit held by one tensor-parallel rank (vocabulary padded to a
-    multiple of tp), for the given blocks and with the embedding / head if this rank has them."""
-    layers = list(range(cfg.n_layers)) if layers is None else layers
-    return [sum(n for n, _ in u) for u in _unit_layouts(cfg, tp, layers, first, last, ep)]
-
-
-def norm_elems_held(cfg: ModelConfig, tp: int, layers: list[int], first: bool, last: bool, zero: int,
-                    n: int, k: int, ep: int = 1) -> int:
-    """Replicated (over tp) elements in this rank's optimizer pieces: all of them without ZeRO, else
-    those inside shard k of n of each flat unit (the tensor-parallel all-reduce covers exactly these)."""
-    total = 0
-    for unit in _unit_layouts(cfg, tp, layers, first, last, ep):
-        size = sum(numel for numel, _ in unit)
-        lo, hi = (0, size) if zero == 0 else (k * -(-size // n), (k + 1) * -(-size // n))
-        off = 0
-        for numel, is_norm in unit:
-            if is_norm:
-                total += max(0, min(off + numel, hi) - max(off, lo))
-            off += numel
-    return total
+from meshtrain.config import Config, resolve_dp, update_from_dict
+from meshtrain.plan.comm_bytes import cp_comm_bytes, dp_comm_bytes, ep_comm_bytes, pp_p2p_bytes, tp_comm_bytes
+from meshtrain.plan.memory import dp_state_bytes
+from meshtrain.plan.partition import partition_model
+from meshtrain.plan.schedules import build_schedule
+from meshtrain.plan.units import expert_params_per_rank, norm_elems_held, unit_numels
 
 
 def pipeline_rank_p2p(schedule, pp_rank: int, transfer: int) -> dict[tuple[str, str], int]:
-    """Sends and receives of one step on a pipeline rank: ``transfer`` bytes (``costs.pp_p2p_bytes``) per
+    """Sends and receives of one step on a pipeline rank: ``transfer`` bytes (``comm_bytes.pp_p2p_bytes``) per
     forward activation and per backward gradient that crosses to another rank."""
     sent = received = 0
     last = schedule.n_stages - 1
@@ -98,16 +46,13 @@ def predict_rank(cfg: Config, world_size: int, coords: dict[str, int]) -> tuple[
     compute_bytes = 2 if t.dtype == "bf16" else 4
     layers, first, last, schedule = None, True, True, None
     if p.pp > 1:
-        from meshtrain.parallel.pipeline.partition import partition_model
-        from meshtrain.parallel.pipeline.schedules import build_schedule
-
         schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
         part = partition_model(m, t.seq_len, schedule.n_stages)
         mine = [s for s, r in enumerate(schedule.placement) if r == coords["pp"]]
         layers = [i for s in mine for i in part.layers[s]]
         first, last = 0 in mine, schedule.n_stages - 1 in mine
     layers = list(range(m.n_layers)) if layers is None else layers
-    units = local_units(m, p.tp, layers, first, last, p.ep)
+    units = unit_numels(m, p.tp, layers, first, last, p.ep)
     ndp = dp * p.cp  # gradients are reduced over dp x cp (HSDP shards over dp_shard x cp)
     shard = p.dp_shard * p.cp if p.dp_shard else 0
     out: dict[tuple[str, str], int] = {}
@@ -118,7 +63,7 @@ def predict_rank(cfg: Config, world_size: int, coords: dict[str, int]) -> tuple[
     micro = p.microbatches if p.pp > 1 else t.grad_accum
     tokens = rows // micro * t.seq_len // p.cp  # this rank's tokens of one microbatch
     moe_layers = len(layers) if m.moe_experts else 0
-    experts = expert_params_per_rank(m, p.ep, moe_layers) if p.ep > 1 else 0
+    experts = expert_params_per_rank(m, p.ep, moe_layers)
     edp = ndp // p.ep
     expert_units = [experts // moe_layers] * moe_layers if experts else []
     expert_zero = min(p.zero, 2) if experts and edp > 1 else 0  # experts are ZeRO-1/2-sharded over edp

@@ -14,20 +14,14 @@ import json
 import sys
 
 from meshtrain.config import ConfigError, load_config
-from meshtrain.plan import costs
-from meshtrain.plan.hardware import HARDWARE, calibrate_cpu_local, get_hardware, hardware_cache_dir
-from meshtrain.plan.planner import (
-    DEFAULT_SCHEDULES,
-    Problem,
-    SearchOptions,
-    check_runnable,
-    emit_yaml,
-    explain,
-    format_table,
-    parse_tokens,
-    plot_comm_vs_compute,
-    search,
-)
+from meshtrain.plan.book import DEFAULT_REVISION, MIXED_REVISIONS
+from meshtrain.plan.explain import explain, format_table
+from meshtrain.plan.figure import plot_comm_vs_compute
+from meshtrain.plan.flops import param_count
+from meshtrain.plan.hardware import HARDWARE, get_hardware, hardware_cache_dir
+from meshtrain.plan.memory import PRECISIONS
+from meshtrain.plan.problem import Problem
+from meshtrain.plan.search import DEFAULT_SCHEDULES, SearchOptions, check_runnable, emit_yaml, parse_tokens, search
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -53,10 +47,10 @@ def build_problem(args: argparse.Namespace) -> Problem:
         nodes = args.nodes
     if nodes < 1:
         raise ValueError(f"--nodes must be >= 1, got {nodes}")
-    if args.revision not in costs.MIXED_REVISIONS:
-        raise ValueError(f"--revision must be one of {', '.join(costs.MIXED_REVISIONS)}, got {args.revision}")
+    if args.revision not in MIXED_REVISIONS:
+        raise ValueError(f"--revision must be one of {', '.join(MIXED_REVISIONS)}, got {args.revision}")
     return Problem(cfg.model, seq_len, sequences, hw, nodes, model_name=str(args.model),
-                   precision=costs.PRECISIONS[args.precision], efficiency=args.efficiency,
+                   precision=PRECISIONS[args.precision], efficiency=args.efficiency,
                    memory_fraction=args.memory_fraction, revision=args.revision, train_tokens=args.train_tokens)
 
 
@@ -71,12 +65,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seq-len", type=int, default=0, help="sequence length (default: the config's train.seq_len)")
     ap.add_argument("--top", type=int, default=10, help="layouts to print")
     ap.add_argument("--train-tokens", type=float, default=0.0, help="token budget to report days for, e.g. 15e12")
-    ap.add_argument("--precision", default="meshtrain", choices=sorted(costs.PRECISIONS),
+    ap.add_argument("--precision", default="meshtrain", choices=sorted(PRECISIONS),
                     help="meshtrain: fp32 params/grads/Adam + bf16 compute (what meshtrain runs); mixed: "
                          "16-bit params/grads + fp32 master and Adam")
     ap.add_argument("--efficiency", type=float, default=0.75, help="fraction of peak FLOP/s a large matmul reaches")
     ap.add_argument("--memory-fraction", type=float, default=0.9, help="usable fraction of device memory")
-    ap.add_argument("--revision", default=costs.DEFAULT_REVISION,
+    ap.add_argument("--revision", default=DEFAULT_REVISION,
                     help="mixed FSDP+TP analysis: 003 (comms of the two axes overlap; default) or 000 (they add)")
     ap.add_argument("--tp", type=_ints, help="tensor-parallel sizes to try, e.g. 4,8")
     ap.add_argument("--pp", type=_ints, help="pipeline sizes to try")
@@ -86,8 +80,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--max-pp", type=int, default=16)
     ap.add_argument("--no-hsdp", action="store_true", help="do not try HSDP shard groups")
     ap.add_argument("--all", action="store_true",
-                    help="also try parallelisms the runtime does not run yet (cp > 1 today); --emit still "
-                         "writes the best runnable layout")
+                    help="no effect, kept for old command lines: the search tries every parallelism, as the "
+                         "runtime runs them all")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table and explanation")
     ap.add_argument("--emit", help="write the best runnable layout as a config for meshtrain train --config")
     ap.add_argument("--plot", help="draw communication vs compute time per layer against the batch (PNG)")
@@ -103,7 +97,9 @@ def main(argv: list[str]) -> int:
         print(text)
         return 0 if ok else 1
 
-    if args.calibrate:
+    if args.calibrate:  # measured (processes, collectives): meshtrain/calibrate.py
+        from meshtrain.calibrate import calibrate_cpu_local
+
         hw = calibrate_cpu_local()
         print(f"wrote {hardware_cache_dir() / 'cpu-local.json'}: matmul {hw.bf16_flops / 1e9:.1f} GFLOP/s, "
               f"all-reduce {hw.intra_bw / 1e9:.2f} GB/s per process, memory copy {hw.hbm_bw / 1e9:.1f} GB/s")
@@ -124,7 +120,7 @@ def main(argv: list[str]) -> int:
             print(f"wrote {args.plot}")
     opts = SearchOptions(tps=args.tp, pps=args.pp, cps=args.cp, zeros=args.zero,
                          schedules=tuple(s for s in args.schedules.split(",") if s), max_pp=args.max_pp,
-                         hsdp=not args.no_hsdp, runnable_only=not args.all)
+                         hsdp=not args.no_hsdp)
     result = search(problem, opts)
     top = result.ranked[: max(1, args.top)]
     for est in top:
@@ -152,7 +148,7 @@ def main(argv: list[str]) -> int:
         }
         print(json.dumps(out, indent=2))
         return 0
-    print(f"{problem.model_name}: {costs.param_count(problem.model).total:,} parameters, "
+    print(f"{problem.model_name}: {param_count(problem.model).total:,} parameters, "
           f"{problem.batch_tokens:,} tokens per step ({problem.sequences} x {problem.seq_len}) on "
           f"{problem.nodes} x {problem.hw.devices_per_node} {problem.hw.name} = {problem.devices} devices")
     print(f"assumptions: {args.precision} precision, matmuls at {problem.efficiency:.0%} of peak, "

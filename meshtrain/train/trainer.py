@@ -19,13 +19,14 @@ import numpy as np
 import torch
 
 from meshtrain import comm
-from meshtrain.config import Config, ConfigError, save_config, validate
+from meshtrain.config import Config, ConfigError, save_config
 from meshtrain.generate import sample
 from meshtrain.mesh import Mesh, init_distributed
 from meshtrain.model.llama import build_model
 from meshtrain.parallel.parallelize import DTYPES, parallelize
-from meshtrain.plan.costs import flops_per_token, mfu, param_count
+from meshtrain.plan.flops import flops_per_token, mfu, param_count
 from meshtrain.plan.hardware import peak_flops
+from meshtrain.plan.validate import validate_layout
 from meshtrain.train.checkpoint import (
     latest_checkpoint,
     model_state,
@@ -67,7 +68,7 @@ class Trainer:
         synchronised and before they are clipped and applied (equivalence tests gather them there)."""
         self.grad_hook = grad_hook
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        validate(cfg, world_size)  # before any process group starts
+        validate_layout(cfg, world_size)  # before any process group starts
         self.cfg = cfg
         self.out_dir = Path(out_dir) if out_dir else None
         t = cfg.train

@@ -1,35 +1,7 @@
-"""Pipeline parallelism: schedules as data (``schedules``), a simulator and charts (``simulator``)."""
+"""Pipeline parallelism on devices: the engine that runs a rank's actions (``engine``) and the deferred weight
+gradients of split-backward schedules (``wgrad``).
 
-from meshtrain.parallel.pipeline.schedules import (
-    KINDS,
-    SCHEDULES,
-    Action,
-    PipelineSchedule,
-    build_schedule,
-    check_schedule,
-    dependencies,
-)
-from meshtrain.parallel.pipeline.simulator import (
-    SimResult,
-    bubble_of_timelines,
-    inflight_peaks,
-    png_chart,
-    simulate,
-    text_chart,
-)
-
-__all__ = [
-    "KINDS",
-    "SCHEDULES",
-    "Action",
-    "PipelineSchedule",
-    "SimResult",
-    "bubble_of_timelines",
-    "build_schedule",
-    "check_schedule",
-    "dependencies",
-    "inflight_peaks",
-    "png_chart",
-    "simulate",
-    "text_chart",
-]
+The device-free parts live in the plan layer, which the planner shares: schedules as data
+(``meshtrain/plan/schedules.py``), the simulator, its charts and ``check_schedule`` (``meshtrain/plan/simulator.py``)
+and the cost-balanced layer partition (``meshtrain/plan/partition.py``).
+"""

@@ -35,9 +35,9 @@ from meshtrain import comm
 from meshtrain.mesh import Mesh
 from meshtrain.model.llama import Llama, decoder_forward
 from meshtrain.parallel.microsteps import ForwardLoss
-from meshtrain.parallel.pipeline.partition import Partition
-from meshtrain.parallel.pipeline.schedules import Action, PipelineSchedule
 from meshtrain.parallel.pipeline.wgrad import WeightGradStore, defer_weight_grads, immediate_params
+from meshtrain.plan.partition import Partition
+from meshtrain.plan.schedules import Action, PipelineSchedule
 
 
 class PipelineStage(nn.Module):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshtrain.config import ModelConfig
-from meshtrain.plan.costs import stage_part_flops
+from meshtrain.plan.flops import stage_part_flops
 
 
 @dataclass(frozen=True)

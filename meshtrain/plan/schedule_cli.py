@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 
-from meshtrain.parallel.pipeline.schedules import SCHEDULES, build_schedule, check_schedule
-from meshtrain.parallel.pipeline.simulator import png_chart, simulate, text_chart
+from meshtrain.config import SCHEDULES
+from meshtrain.plan.schedules import DEFAULT_VIRTUAL, build_schedule
+from meshtrain.plan.simulator import check_schedule, png_chart, simulate, text_chart
 
 
 def main(argv: list[str]) -> int:
@@ -29,7 +30,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--png", help="also write a Gantt chart to this PNG file")
     args = ap.parse_args(argv)
 
-    virtual = args.virtual if args.virtual is not None else (2 if args.schedule in ("interleaved", "dualpipev") else 1)
+    virtual = args.virtual if args.virtual is not None else DEFAULT_VIRTUAL.get(args.schedule, 1)
     w = args.b / 2 if args.w is None else args.w
     # The generated orders (zb-h1, dualpipev) are built for the costs they will be simulated with.
     gen_costs = (args.f, args.b, w)

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshtrain.parallel.pipeline.schedules import Action, Key, PipelineSchedule, dependencies, done_key
+from meshtrain.plan.schedules import KINDS, Action, Key, PipelineSchedule, dependencies, done_key
 
 Timeline = list[tuple[float, float, Action]]
 
@@ -158,6 +158,56 @@ def simulate(s: PipelineSchedule, f: float = 1.0, b: float = 2.0, w: float | Non
     peaks, peaks_full = inflight_peaks(timelines)
     busy = [sum(en - st for st, en, _ in tl) for tl in timelines]
     return SimResult(timelines, makespan, bubble, peaks, peaks_full, busy)
+
+
+def check_schedule(s: PipelineSchedule) -> None:
+    """Raise ``ValueError`` unless ``s`` is complete, well ordered and runs to the end without deadlock.
+
+    Every (mb, stage) has exactly one F and either one B or one I and one W (I/W only when ``split_backward``), all
+    on ``placement[stage]``'s rank; on that rank F comes before B/I and I before W; and the simulated run finishes.
+    """
+    n = s.n_stages
+    if len(s.placement) != n or any(not 0 <= r < s.pp for r in s.placement):
+        raise ValueError(f"{s.name}: placement must map each of the {n} stages to a rank in 0..{s.pp - 1}, "
+                         f"got {s.placement}")
+    if len(s.actions) != s.pp:
+        raise ValueError(f"{s.name}: expected one action list per pp rank ({s.pp}), got {len(s.actions)}")
+    where: dict[tuple[str, int, int], tuple[int, int]] = {}  # (kind, mb, stage) -> (rank, position)
+    for r, acts in enumerate(s.actions):
+        for i, a in enumerate(acts):
+            if a.kind not in KINDS:
+                raise ValueError(f"{s.name}: rank {r} action {a} has unknown kind {a.kind!r}")
+            if not (0 <= a.mb < s.microbatches and 0 <= a.stage < n):
+                raise ValueError(f"{s.name}: rank {r} action {a} is outside {s.microbatches} microbatches x {n} stages")
+            if s.placement[a.stage] != r:
+                raise ValueError(f"{s.name}: {a} is on rank {r} but stage {a.stage} is placed on rank "
+                                 f"{s.placement[a.stage]}")
+            if a.kind in ("I", "W") and not s.split_backward:
+                raise ValueError(f"{s.name}: {a} is a split backward but split_backward is False")
+            k = (a.kind, a.mb, a.stage)
+            if k in where:
+                raise ValueError(f"{s.name}: {a} appears twice")
+            where[k] = (r, i)
+    for mb in range(s.microbatches):
+        for st in range(n):
+            f = where.get(("F", mb, st))
+            b, i, w = (where.get((k, mb, st)) for k in ("B", "I", "W"))
+            name = f"(mb {mb}, stage {st})"
+            if f is None:
+                raise ValueError(f"{s.name}: {name} has no forward F{mb}@{st}")
+            if b is not None and (i is not None or w is not None):
+                raise ValueError(f"{s.name}: {name} has both a full backward B and a split one I/W")
+            if b is None and (i is None or w is None):
+                raise ValueError(f"{s.name}: {name} needs either B{mb}@{st} or both I{mb}@{st} and W{mb}@{st}")
+            first_back = b if b is not None else i
+            if first_back[1] < f[1]:
+                raise ValueError(f"{s.name}: rank {f[0]} runs the backward of {name} before its forward")
+            if w is not None and w[1] < i[1]:
+                raise ValueError(f"{s.name}: rank {w[0]} runs W{mb}@{st} before I{mb}@{st}")
+    try:
+        simulate(s, 1.0, 2.0, 1.0)
+    except RuntimeError as e:
+        raise ValueError(f"{s.name}: {e}") from None
 
 
 # ------------------------------------------------------------------------------------------------------- charts

@@ -1,9 +1,9 @@
 """Pipeline schedules as data: for each pp rank, the ordered list of actions it executes.
 
-A schedule is built once, checked (``check_schedule``), drawn by the simulator and executed by the engine; nothing
-here knows about tensors or processes. An :class:`Action` names a kind, a microbatch and a *global* stage:
-``S = pp * virtual`` stages, stage 0 holds the embedding and stage ``S - 1`` the head and the loss, and
-``placement[stage]`` is the pp rank that runs it.
+A schedule is built once, checked (``simulator.check_schedule``, which runs it), drawn by the simulator and executed
+by the engine (``meshtrain/parallel/pipeline/engine.py``); nothing here knows about tensors or processes. An
+:class:`Action` names a kind, a microbatch and a *global* stage: ``S = pp * virtual`` stages, stage 0 holds the
+embedding and stage ``S - 1`` the head and the loss, and ``placement[stage]`` is the pp rank that runs it.
 
 Kinds: ``F`` forward, ``B`` full backward, or the split backward ``I`` (gradient w.r.t. the stage input, which the
 previous stage is waiting for) followed by ``W`` (gradient w.r.t. the stage's weights, which nobody waits for and
@@ -23,8 +23,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from meshtrain.config import SCHEDULES
+
 KINDS = ("F", "B", "I", "W")
-SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1", "dualpipev")
+# Model chunks per rank a schedule runs with unless told otherwise (``parallel.virtual_stages``; dualpipev's V is
+# always 2): what ``meshtrain schedule`` and the planner's search use.
+DEFAULT_VIRTUAL = {"afab": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1, "dualpipev": 2}
 
 Key = tuple[str, int, int]  # ("F" | "BI" | "W", mb, stage): what a dependency waits for
 
@@ -283,55 +287,3 @@ def build_schedule(name: str, pp: int, microbatches: int, virtual: int = 1, *,
         raise ValueError(f"parallel.schedule=dualpipev always holds 2 stages per rank (a V), so "
                          f"parallel.virtual_stages must be 2 (got {virtual}): set parallel.virtual_stages=2.")
     return PipelineSchedule(name, pp, m, 2, _v_placement(pp), _dualpipev(pp, m, gen_costs), True)
-
-
-def check_schedule(s: PipelineSchedule) -> None:
-    """Raise ``ValueError`` unless ``s`` is complete, well ordered and runs to the end without deadlock.
-
-    Every (mb, stage) has exactly one F and either one B or one I and one W (I/W only when ``split_backward``), all
-    on ``placement[stage]``'s rank; on that rank F comes before B/I and I before W; and the simulated run finishes.
-    """
-    n = s.n_stages
-    if len(s.placement) != n or any(not 0 <= r < s.pp for r in s.placement):
-        raise ValueError(f"{s.name}: placement must map each of the {n} stages to a rank in 0..{s.pp - 1}, "
-                         f"got {s.placement}")
-    if len(s.actions) != s.pp:
-        raise ValueError(f"{s.name}: expected one action list per pp rank ({s.pp}), got {len(s.actions)}")
-    where: dict[tuple[str, int, int], tuple[int, int]] = {}  # (kind, mb, stage) -> (rank, position)
-    for r, acts in enumerate(s.actions):
-        for i, a in enumerate(acts):
-            if a.kind not in KINDS:
-                raise ValueError(f"{s.name}: rank {r} action {a} has unknown kind {a.kind!r}")
-            if not (0 <= a.mb < s.microbatches and 0 <= a.stage < n):
-                raise ValueError(f"{s.name}: rank {r} action {a} is outside {s.microbatches} microbatches x {n} stages")
-            if s.placement[a.stage] != r:
-                raise ValueError(f"{s.name}: {a} is on rank {r} but stage {a.stage} is placed on rank "
-                                 f"{s.placement[a.stage]}")
-            if a.kind in ("I", "W") and not s.split_backward:
-                raise ValueError(f"{s.name}: {a} is a split backward but split_backward is False")
-            k = (a.kind, a.mb, a.stage)
-            if k in where:
-                raise ValueError(f"{s.name}: {a} appears twice")
-            where[k] = (r, i)
-    for mb in range(s.microbatches):
-        for st in range(n):
-            f = where.get(("F", mb, st))
-            b, i, w = (where.get((k, mb, st)) for k in ("B", "I", "W"))
-            name = f"(mb {mb}, stage {st})"
-            if f is None:
-                raise ValueError(f"{s.name}: {name} has no forward F{mb}@{st}")
-            if b is not None and (i is not None or w is not None):
-                raise ValueError(f"{s.name}: {name} has both a full backward B and a split one I/W")
-            if b is None and (i is None or w is None):
-                raise ValueError(f"{s.name}: {name} needs either B{mb}@{st} or both I{mb}@{st} and W{mb}@{st}")
-            first_back = b if b is not None else i
-            if first_back[1] < f[1]:
-                raise ValueError(f"{s.name}: rank {f[0]} runs the backward of {name} before its forward")
-            if w is not None and w[1] < i[1]:
-                raise ValueError(f"{s.name}: rank {w[0]} runs W{mb}@{st} before I{mb}@{st}")
-    from meshtrain.parallel.pipeline.simulator import simulate  # lazy: the simulator imports this module
-
-    try:
-        simulate(s, 1.0, 2.0, 1.0)
-    except RuntimeError as e:
-        raise ValueError(f"{s.name}: {e}") from None

@@ -1,0 +1,204 @@
+"""Communication bytes of each strategy, per rank.
+
+Bytes are the comm meter's payload bytes per rank (see meshtrain/comm.py), so the runtime can be checked
+against them exactly (``plan/check.py``); ``plan/network.py`` turns them into seconds.
+"""
+
+from __future__ import annotations
+
+from meshtrain.config import ModelConfig
+from meshtrain.plan.units import padded_numel, unit_numels
+
+
+def dp_comm_bytes(cfg: ModelConfig, zero: int, dp: int, grad_accum: int = 1, layout: str = "flat",
+                  dp_shard: int = 0, compute_bytes: int = 4, reshard_after_forward: bool = True,
+                  units: list[int] | None = None) -> dict[tuple[str, str], int]:
+    """Payload bytes per rank per step of each (group, collective) of the data-parallel family.
+
+    - DP: one all-reduce of the fp32 gradients, once per step (accumulation communicates last).
+    - ZeRO-1: reduce-scatter of the gradients + all-gather of the updated parameters, per unit,
+      each padded to a multiple of the shard group; ZeRO-2 reduce-scatters every microbatch.
+      The per-tensor layout reduces each tensor to its owner and broadcasts it back instead.
+    - ZeRO-3: all-gather of each unit in forward and again in backward (if resharded after
+      forward), in the compute dtype, and a reduce-scatter of its fp32 gradient, every microbatch.
+    - HSDP (dp_shard < dp): the above within a shard group, plus an all-reduce of the gradient
+      shards over the replicas.
+
+    ``units`` (default ``unit_numels(cfg)``) are the rank's own units: a tensor-parallel shard of
+    each, or one pipeline stage's. The flat-layout arithmetic is ``dp_family_bytes``.
+    """
+    units = unit_numels(cfg) if units is None else units
+    if zero in (1, 2) and layout == "per_tensor":
+        # Every tensor is reduced to its owner and broadcast back, whoever owns it.
+        psi = sum(units)
+        n = dp_shard or dp
+        if dp // n > 1:
+            raise ValueError("per-tensor HSDP bytes depend on the ownership; not modelled")
+        if n == 1:
+            return {}
+        return {("dp_shard_cp", "reduce"): (grad_accum if zero == 2 else 1) * 4 * psi,
+                ("dp_shard_cp", "broadcast"): 4 * psi}
+    return dp_family_bytes(units, zero, dp, grad_accum, dp_shard, gather_bytes=compute_bytes,
+                           reshard_after_forward=reshard_after_forward)
+
+
+def dp_family_bytes(units: list[int], zero: int, dp: int, grad_accum: int = 1, dp_shard: int = 0,
+                    grad_bytes: int = 4, param_bytes: int = 4, gather_bytes: int = 4,
+                    reshard_after_forward: bool = True) -> dict[tuple[str, str], int]:
+    """Payload bytes per rank per step of the data-parallel family (flat layout) for a rank holding
+    ``units`` (parameters per sharding unit, e.g. a tensor-parallel shard of each block, or one pipeline
+    stage's blocks). With ``unit_numels(cfg)``, grad/param bytes 4 and ``gather_bytes = compute_bytes`` it
+    equals ``dp_comm_bytes`` (tests hold them equal); the planner passes its precision and each rank's units.
+
+    DP: all-reduce of the gradients once per step. ZeRO-1: reduce-scatter of the gradients and all-gather of
+    the updated parameters, each unit padded to the shard group; ZeRO-2 reduce-scatters every microbatch.
+    ZeRO-3: per microbatch an all-gather in forward and (resharded) again in backward, and a reduce-scatter.
+    HSDP (dp_shard < dp): plus an all-reduce of the gradient shards over the replicas.
+    """
+    psi = sum(units)
+    if zero == 0:
+        return {("dp_cp", "all_reduce"): grad_bytes * psi} if dp > 1 else {}
+    n = dp_shard or dp
+    out: dict[tuple[str, str], int] = {}
+    padded = sum(padded_numel(u, n) for u in units)
+    if n > 1:
+        out[("dp_shard_cp", "reduce_scatter")] = (grad_accum if zero >= 2 else 1) * grad_bytes * padded
+        if zero in (1, 2):
+            out[("dp_shard_cp", "all_gather")] = param_bytes * padded
+        else:
+            out[("dp_shard_cp", "all_gather")] = (grad_accum * (2 if reshard_after_forward else 1)
+                                                  * gather_bytes * padded)
+    if dp // n > 1:
+        out[("dp_replicate", "all_reduce")] = grad_bytes * padded // n
+    return out
+
+
+def tp_comm_bytes(cfg: ModelConfig, tp: int, sp: bool, tokens: int, grad_accum: int = 1, act_bytes: int = 4,
+                  layers: int | None = None, embedding: bool = True, head: bool = True,
+                  norm_elems: int | None = None, recompute: bool = False, mlp_tp: bool = True
+                  ) -> dict[tuple[str, str], int]:
+    """Payload bytes per rank per step on the tp axis (meshtrain/parallel/tensor.py).
+
+    ``tokens`` is the tokens of one microbatch on this rank (rows x seq_len); S = tokens x d_model x
+    act_bytes is one activation. Per microbatch, without SP: forward all-reduces after the embedding
+    and after each block's attention and MLP (2L + 1), backward all-reduces the input gradients of
+    each block's two column-parallel entries and of the head (2L + 1). With SP each all-reduce
+    becomes a reduce-scatter plus an all-gather of the same S (the same volume, split). The loss
+    adds three fp32 all-reduces of one value per token (max, sum of exp, target logit); once per step
+    the replicated norm weights' gradients ((2L + 1) x d fp32) are all-reduced.
+
+    A pipeline stage passes its ``layers`` and whether it holds the ``embedding`` / ``head`` (the
+    loss lives with the head); ``norm_elems`` is how many norm-weight elements this rank's optimizer
+    holds (ZeRO shards them; default all).
+
+    With activation recompute (full or selective) each block's forward runs again in backward up to
+    the last activation backward needs, which is the input of its final matmul: the two entry
+    collectives and the attention's exit collective repeat, the MLP's exit does not. So per block
+    and microbatch: SP adds 2 all-gathers and 1 reduce-scatter, no SP adds 1 all-reduce.
+
+    ``mlp_tp=False`` is a mixture-of-experts model: its MoE blocks are not split by tp (each tp rank runs
+    them on the tokens it holds), so only the attention's collectives remain (2 per block and
+    microbatch instead of 4; under recompute SP repeats 1 all-gather, not 2). The router and the experts
+    then count as replicated weights in ``norm_elems``.
+    """
+    if tp == 1:
+        return {}
+    n_layers = cfg.n_layers if layers is None else layers
+    s = tokens * cfg.d_model * act_bytes
+    per_block = 4 if mlp_tp else 2
+    count = per_block * n_layers + (1 if embedding else 0) + (1 if head else 0)  # collectives per microbatch
+    loss = 3 * 4 * tokens if head else 0
+    if norm_elems is None:
+        norm_elems = (2 * n_layers + (1 if head else 0)) * cfg.d_model
+    norms = norm_elems * 4
+    again = n_layers if recompute else 0
+    if sp:
+        out = {("tp", "all_gather"): grad_accum * (count + (2 if mlp_tp else 1) * again) * s,
+               ("tp", "reduce_scatter"): grad_accum * (count + again) * s,
+               ("tp", "all_reduce"): grad_accum * loss + norms}
+    else:
+        out = {("tp", "all_reduce"): grad_accum * ((count + again) * s + loss) + norms}
+    return {k: v for k, v in out.items() if v}
+
+
+def tp_layer_collectives(tokens: int, d_model: int, tp: int, sp: bool, act_bytes: int = 2
+                         ) -> list[tuple[str, str, int, str]]:
+    """Tensor-parallel collectives of one block for one microbatch of ``tokens`` tokens on this rank:
+    (what, op, payload bytes, phase "fwd"/"bwd"). S = tokens x D x act_bytes.
+
+    Without SP: all-reduce after the attention and after the MLP (row-parallel outputs) in forward, and of
+    the input gradients of both column-parallel entries in backward. With SP each becomes a reduce-scatter
+    plus an all-gather of the same S (the same wire bytes). All are on the critical path (seed 000:
+    "on critical path"). Summed over layers this is ``tp_comm_bytes`` without its embedding, loss and norm
+    terms.
+    """
+    if tp <= 1:
+        return []
+    s = tokens * d_model * act_bytes
+    if not sp:
+        return [("attention out", "all_reduce", s, "fwd"), ("mlp out", "all_reduce", s, "fwd"),
+                ("attention in grad", "all_reduce", s, "bwd"), ("mlp in grad", "all_reduce", s, "bwd")]
+    return [("attention in (seq gather)", "all_gather", s, "fwd"), ("attention out", "reduce_scatter", s, "fwd"),
+            ("mlp in (seq gather)", "all_gather", s, "fwd"), ("mlp out", "reduce_scatter", s, "fwd"),
+            ("attention out grad", "all_gather", s, "bwd"), ("attention in grad", "reduce_scatter", s, "bwd"),
+            ("mlp out grad", "all_gather", s, "bwd"), ("mlp in grad", "reduce_scatter", s, "bwd")]
+
+
+def pp_p2p_bytes(tokens: int, d_model: int, tp: int = 1, sp: bool = False, hidden_bytes: int = 4) -> int:
+    """Bytes one rank sends across one stage boundary per microbatch and direction (the hidden state forward,
+    its gradient backward); with SP each tp rank holds and sends 1/tp of the sequence."""
+    return tokens * d_model * hidden_bytes // (tp if sp else 1)
+
+
+def cp_ring_bytes(tokens: int, cfg: ModelConfig, cp: int, tp: int = 1, act_bytes: int = 2) -> dict[str, int]:
+    """Ring attention (context parallelism) per block per microbatch, ``tokens`` = this rank's tokens (already
+    1/cp of the sequence): forward passes the key/value chunk cp-1 times round the ring; backward passes
+    it again plus the key/value gradients. Bytes sent per rank by phase; each step overlaps the attention
+    on the chunk it already holds."""
+    if cp <= 1:
+        return {"fwd": 0, "bwd": 0}
+    kv = tokens * 2 * (cfg.kv_heads // max(1, min(tp, cfg.kv_heads))) * cfg.head_dim * act_bytes
+    return {"fwd": (cp - 1) * kv, "bwd": 2 * (cp - 1) * kv}
+
+
+def cp_comm_bytes(cfg: ModelConfig, cp: int, tp: int, tokens: int, attention: str = "ring", layers: int = 1,
+                  micro: int = 1, kv_bytes: int = 4, recompute: bool = False) -> dict[tuple[str, str], int]:
+    """Payload bytes per rank per step on the cp axis (meshtrain/parallel/context.py), ``tokens`` = this rank's
+    tokens of one microbatch (1/cp of each sequence), kv = its stacked K and V (kv heads / tp).
+
+    Ring: forward sends (and receives) K/V cp-1 times; backward passes K/V round again and the dK/dV
+    accumulators (fp32) cp-1 hops home. All-gather: one all-gather of K/V forward, one reduce-scatter of
+    dK/dV (fp32) backward. Recompute reruns the forward's transfers."""
+    if cp <= 1:
+        return {}
+    kv = 2 * tokens * (cfg.kv_heads // tp) * cfg.head_dim
+    n = layers * micro
+    if attention == "ring":
+        b = n * (cp - 1) * kv * ((3 if recompute else 2) * kv_bytes + 4)
+        return {("cp", "send"): b, ("cp", "recv"): b}
+    return {("cp", "all_gather"): n * cp * kv * kv_bytes * (2 if recompute else 1),
+            ("cp", "reduce_scatter"): n * cp * kv * 4}
+
+
+def ep_all_to_all_bytes(tokens: int, d_model: int, top_k: int, ep: int, act_bytes: int = 2) -> dict[str, int]:
+    """Expert parallelism per MoE layer per microbatch: dispatch and combine all-to-alls of
+    tokens x top_k x D (forward), and the same two for the gradients in backward (payload per rank)."""
+    if ep <= 1:
+        return {"fwd": 0, "bwd": 0}
+    s = tokens * top_k * d_model * act_bytes
+    return {"fwd": 2 * s, "bwd": 2 * s}
+
+
+def ep_comm_bytes(tokens: int, cfg: ModelConfig, ep: int, act_bytes: int = 4, recompute: bool = False) -> int:
+    """All-to-all payload bytes of one rank per MoE layer per microbatch under expert parallelism
+    (meshtrain/parallel/expert.py), with ``tokens`` = the tokens the rank's block sees (1/cp of each sequence,
+    1/tp more under SP): the per-expert counts (E int64), the dispatched rows (tokens x top_k x D), the rows
+    its experts send back, and in backward the same two row exchanges reversed. What a rank's experts
+    receive depends on the routing; summed over the ep group it is the group's tokens x top_k, so the
+    group's total is exactly ep times this balanced figure (dropless routing). Recompute repeats the forward
+    three."""
+    if ep <= 1:
+        return 0
+    rows = tokens * cfg.moe_top_k * cfg.d_model * act_bytes
+    counts = 8 * cfg.moe_experts
+    return counts + 4 * rows + ((counts + 2 * rows) if recompute else 0)

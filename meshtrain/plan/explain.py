@@ -1,0 +1,187 @@
+"""Why the best layout wins, in words: its sharding in the book's notation (seed 000), the collectives of one
+layer with bytes, time and whether they sit on the critical path, what bounds the step, memory, and the book's
+closed-form limits for this model and cluster; and the table of the top layouts."""
+
+from __future__ import annotations
+
+from meshtrain.config import ModelConfig
+from meshtrain.plan.book import (
+    MIXED_REVISIONS,
+    critical_batch_per_device,
+    dcn_min_batch_per_pod,
+    mixed_min_batch_per_device,
+    optimal_fsdp,
+    split_fsdp_tp,
+    tp_limit,
+)
+from meshtrain.plan.flops import days_for_tokens
+from meshtrain.plan.network import effective_bw, group_link
+from meshtrain.plan.problem import Estimate, Layout, Problem
+from meshtrain.plan.search import SearchResult
+from meshtrain.plan.steptime import evaluate
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.1f} GB"
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.2f} ms" if x < 1 else f"{x:.3f} s"
+
+
+def _bytes(x: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.1f} {unit}"
+    return f"{x:.0f} B"
+
+
+def sharding(layout: Layout, model: ModelConfig, seq_len: int) -> list[str]:
+    """Per-tensor sharding in the book's notation (seed 000): mesh axes X = data/FSDP (dp), Y = tensor (tp),
+    Z = pipeline (pp), S = context (cp); a subscript shards that dimension over the axis; {U_X} marks an
+    unreduced partial sum."""
+    x = "X" if layout.dp > 1 else ""
+    zx = "_X" if (layout.zero == 3 and layout.dp > 1) else ""
+    y = "_Y" if layout.tp > 1 else ""
+    lz = "L_Z, " if layout.pp > 1 else "L, "
+    seq = [a for a, on in (("S", layout.cp > 1), ("Y", layout.sp and layout.tp > 1)) if on]
+    tsub = f"_{''.join(seq)}" if seq else ""
+    bsub = f"_{x}" if x else ""
+    opt = "_X" if (layout.zero >= 1 and layout.dp > 1) else ""
+    grad = "_X" if (layout.zero >= 2 and layout.dp > 1) else ""
+    hsdp = (f" (HSDP: X = shard groups of {layout.dp_shard}, replicated over the other "
+            f"{layout.dp // layout.dp_shard})") if layout.dp_shard else ""
+    lines = [
+        f"axes: X = dp {layout.dp}{hsdp}, Y = tp {layout.tp}, Z = pp {layout.pp}, S = cp {layout.cp}",
+        f"activations between blocks  In[B{bsub}, T{tsub}, D]   (B = sequences, T = {seq_len} tokens)",
+        f"attention                   Wq[{lz}D{zx}, N{y}, H]  Wk,Wv[{lz}D{zx}, K{y}, H]  Wo[{lz}N{y}, H, D{zx}]",
+        f"gated MLP                   Win,Wgate[{lz}D{zx}, F{y}]  Wout[{lz}F{y}, D{zx}]",
+        f"inside the MLP              Tmp[B{bsub}, T{'_S' if layout.cp > 1 else ''}, F{y}]",
+        f"embedding / head            E[V{y}, D{zx}]  Head[D{zx}, V{y}]",
+        f"gradients                   dW[{lz}D{grad}, F{y}]" + (" {U_X} until reduced" if not grad and x else ""),
+        f"optimizer state (AdamW)     m,v[{lz}D{opt}, F{y}]",
+    ]
+    if layout.cp > 1:
+        lines.append("ring attention              K,V[B_X, T_S, K_Y, H] passed round S")
+    if model.moe_experts:  # experts are whole per rank (not split by tp), sharded over ep inside dp x cp
+        e = "E_EP" if layout.ep > 1 else "E"
+        lines[3] = (f"MoE experts                 Win,Wgate[{lz}{e}, D, F]  Wout[{lz}{e}, F, D]  "
+                    f"router[{lz}D, E]  (E = {model.moe_experts}, top-{model.moe_top_k}"
+                    + (f"; EP = ep {layout.ep}, inside X x S" if layout.ep > 1 else "") + ")")
+        lines[4] = "inside an expert            Tmp[rows routed to it, F]  (tokens x top_k / E rows on average)"
+        if layout.ep > 1:
+            lines.append(f"dispatch / combine          rows[B{bsub} x T{tsub} x top_k, D] all-to-all over EP")
+    return lines
+
+
+def explain(problem: Problem, result: SearchResult, top: int = 3) -> str:
+    """The best layout, why: sharding, collectives of one layer, what bounds the step, memory; then the
+    book's analysis for this model and cluster."""
+    best = result.best
+    if result.tried == 0:
+        return (f"No layout splits {problem.sequences} sequences of {problem.seq_len} tokens over {problem.devices} "
+                f"devices: dp must divide the sequence count and tp x pp x cp the rest (tp <= {problem.hw.tp_max}, "
+                f"powers of two). Use a batch of more (or a power of two) sequences, or widen --max-pp / --cp.")
+    if best is None:
+        f = result.fastest_any
+        need = f"; the fastest layout needs {_gb(f.memory_total)} per device" if f else ""
+        return (f"No layout fits in {_gb(problem.memory_budget)} per device{need}. Add nodes, lower the batch "
+                f"or raise --memory-fraction.")
+    est = evaluate(problem, best.layout, with_collectives=True)
+    est.runnable, est.not_runnable_reason = best.runnable, best.not_runnable_reason
+    lay, st = est.layout, est.step
+    out = [f"Best layout: {lay.describe()}  ({problem.devices} devices = dp {lay.dp} x tp {lay.tp} x "
+           f"pp {lay.pp} x cp {lay.cp})"]
+    if est.runnable is False:
+        out.append(f"  (not runnable by meshtrain today: {est.not_runnable_reason})")
+    out.append("")
+    out.append("Sharding (book notation, seed 000):")
+    out += ["  " + s for s in sharding(lay, problem.model, problem.seq_len)]
+    out.append("")
+    t = problem.sequences // lay.dp // lay.microbatches * problem.seq_len // lay.cp
+    out.append(f"Collectives ({t:,} tokens per microbatch per rank; per-layer ones are one block's):")
+    out.append(f"  {'axis':<13}{'op':<15}{'what':<46}{'bytes/call':>11}{'time/call':>11}{'calls/step':>11}"
+               f"  critical path")
+    for c in est.collectives:
+        out.append(f"  {c.axis:<13}{c.op:<15}{c.what[:45]:<46}{_bytes(c.bytes):>11}{_ms(c.seconds):>11}"
+                   f"{c.calls:>11}  {c.critical}")
+    out.append("")
+    total = st.total
+    parts = [("compute (matmuls, attention, recompute)", st.compute), ("TP/SP collectives", st.tp),
+             ("CP ring (not hidden)", st.cp), ("pipeline p2p waits", st.p2p), ("pipeline bubble", st.bubble),
+             ("DP/ZeRO comm (exposed)", st.dp), ("optimizer step", st.optimizer)]
+    days = (f"; {problem.train_tokens:.3g} tokens in "
+            f"{days_for_tokens(problem.train_tokens, problem.batch_tokens, total):.1f} days"
+            if problem.train_tokens else "")
+    out.append(f"Step: {_ms(total)} predicted, MFU {est.mfu:.1%}, {est.tokens_per_s:,.0f} tokens/s{days}")
+    for name, val in parts:
+        if val > 0:
+            out.append(f"  {name:<42}{_ms(val):>11}  {val / total:6.1%}")
+    out.append(f"Bound by: {_bound_text(problem, est, result)}")
+    out.append("")
+    out.append(f"Memory per device: {_gb(est.memory_total)} of {_gb(problem.memory_budget)} usable "
+               f"({problem.memory_fraction:.0%} of {_gb(problem.hw.hbm_bytes)})")
+    out.append("  " + ", ".join(f"{k} {_gb(v)}" for k, v in est.memory.items()))
+    out.append("")
+    out.append("The book's analysis for this model and cluster:")
+    out += ["  " + s for s in book_summary(problem)]
+    return "\n".join(out)
+
+
+def _bound_text(problem: Problem, est: Estimate, result: SearchResult) -> str:
+    st = est.step
+    kind = st.bound()
+    share = {"compute": st.compute, "communication": st.communication, "bubble": st.bubble}[kind] / st.total
+    text = f"{kind} ({share:.0%} of the step)"
+    if kind == "compute":
+        text += (f"; communication {st.communication / st.total:.0%} exposed, bubble {st.bubble / st.total:.0%}")
+    fast = result.fastest_any
+    if fast is not None and not fast.fits and fast.step_s < est.step_s * 0.999:
+        text += (f". Memory binds too: the fastest layout overall ({fast.layout.describe()}, {_ms(fast.step_s)}) "
+                 f"needs {_gb(fast.memory_total)} > {_gb(problem.memory_budget)}")
+    elif est.memory_total > 0.9 * problem.memory_budget:
+        text += f". Memory is nearly full ({est.memory_total / problem.memory_budget:.0%} of the budget)"
+    return text
+
+
+def book_summary(problem: Problem) -> list[str]:
+    """The book's closed-form limits (seed 000 / 003) evaluated for this problem's model and hardware."""
+    hw, cfg, n = problem.hw, problem.model, problem.devices
+    c = hw.bf16_flops
+    f = cfg.hidden_dim
+    batch = problem.batch_tokens
+    dp_link = group_link(hw, n, 1, len(hw.mesh_axes) or 1)
+    w_dp = effective_bw(dp_link)
+    w_tp = hw.intra_bw
+    lines = [
+        f"DP/FSDP critical batch per device C/W = {critical_batch_per_device(c, w_dp):,.0f} tokens "
+        f"(W = {w_dp / 1e9:.1f} GB/s effective over all {n}); this batch gives {batch / n:,.0f} per device",
+        f"TP limit F*W/C = {tp_limit(f, c, w_tp):.1f}-way on the fast fabric (F = {f}, "
+        f"W = {w_tp / 1e9:.0f} GB/s)",
+    ]
+    for rev in MIXED_REVISIONS:
+        tag = " (default)" if rev == problem.revision else ""
+        lines.append(f"mixed FSDP+TP bound, revision {rev}{tag}: B/N > "
+                     f"{mixed_min_batch_per_device(f, c, w_dp, rev):,.0f} tokens per device")
+    x, y = split_fsdp_tp(batch, n, f, hw.tp_max)
+    lines.append(f"optimal split X = sqrt(2BN/F) = {optimal_fsdp(batch, n, f):,.0f} -> X (FSDP) {x} x "
+                 f"Y (TP) {y}")
+    if n > hw.domain and hw.torus:
+        per_pod = batch / (n / hw.domain)
+        lines.append(f"cross-pod DCN limit C/W_dcn = {dcn_min_batch_per_pod(c, hw.inter_bw):,.0f} tokens per "
+                     f"pod; this batch gives {per_pod:,.0f}")
+    return lines
+
+
+def format_table(problem: Problem, estimates: list[Estimate]) -> str:
+    """The top layouts as a text table."""
+    head = (f"{'#':>2}  {'layout':<52}{'step':>10}{'MFU':>7}{'mem/dev':>10}{'compute':>9}{'comm':>8}"
+            f"{'bubble':>8}  runs")
+    rows = [head]
+    for i, e in enumerate(estimates, 1):
+        st = e.step
+        runs = {True: "yes", False: "no", None: "?"}[e.runnable]
+        rows.append(f"{i:>2}  {e.layout.describe():<52}{_ms(e.step_s):>10}{e.mfu:>7.1%}"
+                    f"{e.memory_total / 1e9:>8.1f}GB{st.compute / e.step_s:>9.0%}"
+                    f"{st.communication / e.step_s:>8.0%}{st.bubble / e.step_s:>8.0%}  {runs}")
+    return "\n".join(rows)

@@ -1,0 +1,107 @@
+"""Bytes each device holds: parameters, gradients and optimizer state by ZeRO stage, and activations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshtrain.config import ModelConfig
+from meshtrain.plan.units import padded_numel, unit_numels
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of each kind of state, so one memory/byte model covers several recipes.
+
+    ``optim`` counts every optimizer byte per parameter (AdamW: two fp32 moments = 8; with 16-bit
+    parameters an fp32 master copy joins them: K = 12 in the ZeRO paper). ``act`` is what is saved for
+    backward and what TP/SP/CP move (the compute dtype); ``hidden`` the residual stream that pipeline
+    stages send; ``gather`` what ZeRO-3 all-gathers; DP reduces gradients in ``grad`` and ZeRO-1/2
+    all-gather updated parameters in ``param``.
+    """
+
+    param: int = 4
+    grad: int = 4
+    optim: int = 8
+    act: int = 2
+    hidden: int = 4
+    gather: int = 2
+
+
+# meshtrain itself: fp32 parameters, gradients and AdamW moments, bf16 autocast (docs/ARCHITECTURE.md).
+MESHTRAIN_BF16 = Precision(param=4, grad=4, optim=8, act=2, hidden=4, gather=2)
+
+
+# The ZeRO paper's / Megatron's mixed precision: 16-bit params and grads, fp32 master + Adam (K = 12).
+MIXED_16BIT = Precision(param=2, grad=2, optim=12, act=2, hidden=2, gather=2)
+
+
+PRECISIONS = {"meshtrain": MESHTRAIN_BF16, "mixed": MIXED_16BIT}
+
+
+def state_bytes(n_params: float, zero: int, n_shard: int, param_bytes: float = 4, grad_bytes: float = 4,
+                optim_bytes: float = 8) -> dict[str, float]:
+    """Per-device parameters, gradients and optimizer state for ZeRO stage ``zero`` over ``n_shard`` ranks
+    (the ZeRO paper, Rajbhandari et al. 2020, Figure 1): stage 1 shards the optimizer state, stage 2 also
+    the gradients, stage 3 also the parameters. The paper's example, 7.5B parameters on 64 ranks with
+    2 + 2 + K=12 bytes: 120 / 31.4 / 16.6 / 1.9 GB. ``dp_state_bytes`` is the same with the runtime's
+    padding and 4 + 4 + 8 bytes."""
+    n = max(1, n_shard) if zero > 0 else 1
+    return {"params": param_bytes * n_params / (n if zero >= 3 else 1),
+            "grads": grad_bytes * n_params / (n if zero >= 2 else 1),
+            "optim": optim_bytes * n_params / (n if zero >= 1 else 1)}
+
+
+def dp_state_bytes(cfg: ModelConfig, zero: int, dp: int, dp_shard: int = 0, optim_bytes_per_param: int = 8,
+                   units: list[int] | None = None) -> dict[str, float]:
+    """Per-rank bytes of fp32 parameters, fp32 gradients and optimizer state (AdamW: two fp32
+    moments, K = 8 bytes per parameter) for each ZeRO stage: the ZeRO paper's 2+2+K, 2+2+K/N,
+    2+(2+K)/N and (4+K)/N with our dtypes (4-byte parameters and gradients, no separate master).
+    ``units``: the rank's own units (tensor-parallel shards, pipeline stages), as in dp_comm_bytes."""
+    units = unit_numels(cfg) if units is None else units
+    psi = sum(units)
+    n = (dp_shard or dp) if zero > 0 else 1
+    padded = sum(padded_numel(u, n) for u in units) if zero > 0 else psi
+    return {
+        "params": 4.0 * (padded / n if zero == 3 else padded),
+        "grads": 4.0 * (padded / n if zero >= 2 else padded),
+        "optim": optim_bytes_per_param * (padded / n if zero >= 1 else psi),
+    }
+
+
+def activation_elems_per_token(cfg: ModelConfig, recompute: str = "none", tp: int = 1, sp: bool = False) -> float:
+    """Elements one block keeps for backward per token on one rank (activation memory = this x tokens x
+    layers x bytes). Counted from meshtrain's block (RMSNorm, fused QKV, SDPA, wo, SwiGLU) with
+    D = d_model, F = MLP hidden, kv = n_kv_heads x head_dim:
+
+    - ``none``: norm inputs 2D and the column-parallel inputs 2D (normed activations), QKV D + 2kv, attention
+      output D, gate/up 2F, SiLU and product 2F. Without SP the D-sized tensors are whole on every tp rank;
+      with SP the norm inputs are sequence-sharded (1/tp) but the gathered column-parallel inputs are not
+      (meshtrain keeps them for the weight gradient; Megatron re-gathers instead). The rest is split tp ways.
+    - ``selective`` (meshtrain's policy: keep matmul and attention outputs, recompute norms, RoPE, SiLU and
+      products): block input D, QKV D + 2kv, attention output D, wo and w2 outputs (whole partial sums, 2D),
+      gate/up 2F.
+    - ``full``: only the block input D.
+    Flash attention keeps no T x T scores, so there is no quadratic term.
+    """
+    d, f = cfg.d_model, cfg.hidden_dim
+    kv = cfg.kv_heads * cfg.head_dim
+    seq = tp if sp else 1  # what sequence parallelism divides
+    if recompute == "full":
+        return d / seq
+    if recompute == "selective":
+        return d / seq + 2 * d + (d + 2 * kv + d + 2 * f) / tp
+    if recompute == "none":
+        return 2 * d / seq + 2 * d + (d + 2 * kv + d + 4 * f) / tp
+    raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+
+
+def activation_bytes(cfg: ModelConfig, tokens: int, layers: int, recompute: str = "none", tp: int = 1,
+                     sp: bool = False, act_bytes: int = 2, inflight: int = 1) -> float:
+    """Activation bytes one rank holds: ``inflight`` microbatches (the simulator's peak_inflight under a
+    pipeline schedule; 1 without one) of ``tokens`` tokens each (already 1/cp of the sequence under context
+    parallelism) through ``layers`` blocks, per ``activation_elems_per_token``; full recompute adds the one
+    block rebuilt during backward."""
+    out = activation_elems_per_token(cfg, recompute, tp, sp) * tokens * layers * inflight * act_bytes
+    if recompute == "full":
+        out += activation_elems_per_token(cfg, "none", tp, sp) * tokens * act_bytes
+    return out

@@ -1,0 +1,333 @@
+"""The step-time and memory estimate of one layout, per optimizer step on the critical rank:
+
+- each pipeline stage action costs its matmul time (roofline of FLOPs at ``efficiency`` x peak and HBM
+  traffic) plus its tensor-parallel collectives (on the critical path) plus the ring-attention transfers not
+  hidden behind attention; backward is twice forward, plus a forward for full recompute;
+- the pipeline is run by the simulator (``plan/simulator.py``) with those costs and the p2p
+  time of one activation: its makespan holds the bubble and the p2p waits; without pp it is microbatches x
+  (F + B);
+- data-parallel / ZeRO collectives overlap the compute they can (gradient reduction with the last
+  backward, ZeRO-3 gathers with forward and backward), what does not fit and the last bucket are exposed;
+  ZeRO-1/2's all-gather of updated parameters after the optimizer step is exposed (the runtime does it then);
+- the optimizer step reads and writes the local parameters, gradients and moments at HBM bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshtrain.config import ModelConfig
+from meshtrain.plan.comm_bytes import (
+    cp_ring_bytes,
+    dp_family_bytes,
+    ep_all_to_all_bytes,
+    pp_p2p_bytes,
+    tp_layer_collectives,
+)
+from meshtrain.plan.flops import attention_flops_per_token, flops_per_token, layer_flops, param_count, stage_part_flops
+from meshtrain.plan.memory import activation_bytes, activation_elems_per_token, state_bytes
+from meshtrain.plan.network import Link, calls_time, collective_time, dp_axes, exposed, group_link
+from meshtrain.plan.pipeline_cost import pipeline_sim_fast, stage_partition
+from meshtrain.plan.problem import Collective, Estimate, Layout, Problem, StepTime
+from meshtrain.plan.units import block_params, expert_params_per_rank, unit_numels
+
+
+def layer_compute_time(cfg: ModelConfig, tokens: int, seq_len: int, flops: float, hbm_bw: float = 0.0,
+                       tp: int = 1, efficiency: float = 1.0, weight_bytes: int = 2, act_bytes: int = 2) -> float:
+    """Forward seconds of one block on one device for ``tokens`` tokens: the roofline max of its FLOPs
+    (split tp ways) at ``efficiency`` x peak and of its HBM traffic (weights read once, activations written
+    and read once) when ``hbm_bw`` is given. Small microbatches on wide tensor parallelism turn HBM-bound."""
+    t_flops = tokens * layer_flops(cfg, seq_len) / tp / (flops * efficiency)
+    if hbm_bw <= 0:
+        return t_flops
+    traffic = block_params(cfg) / tp * weight_bytes + 2 * tokens * activation_elems_per_token(cfg, "none", tp) \
+        * act_bytes
+    return max(t_flops, traffic / hbm_bw)
+
+
+@dataclass
+class StageAction:
+    """Seconds of one pipeline stage action (one chunk of layers of the slowest stage, one microbatch) by cause,
+    forward (``*_f``) and backward (``*_b``); a rank runs ``virtual`` such chunks per microbatch. The links, ring
+    bytes and attention time are kept for ``explain``'s table of collectives."""
+
+    blocks: list[int]  # blocks per stage (the runtime's partition)
+    compute_f: float
+    compute_b: float
+    tp_f: float
+    tp_b: float
+    ep_f: float
+    ep_b: float
+    cp_f: float
+    cp_b: float
+    tp_link: Link
+    cp_link: Link
+    ring: dict[str, int]
+    attn_f: float
+
+    @property
+    def layers(self) -> int:
+        return max(self.blocks)
+
+    @property
+    def forward(self) -> float:
+        return self.compute_f + self.tp_f + self.cp_f + self.ep_f
+
+    @property
+    def backward(self) -> float:
+        return self.compute_b + self.tp_b + self.cp_b + self.ep_b
+
+
+def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
+    """The slowest stage's forward and backward for ``t`` tokens per rank: matmuls (roofline), recomputation,
+    and the collectives on the critical path (TP/SP, EP all-to-alls, the CP ring not hidden by attention)."""
+    cfg, hw, prec = problem.model, problem.hw, problem.precision
+    T, tp, cp = problem.seq_len, lay.tp, lay.cp
+    C, eff = hw.bf16_flops, problem.efficiency
+    d = cfg.d_model
+
+    # --- compute of one stage action (the slowest stage; interleaved ranks run v chunks of it)
+    n_stages = lay.pp * lay.virtual
+    blocks, _ = stage_partition(cfg, T, n_stages) if n_stages > 1 else ([cfg.n_layers], [0.0])
+    _, _, head_flops = stage_part_flops(cfg, T)
+    t_layer = layer_compute_time(cfg, t, T, C, hw.hbm_bw, tp, eff, prec.act, prec.act)
+    t_head = t * head_flops / tp / (C * eff)
+    stage_f = [blocks[s] * t_layer + (t_head if s == n_stages - 1 else 0.0) for s in range(n_stages)]
+    f_c = max(stage_f)
+    layers_max = max(blocks)
+    b_c = 2 * f_c
+    if lay.recompute == "full":
+        b_c += f_c
+    elif lay.recompute == "selective":  # element-wise ops rerun: HBM-bound
+        redo = activation_elems_per_token(cfg, "none", tp, lay.sp) - activation_elems_per_token(
+            cfg, "selective", tp, lay.sp)
+        b_c += layers_max * 2 * max(redo, 0.0) * t * prec.act / hw.hbm_bw
+    if cfg.moe_experts and tp > 1 and not lay.sp:
+        # MoE blocks are not split by tp: without SP every tp rank runs them on the same tokens.
+        t_layer += t * 2.0 * param_count(cfg).active_mlp / cfg.n_layers * (1 - 1 / tp) / (C * eff)
+        stage_f = [blocks[s] * t_layer + (t_head if s == n_stages - 1 else 0.0) for s in range(n_stages)]
+        f_c = max(stage_f)
+        b_c = 2 * f_c + (f_c if lay.recompute == "full" else 0.0)
+
+    # --- tensor parallelism: every collective on the critical path
+    tp_link = group_link(hw, tp, 1)
+    tp_f = tp_b = 0.0
+    for _, op, nbytes, phase in tp_layer_collectives(t, d, tp, lay.sp, prec.act):
+        dt = collective_time(op, nbytes, tp_link) * layers_max
+        if phase == "fwd":
+            tp_f += dt
+        else:
+            tp_b += dt
+    if tp > 1:  # embedding output / head input gradient: one more activation each way
+        tp_f += collective_time("all_reduce", t * d * prec.act, tp_link)
+        tp_b += collective_time("all_reduce", t * d * prec.act, tp_link)
+    if lay.recompute == "full":
+        tp_b += tp_f  # the recomputed forward repeats its collectives
+
+    # --- expert parallelism: dispatch and combine all-to-alls on the critical path, per MoE block
+    ep_link = group_link(hw, lay.ep, tp, 1)
+    a2a = ep_all_to_all_bytes(t // (tp if lay.sp else 1), d, cfg.moe_top_k, lay.ep, prec.act) \
+        if cfg.moe_experts else {"fwd": 0, "bwd": 0}
+    ep_f = layers_max * collective_time("all_to_all", a2a["fwd"], ep_link) if a2a["fwd"] else 0.0
+    ep_b = layers_max * collective_time("all_to_all", a2a["bwd"], ep_link) if a2a["bwd"] else 0.0
+    if lay.recompute == "full":
+        ep_b += ep_f
+
+    # --- context parallelism: ring transfers hidden behind attention where they fit
+    cp_link = group_link(hw, cp, tp, 1)
+    ring = cp_ring_bytes(t, cfg, cp, tp, prec.act)
+    attn_f = t * attention_flops_per_token(cfg, T) / cfg.n_layers / tp / (C * eff)
+    cp_f = layers_max * max(0.0, collective_time("send", ring["fwd"], cp_link) - attn_f) if cp > 1 else 0.0
+    cp_b = layers_max * max(0.0, collective_time("send", ring["bwd"], cp_link) - 2 * attn_f) if cp > 1 else 0.0
+    return StageAction(blocks, f_c, b_c, tp_f, tp_b, ep_f, ep_b, cp_f, cp_b, tp_link, cp_link, ring, attn_f)
+
+
+def pipeline_time(problem: Problem, lay: Layout, t: int, act: StageAction, step: StepTime) -> tuple[float, list[int]]:
+    """Fill ``step``'s compute, TP, CP, EP, bubble and p2p parts: the simulated schedule under pipeline
+    parallelism, else microbatches x (F + B). Returns the p2p time of one activation and the in-flight peaks."""
+    hw, prec, pp, mc, v = problem.hw, problem.precision, lay.pp, lay.microbatches, lay.virtual
+    F, B = act.forward, act.backward
+    p2p_t = 0.0
+    peaks = [1] * pp
+    if pp > 1:
+        world = problem.devices
+        p2p_link = group_link(hw, 2, world // pp)
+        p2p_t = collective_time("send", pp_p2p_bytes(t, problem.model.d_model, lay.tp, lay.sp, prec.hidden), p2p_link)
+        span0, idle0, peaks = pipeline_sim_fast(lay.schedule, pp, mc, v, F, B, 0.0)
+        span, _, _ = pipeline_sim_fast(lay.schedule, pp, mc, v, F, B, p2p_t)
+        busy = span0 - idle0
+        step.bubble = max(0.0, idle0)
+        step.p2p = max(0.0, span - span0)
+        scale = busy / (mc * v * (F + B)) if F + B > 0 else 1.0  # 1 up to the simulator's rounding
+    else:
+        scale = 1.0
+    step.compute = mc * v * (act.compute_f + act.compute_b) * scale
+    step.tp = mc * v * (act.tp_f + act.tp_b) * scale
+    step.cp = mc * v * (act.cp_f + act.cp_b) * scale
+    step.ep = mc * v * (act.ep_f + act.ep_b) * scale
+    return p2p_t, peaks
+
+
+@dataclass
+class DataParallel:
+    """The data-parallel family of the heaviest rank: its units, their bytes per (group, op) and the groups' links."""
+
+    units: list[int]
+    bytes: dict[tuple[str, str], int]
+    dp_link: Link
+    shard_link: Link
+    rep_link: Link
+
+
+def data_parallel_time(problem: Problem, lay: Layout, act: StageAction) -> tuple[float, DataParallel]:
+    """Seconds of data-parallel / ZeRO communication left exposed, over dp x cp (the runtime's dp_cp /
+    dp_shard_cp / dp_replicate groups), by how much each collective overlaps the compute it can."""
+    cfg, hw, prec = problem.model, problem.hw, problem.precision
+    tp, pp, cp, v, mc = lay.tp, lay.pp, lay.cp, lay.virtual, lay.microbatches
+    blocks, layers_max = act.blocks, act.layers
+    F, B = act.forward, act.backward
+    first_units = unit_numels(cfg, tp, range(blocks[0] if pp > 1 else cfg.n_layers), True, pp == 1, lay.ep)
+    last_units = unit_numels(cfg, tp, range(blocks[-1]), False, True, lay.ep) if pp > 1 else first_units
+    if pp > 1 and v > 1:  # interleaved / V: a rank holds v chunks; count the heaviest rank's blocks
+        first_units = unit_numels(cfg, tp, range(layers_max * v), True, lay.schedule == "dualpipev", lay.ep)
+        last_units = unit_numels(cfg, tp, range(layers_max * v), lay.schedule == "dualpipev", True, lay.ep)
+    units = max(first_units, last_units, key=sum)
+    psi = sum(units)
+    ndp = lay.dp * cp
+    shard = lay.shard * cp
+    accum = mc if pp == 1 else 1
+    dp_bytes = dp_family_bytes(units, lay.zero, ndp, accum, shard if lay.dp_shard else 0, prec.grad, prec.param,
+                               prec.gather)
+    axes = dp_axes(hw, lay.tp, lay.cp, lay.pp)
+    dp_link = group_link(hw, ndp, tp, axes)
+    shard_link = group_link(hw, shard, tp, axes)
+    rep_link = group_link(hw, lay.dp // lay.shard, tp * shard, axes)
+    # One call per unit and repetition (ZeRO-0: per 25 MB bucket), so per-call latency counts too.
+    nu = len(units)
+    reps_rs = accum if lay.zero >= 2 else 1
+    reps_ag = 2 * accum if lay.zero == 3 else 1
+    t_rs = calls_time("reduce_scatter", dp_bytes.get(("dp_shard_cp", "reduce_scatter"), 0), nu * reps_rs, shard_link)
+    t_ag = calls_time("all_gather", dp_bytes.get(("dp_shard_cp", "all_gather"), 0), nu * reps_ag, shard_link)
+    ar_bytes = dp_bytes.get(("dp_cp", "all_reduce"), 0)
+    t_ar = calls_time("all_reduce", ar_bytes, max(1, math.ceil(ar_bytes / 25e6)), dp_link)
+    t_rep = calls_time("all_reduce", dp_bytes.get(("dp_replicate", "all_reduce"), 0), nu, rep_link)
+    last_frac = units[0] / psi  # the embedding's bucket is reduced last: nothing left to hide it
+    if lay.zero == 0:
+        dp_time = exposed(t_ar, B, t_ar * last_frac)
+    elif lay.zero in (1, 2):
+        rs_window = B * (accum if lay.zero == 2 else 1)
+        dp_time = exposed(t_rs + t_rep, rs_window, (t_rs + t_rep) * last_frac) + t_ag
+    else:
+        # Per microbatch: half the gathers prefetched under forward, the other half (the runtime reshards
+        # after forward) and the reduce-scatter under backward; the replicas' all-reduce joins the last one.
+        ag_mb, rs_mb = t_ag / accum, t_rs / accum
+        fwd = exposed(ag_mb / 2, F, ag_mb / 2 * units[0] / psi)
+        bwd = ag_mb / 2 + rs_mb
+        dp_time = accum * fwd + (accum - 1) * exposed(bwd, B, rs_mb * last_frac) \
+            + exposed(bwd + t_rep, B, (rs_mb + t_rep) * last_frac)
+    # Expert parallelism: the rank's experts' gradients are all-reduced (ZeRO-0) or reduce-scattered and their
+    # parameters re-gathered (ZeRO-1/2) over edp = dp x cp / ep once per step, under the last backward.
+    experts = expert_params_per_rank(cfg, lay.ep, layers_max * v)
+    edp = ndp // lay.ep
+    if experts and edp > 1:
+        edp_link = group_link(hw, edp, tp * lay.ep, axes)
+        dp_time += exposed(collective_time("all_reduce", experts * prec.grad, edp_link), B)
+    return dp_time, DataParallel(units, dp_bytes, dp_link, shard_link, rep_link)
+
+
+def memory(problem: Problem, lay: Layout, t: int, act: StageAction, units: list[int], inflight: int
+           ) -> dict[str, float]:
+    """Bytes of the heaviest rank by kind: parameters, gradients and optimizer state (ZeRO-sharded), its experts,
+    ZeRO-3's gathered units, activations of ``inflight`` microbatches, and the logits."""
+    cfg, prec, tp = problem.model, problem.precision, lay.tp
+    psi = sum(units)
+    shard = lay.shard * lay.cp
+    experts = expert_params_per_rank(cfg, lay.ep, act.layers * lay.virtual)
+    edp = lay.dp * lay.cp // lay.ep
+    mem = dict(state_bytes(psi, lay.zero, shard, prec.param, prec.grad, prec.optim))
+    if experts:  # ZeRO-1/2 shard the experts' optimizer state (and gradients) over edp, as the runtime does
+        ez = min(lay.zero, 2) if edp > 1 else 0
+        mem["experts"] = experts * (prec.param + prec.grad / (edp if ez >= 2 else 1)
+                                    + prec.optim / (edp if ez >= 1 else 1))
+    if lay.zero == 3:
+        mem["zero3_gathered"] = max(units) * (2 * prec.gather + prec.grad)  # current + prefetched unit, its grad
+    mem["activations"] = activation_bytes(cfg, t, act.layers, lay.recompute, tp, lay.sp, prec.act, inflight) \
+        + t * cfg.d_model * prec.hidden * inflight  # each stage's input hidden state
+    mem["logits"] = t * -(-cfg.vocab_size // tp) * 12  # fp32 logits, softmax and their gradient on the last stage
+    return mem
+
+
+def evaluate(problem: Problem, layout: Layout, with_collectives: bool = False) -> Estimate:
+    """Predict step time and per-device memory of ``layout`` (see the module docstring for the model)."""
+    cfg, hw, prec, lay = problem.model, problem.hw, problem.precision, layout
+    t = problem.sequences // lay.dp // lay.microbatches * problem.seq_len // lay.cp  # tokens per rank per microbatch
+    act = stage_action(problem, lay, t)
+    step = StepTime()
+    p2p_t, peaks = pipeline_time(problem, lay, t, act, step)
+    step.dp, dp = data_parallel_time(problem, lay, act)
+    psi = sum(dp.units)
+    shard, edp = lay.shard * lay.cp, lay.dp * lay.cp // lay.ep
+    experts = expert_params_per_rank(cfg, lay.ep, act.layers * lay.virtual)
+    local = psi / (shard if lay.zero >= 1 else 1) + experts / (edp if lay.zero >= 1 else 1)
+    step.optimizer = local * (2 * prec.param + prec.grad + 2 * prec.optim) / hw.hbm_bw
+    inflight = max(peaks) if lay.pp > 1 else 1  # (mb, stage chunk) pairs held at once, from the simulator
+    mem = memory(problem, lay, t, act, dp.units, inflight)
+    est = Estimate(lay, step, mem, problem.memory_budget, flops_per_token(cfg, problem.seq_len) * problem.batch_tokens,
+                   problem.devices, hw.bf16_flops, problem.batch_tokens)
+    if with_collectives:
+        est.collectives = _collectives(problem, lay, t, act.layers, act.tp_link, act.cp_link, dp.bytes, dp.units,
+                                       dp.shard_link, dp.dp_link, dp.rep_link, p2p_t, act.ring, act.attn_f)
+    return est
+
+
+def _collectives(problem: Problem, lay: Layout, t: int, layers: int, tp_link: Link, cp_link: Link,
+                 dp_bytes: dict, units: list[int], shard_link: Link, dp_link: Link, rep_link: Link,
+                 p2p_t: float, ring: dict[str, int], attn_f: float) -> list[Collective]:
+    """The collectives of one block (and the per-microbatch pipeline sends), for ``explain``."""
+    cfg, prec = problem.model, problem.precision
+    mc = lay.microbatches
+    out: list[Collective] = []
+    per_step = mc * layers * lay.virtual  # block-level calls per step on this rank
+    for what, op, nbytes, phase in tp_layer_collectives(t, cfg.d_model, lay.tp, lay.sp, prec.act):
+        calls = per_step * (2 if (lay.recompute == "full" and phase == "fwd") else 1)
+        out.append(Collective("tp", op, f"{phase}: {what}", lay.tp, nbytes, collective_time(op, nbytes, tp_link),
+                              calls, "yes"))
+    if lay.cp > 1:
+        for phase, factor in (("fwd", 1.0), ("bwd", 2.0)):
+            sec = collective_time("send", ring[phase], cp_link)
+            hidden = sec <= factor * attn_f
+            out.append(Collective("cp", "send", f"{phase}: ring K/V ({lay.cp - 1} hops)", lay.cp, ring[phase], sec,
+                                  per_step, "overlapped" if hidden else "partly"))
+    if lay.ep > 1 and cfg.moe_experts:
+        rows = t // (lay.tp if lay.sp else 1) * cfg.moe_top_k * cfg.d_model * prec.act
+        link = group_link(problem.hw, lay.ep, lay.tp, 1)
+        for phase in ("fwd", "bwd"):
+            for what in ("dispatch", "combine"):
+                calls = per_step * (2 if (lay.recompute == "full" and phase == "fwd") else 1)
+                out.append(Collective("ep", "all_to_all", f"{phase}: {what} (tokens x top_k rows)", lay.ep, rows,
+                                      collective_time("all_to_all", rows, link), calls, "yes"))
+    if lay.pp > 1:
+        nbytes = pp_p2p_bytes(t, cfg.d_model, lay.tp, lay.sp, prec.hidden)
+        out.append(Collective("pp", "send", "activation to next stage / its gradient back", 2, nbytes, p2p_t,
+                              2 * mc, "partly (pipeline fill and drain)"))
+    block = max(units[1:-1] or units)
+    psi = sum(units)
+    for (group, op), nbytes in dp_bytes.items():
+        per_unit = nbytes * block / psi
+        link = {"dp_cp": dp_link, "dp_shard_cp": shard_link, "dp_replicate": rep_link}[group]
+        n = link.n
+        if op == "all_gather" and lay.zero in (1, 2):
+            crit, calls, what = "exposed (after the optimizer step)", 1, "updated parameters"
+        elif op == "all_gather":
+            gathers = 2
+            calls = (mc if lay.pp == 1 else 1) * gathers
+            per_unit /= calls
+            crit, what = "overlapped (prefetched)", "parameters, forward and backward"
+        else:
+            calls = mc if (lay.zero >= 2 and lay.pp == 1) else 1
+            per_unit /= calls
+            crit = "overlapped (backward), last bucket exposed"
+            what = "gradients" if group != "dp_replicate" else "gradient shards across replicas"
+        out.append(Collective(group, op, what, n, per_unit, collective_time(op, per_unit, link), calls, crit))
+    return out

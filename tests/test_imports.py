@@ -1,0 +1,131 @@
+"""Imports flow one way (docs/ARCHITECTURE.md): config, rules, mesh, comm <- model <- plan <- parallel <- train <- cli.
+
+Every module's imports are read with ``ast`` (those inside functions too, which run just as surely), and each edge
+between meshtrain modules must go down the layer table, with no cycle between modules.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import meshtrain
+
+ROOT = Path(meshtrain.__file__).parent
+
+# (importer, imported) edges allowed to break the rules: none (issue 11 removed the last ones).
+KNOWN_VIOLATIONS: set[tuple[str, str]] = set()
+
+# What each layer may import (besides modules outside meshtrain).
+ALLOWED: dict[str, set[str]] = {
+    "config": set(),  # the bottom: imports nothing from meshtrain
+    "rules": {"config"},  # the logical-axis sharding table, beside the config
+    "mesh": {"config"},
+    "comm": {"config", "mesh"},
+    "model": {"config", "model"},
+    "plan": {"config", "rules", "model", "plan"},
+    "parallel": {"config", "rules", "mesh", "comm", "model", "plan", "parallel"},
+    "train": {"config", "rules", "mesh", "comm", "model", "plan", "parallel", "train"},
+    "cli": {"config", "rules", "mesh", "comm", "model", "plan", "parallel", "train", "cli", "testing"},
+    "testing": {"config", "rules", "mesh", "comm", "model", "plan", "parallel", "train", "cli", "testing"},
+}
+CLI_MODULES = {"meshtrain.cli", "meshtrain.calibrate", "meshtrain.plan.cli", "meshtrain.plan.schedule_cli"}
+
+
+def layer(module: str) -> str:
+    """The layer of a meshtrain module (``meshtrain.generate`` samples from a model for the trainer: train)."""
+    if module in CLI_MODULES:
+        return "cli"
+    if module == "meshtrain":
+        return "config"  # the package's __init__ imports nothing
+    if module == "meshtrain.generate":
+        return "train"
+    part = module.split(".")[1]
+    return {"config": "config", "mesh": "mesh", "comm": "comm", "rules": "rules"}.get(part, part)
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = ("meshtrain",) + path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The meshtrain modules ``name`` imports anywhere in its file."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for a in node.names:  # `from meshtrain import comm` imports the module meshtrain.comm
+                found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base)
+    return {m for m in found if m in known and m != name}
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: imports(name, path, set(mods)) for name, path in mods.items()}
+
+
+def test_every_import_goes_down_the_layers():
+    bad = sorted((a, b) for a, deps in graph().items() for b in deps
+                 if layer(b) not in ALLOWED[layer(a)] and (a, b) not in KNOWN_VIOLATIONS)
+    assert not bad, "imports against the layer table:\n" + "\n".join(
+        f"  {a} ({layer(a)}) -> {b} ({layer(b)})" for a, b in bad)
+
+
+def test_config_imports_nothing_from_meshtrain():
+    assert graph()["meshtrain.config"] == set()
+
+
+def test_plan_imports_only_config_model_and_plan():
+    g = graph()
+    for name, deps in g.items():
+        if name.startswith("meshtrain.plan") and name not in CLI_MODULES:
+            assert {layer(d) for d in deps} <= {"config", "model", "plan"}, (name, deps)
+
+
+def test_no_import_cycles():
+    g = {a: {b for b in deps if (a, b) not in KNOWN_VIOLATIONS} for a, deps in graph().items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in g[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_known_violations_still_exist():
+    """An edge fixed in issue 11 leaves KNOWN_VIOLATIONS, so the list only shrinks."""
+    g = graph()
+    assert not sorted(e for e in KNOWN_VIOLATIONS if e[1] not in g.get(e[0], set()))
