@@ -60,6 +60,32 @@ def rules_for(layout: Layout) -> Rules:
     }
 
 
+def state_rules(layout: Layout, kind: str) -> Rules:
+    """The rules of a kind of per-parameter state: ``params`` (``rules_for``), ``grads`` or ``optim`` (optimizer
+    state). The DP family shards the model dimension of gradients from ZeRO-2 and of optimizer state from
+    ZeRO-1 (over dp: the book's D_X), of parameters only at ZeRO-3."""
+    stage = {"params": 3, "grads": 2, "optim": 1}[kind]
+    rules = rules_for(layout)
+    rules["embed"] = ("dp",) if layout.zero >= stage and layout.dp > 1 else ()
+    return rules
+
+
+def for_activations(rules: Rules) -> Rules:
+    """Activations are never split along the model dimension (ZeRO-3 shards stored weights, not activations)."""
+    return {**rules, "embed": ()}
+
+
+def for_experts(rules: Rules) -> Rules:
+    """Routed experts' weights: ZeRO-3 keeps them at stage 2 (whole on each holder, not gathered per forward)."""
+    return {**rules, "embed": ()}
+
+
+def inside_block(rules: Rules) -> Rules:
+    """Rules inside a block: sequence parallelism's tp split of the sequence is gathered before the
+    column-parallel matmuls, so only cp still splits it."""
+    return {**rules, "seq": tuple(a for a in rules["seq"] if a != "tp")}
+
+
 def mesh_axes(axes: tuple[str, ...], rules: Rules) -> tuple[tuple[str, ...], ...]:
     """For a tensor with logical ``axes``, the mesh axes each of its dimensions is split over."""
     return tuple(rules.get(a, ()) for a in axes)

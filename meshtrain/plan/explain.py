@@ -19,6 +19,7 @@ from meshtrain.plan.network import effective_bw, group_link
 from meshtrain.plan.problem import Estimate, Layout, Problem
 from meshtrain.plan.search import SearchResult
 from meshtrain.plan.steptime import evaluate
+from meshtrain.rules import Rules, for_activations, for_experts, inside_block, notation, state_rules
 
 
 def _gb(x: float) -> str:
@@ -37,40 +38,43 @@ def _bytes(x: float) -> str:
 
 
 def sharding(layout: Layout, model: ModelConfig, seq_len: int) -> list[str]:
-    """Per-tensor sharding in the book's notation (seed 000): mesh axes X = data/FSDP (dp), Y = tensor (tp),
-    Z = pipeline (pp), S = context (cp); a subscript shards that dimension over the axis; {U_X} marks an
+    """Per-tensor sharding in the book's notation (seed 000), read from the logical-axis rules the runtime
+    executes (``meshtrain/rules.py``): mesh axes X = data/FSDP (dp), Y = tensor (tp), Z = pipeline (pp),
+    S = context (cp), EP = experts; a subscript shards that dimension over the axis; {U_X} marks an
     unreduced partial sum."""
-    x = "X" if layout.dp > 1 else ""
-    zx = "_X" if (layout.zero == 3 and layout.dp > 1) else ""
-    y = "_Y" if layout.tp > 1 else ""
-    lz = "L_Z, " if layout.pp > 1 else "L, "
-    seq = [a for a, on in (("S", layout.cp > 1), ("Y", layout.sp and layout.tp > 1)) if on]
-    tsub = f"_{''.join(seq)}" if seq else ""
-    bsub = f"_{x}" if x else ""
-    opt = "_X" if (layout.zero >= 1 and layout.dp > 1) else ""
-    grad = "_X" if (layout.zero >= 2 and layout.dp > 1) else ""
+    params, grads, optim = (state_rules(layout, k) for k in ("params", "grads", "optim"))
+    acts, experts = for_activations(params), for_experts(params)
+    inside = inside_block(acts)
+
+    def w(axes: str, rules: Rules = params) -> str:
+        return notation(tuple(axes.split()), rules)
+
     hsdp = (f" (HSDP: X = shard groups of {layout.dp_shard}, replicated over the other "
             f"{layout.dp // layout.dp_shard})") if layout.dp_shard else ""
+    unreduced = " {U_X} until reduced" if not grads["embed"] and layout.dp > 1 else ""
     lines = [
         f"axes: X = dp {layout.dp}{hsdp}, Y = tp {layout.tp}, Z = pp {layout.pp}, S = cp {layout.cp}",
-        f"activations between blocks  In[B{bsub}, T{tsub}, D]   (B = sequences, T = {seq_len} tokens)",
-        f"attention                   Wq[{lz}D{zx}, N{y}, H]  Wk,Wv[{lz}D{zx}, K{y}, H]  Wo[{lz}N{y}, H, D{zx}]",
-        f"gated MLP                   Win,Wgate[{lz}D{zx}, F{y}]  Wout[{lz}F{y}, D{zx}]",
-        f"inside the MLP              Tmp[B{bsub}, T{'_S' if layout.cp > 1 else ''}, F{y}]",
-        f"embedding / head            E[V{y}, D{zx}]  Head[D{zx}, V{y}]",
-        f"gradients                   dW[{lz}D{grad}, F{y}]" + (" {U_X} until reduced" if not grad and x else ""),
-        f"optimizer state (AdamW)     m,v[{lz}D{opt}, F{y}]",
+        f"activations between blocks  In{w('batch seq embed', acts)}   (B = sequences, T = {seq_len} tokens)",
+        f"attention                   Wq{w('layers embed heads head_dim')}  Wk,Wv{w('layers embed kv_heads head_dim')}"
+        f"  Wo{w('layers heads head_dim embed')}",
+        f"gated MLP                   Win,Wgate{w('layers embed mlp')}  Wout{w('layers mlp embed')}",
+        f"inside the MLP              Tmp{w('batch seq mlp', inside)}",
+        f"embedding / head            E{w('vocab embed')}  Head{w('embed vocab')}",
+        f"gradients                   dW{w('layers embed mlp', grads)}" + unreduced,
+        f"optimizer state (AdamW)     m,v{w('layers embed mlp', optim)}",
     ]
     if layout.cp > 1:
-        lines.append("ring attention              K,V[B_X, T_S, K_Y, H] passed round S")
+        lines.append(f"ring attention              K,V{w('batch seq kv_heads head_dim', inside)} passed round S")
     if model.moe_experts:  # experts are whole per rank (not split by tp), sharded over ep inside dp x cp
-        e = "E_EP" if layout.ep > 1 else "E"
-        lines[3] = (f"MoE experts                 Win,Wgate[{lz}{e}, D, F]  Wout[{lz}{e}, F, D]  "
-                    f"router[{lz}D, E]  (E = {model.moe_experts}, top-{model.moe_top_k}"
-                    + (f"; EP = ep {layout.ep}, inside X x S" if layout.ep > 1 else "") + ")")
+        # The router's expert dimension indexes scores every rank computes for all experts: never sharded.
+        router = w("layers embed")[:-1] + ", E]"
+        lines[3] = (f"MoE experts                 Win,Wgate{w('layers experts embed expert_mlp', experts)}  "
+                    f"Wout{w('layers experts expert_mlp embed', experts)}  router{router}  (E = {model.moe_experts}, "
+                    f"top-{model.moe_top_k}" + (f"; EP = ep {layout.ep}, inside X x S" if layout.ep > 1 else "") + ")")
         lines[4] = "inside an expert            Tmp[rows routed to it, F]  (tokens x top_k / E rows on average)"
         if layout.ep > 1:
-            lines.append(f"dispatch / combine          rows[B{bsub} x T{tsub} x top_k, D] all-to-all over EP")
+            b, t, _ = w("batch seq embed", acts)[1:-1].split(", ")
+            lines.append(f"dispatch / combine          rows[{b} x {t} x top_k, D] all-to-all over EP")
     return lines
 
 
