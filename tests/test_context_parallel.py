@@ -4,8 +4,11 @@ single-device run.
 Same rules as the other equivalence tests: 5 steps of the tiny model on real stdlib text, losses
 within 1e-5 relative, every parameter within 1e-5 relative (Frobenius), fp32. Ring and all-gather
 attention, zigzag and contiguous layouts, cp=2 and cp=4, and cp composed with dp (ZeRO-1), tp (with
-and without SP), recompute and pipelines. The spawned runs also measure what CP is for: attention
-activation memory per rank falls as 1/cp, and zigzag gives every rank the same attention FLOPs.
+and without SP), recompute and pipelines. Every step's grad_norm and the step-1 gradient of every tensor
+agree within 1e-5 relative too, on every rank; each layout built the mesh it asked for, moved bytes on cp
+(and its other axes) and, with a pipeline, executed its schedule; cp2 also runs with clipping off
+(train.grad_clip=0). The spawned runs also measure what CP is for: attention activation memory per rank
+falls as 1/cp, and zigzag gives every rank the same attention FLOPs.
 """
 
 
@@ -28,13 +31,16 @@ from meshtrain.parallel.context import (
 from meshtrain.parallel.recompute import apply_recompute, saved_activation_bytes
 from meshtrain.testing.equivalence import (
     assert_planner_predicts_runs,
-    assert_same_run,
+    assert_same_cli_run,
+    attention_flops,
+    check_layouts,
     cli_train,
     prepared_stdlib,
+    reference_runs,
     run_dir,
+    run_layout,
 )
 from meshtrain.testing.spawn import spawn
-from meshtrain.train.trainer import Trainer
 
 STEPS = 5
 BASE = ["train.progress=false", "train.tensorboard=false", "train.peak_flops=1e11", f"train.steps={STEPS}",
@@ -48,6 +54,7 @@ LAYOUTS_2 = [
     ("cp2 zigzag ring full recompute accum", ["parallel.cp=2", "train.recompute=full", "train.grad_accum=2"]),
     ("cp2 contiguous allgather selective", ["parallel.cp=2", "parallel.cp_layout=contiguous",
                                             "parallel.cp_attention=allgather", "train.recompute=selective"]),
+    ("cp2 zigzag ring no clipping", ["parallel.cp=2", "train.grad_clip=0"]),
 ]
 LAYOUTS_4 = [
     ("cp4 zigzag ring", ["parallel.cp=4"]),
@@ -69,14 +76,6 @@ MEM_B, MEM_T = 2, 64
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _run(data, overrides, out=None):
-    trainer = Trainer(load_config("tiny", [f"data.path={data}", *BASE, *overrides]), out)
-    losses = [r["loss"] for r in trainer.train()]
-    params, _ = trainer.parallel.gather_state(trainer.optimizer)
-    flops = vars(trainer.parallel.cp.flops).copy() if trainer.parallel.cp is not None else None
-    return (losses, params), flops
 
 
 def _attention_saved_bytes(cp: int, attention: str | None = "ring") -> int:
@@ -102,9 +101,8 @@ def _attention_saved_bytes(cp: int, attention: str | None = "ring") -> int:
 def _worker(rank, world_size, data, layouts):
     out, flops = {}, {}
     for name, overrides in layouts:
-        res, f = _run(data, overrides, run_dir(data, world_size, name))
-        out[name] = res if rank == 0 else None
-        flops[name] = f
+        out[name] = run_layout(data, [*BASE, *overrides], run_dir(data, world_size, name), extra=attention_flops)
+        flops[name] = out[name].pop("extra")
     memory = {a: _attention_saved_bytes(world_size, a) for a in ("ring", "allgather")}
     return out, flops, memory
 
@@ -116,15 +114,7 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def references(data):
-    cache = {}
-
-    def get(overrides):
-        key = tuple(o for o in overrides if o.startswith("model."))
-        if key not in cache:
-            cache[key] = _run(data, list(key))[0]
-        return cache[key]
-
-    return get
+    return reference_runs(data, BASE)
 
 
 @pytest.fixture(scope="module")
@@ -304,18 +294,16 @@ def test_refuses_what_it_cannot_run():
 
 
 @pytest.mark.slow
-def test_cp2_layouts_on_2_ranks_equal_one_device(world2, references):
-    runs = world2[0][0]
-    for name, overrides in LAYOUTS_2:
-        assert_same_run(name, runs[name], references(overrides))
+def test_cp2_layouts_on_2_ranks_equal_one_device(world2, references, data):
+    check_layouts(data, 2, LAYOUTS_2, [w[0] for w in world2], references)
     # All-gather attention computes the ring's blocks in the ring's order: the same first loss, bit for bit.
-    assert runs["cp2 zigzag allgather"][0][0] == runs["cp2 zigzag ring"][0][0]
+    for runs, _, _ in world2:
+        assert runs["cp2 zigzag allgather"]["losses"][0] == runs["cp2 zigzag ring"]["losses"][0]
 
 
 @pytest.mark.slow
-def test_cp_layouts_on_4_ranks_equal_one_device(world4, references):
-    for name, overrides in LAYOUTS_4:
-        assert_same_run(name, world4[0][0][name], references(overrides))
+def test_cp_layouts_on_4_ranks_equal_one_device(world4, references, data):
+    check_layouts(data, 4, LAYOUTS_4, [w[0] for w in world4], references)
 
 
 @pytest.mark.slow
@@ -354,12 +342,15 @@ def test_attention_activation_memory_falls_as_one_over_cp(world2, world4):
 def test_cli_cp2_matches_one_process(data, tmp_path):
     def run(out, *extra):
         recs = cli_train(data, out, [*BASE, *extra])[0]
-        return [r["loss"] for r in recs], [r["val_loss"] for r in recs if "val_loss" in r]
+        return [r["loss"] for r in recs], [r["val_loss"] for r in recs if "val_loss" in r], recs
 
-    one, val_one = run(tmp_path / "one")
-    two, val_two = run(tmp_path / "two", "--nproc", "2", "parallel.cp=2")
+    one, val_one, recs_one = run(tmp_path / "one")
+    two, val_two, recs_two = run(tmp_path / "two", "--nproc", "2", "parallel.cp=2")
     assert two == pytest.approx(one, rel=1e-5)
     assert val_two and val_two == pytest.approx(val_one, rel=1e-5)  # evaluation runs sharded too
+    # grad norms, the final checkpoint's parameters and bytes on cp, against the one-process run.
+    assert_same_cli_run("cli cp2", tmp_path / "two", recs_two, tmp_path / "one", recs_one, ["parallel.cp=2"],
+                        nproc=2)
 
 
 @pytest.mark.slow

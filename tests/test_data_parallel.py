@@ -5,7 +5,11 @@ must give the single-device losses and final parameters. Tolerance: fp32 on CPU,
 of floating-point sums differs, so losses agree to 1e-5 relative and every parameter tensor to
 1e-5 relative in Frobenius norm (||a - b|| / ||b||). Measured worst cases: 6e-7 for plain DP,
 3e-6 with tied embeddings, where plain DP (a different all-reduce order only) shows the same 3e-6:
-Adam's normalisation turns last-bit differences in small gradients into visible ones.
+Adam's normalisation turns last-bit differences in small gradients into visible ones. Every step's
+grad_norm and the step-1 logical gradient of every tensor (before clipping) agree to 1e-5 relative too,
+on every rank; each layout also proves it ran (the mesh it asked for, bytes on its data-parallel axes).
+A layout per stage runs with clipping off (train.grad_clip=0), against a single-device run without
+clipping: AdamW plus clipping nearly cancel a constant factor on a gradient.
 
 One spawned group per world size runs every layout in turn (spawning costs seconds on 2 cores).
 """
@@ -17,10 +21,17 @@ from meshtrain.config import ConfigError, load_config, validate
 from meshtrain.plan.costs import dp_comm_bytes, dp_state_bytes, unit_numels
 from meshtrain.testing.equivalence import (
     assert_planner_predicts_runs,
-    assert_same_run,
+    assert_same_checkpoint,
+    assert_same_cli_run,
+    assert_same_scalars,
+    assert_same_tensors,
+    check_layouts,
     cli_train,
     prepared_stdlib,
+    reference_runs,
     run_dir,
+    run_layout,
+    state_bytes,
 )
 from meshtrain.testing.spawn import spawn
 from meshtrain.train.trainer import Trainer
@@ -50,6 +61,10 @@ LAYOUTS_4 = [
     ("muon zero1 per-tensor", ["parallel.zero=1", "parallel.zero_layout=per_tensor", "train.optimizer=muon"]),
     ("muon zero2 per-tensor+accum", ["parallel.zero=2", "parallel.zero_layout=per_tensor", "train.optimizer=muon",
                                      "train.grad_accum=2"]),
+    # Clipping off: a constant factor on a gradient shows in the parameters too.
+    ("dp no clipping", ["parallel.zero=0", "train.grad_clip=0"]),
+    ("zero2 no clipping", ["parallel.zero=2", "train.grad_clip=0"]),
+    ("hsdp 2x2 zero3 no clipping", ["parallel.zero=3", "parallel.dp_shard=2", "train.grad_clip=0"]),
 ]
 LAYOUTS_2 = [
     ("dp", ["parallel.zero=0"]),
@@ -60,25 +75,19 @@ LAYOUTS_2 = [
     ("zero2+accum+selective", ["parallel.zero=2", "train.grad_accum=2", "train.recompute=selective"]),
     ("zero3", ["parallel.zero=3"]),
     ("zero3+accum+full", ["parallel.zero=3", "train.grad_accum=2", "train.recompute=full"]),
+    ("zero1 no clipping", ["parallel.zero=1", "train.grad_clip=0"]),
 ]
 # Byte and memory measurements on 4 ranks: (zero, layout, dp_shard, grad_accum).
+# bf16 (8-bit mantissa): grad norms, step-1 gradients and final parameters of ZeRO-3 against the single-device
+# bf16 run, relative (Frobenius per tensor); the losses keep their 2e-2.
+BF16_RTOL = 2e-2
 MEASURED = [(0, "flat", 0, 2), (1, "flat", 0, 2), (2, "flat", 0, 2), (3, "flat", 0, 2), (1, "per_tensor", 0, 1),
             (2, "per_tensor", 0, 2), (3, "flat", 2, 1), (1, "flat", 2, 1)]
 
 
-def _run(data, overrides, out=None):
-    cfg = load_config("tiny", [f"data.path={data}", *BASE, *overrides])
-    trainer = Trainer(cfg, out)
-    records = trainer.train()
-    params, _ = trainer.parallel.gather_state(trainer.optimizer)
-    return [r["loss"] for r in records], params
-
-
 def _equivalence_worker(rank, world_size, data, layouts, measured):
-    out = {}
-    for name, overrides in layouts:
-        losses, params = _run(data, overrides, run_dir(data, world_size, name))
-        out[name] = (losses, params) if rank == 0 else None
+    out = {name: run_layout(data, [*BASE, *overrides], run_dir(data, world_size, name))
+           for name, overrides in layouts}
     meas = {}
     for zero, layout, dp_shard, accum in measured:
         cfg = load_config("tiny", [f"data.path={data}", *BASE, f"parallel.zero={zero}",
@@ -91,7 +100,7 @@ def _equivalence_worker(rank, world_size, data, layouts, measured):
         snap = comm.METER.snapshot()
         meas[(zero, layout, dp_shard, accum)] = (
             {(axis, op): v["bytes"] for axis, ops in snap.items() for op, v in ops.items() if op != "metrics"},
-            trainer.parallel.state_bytes(trainer.optimizer),
+            state_bytes(trainer),
         )
     return out, meas
 
@@ -103,7 +112,7 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(data):
-    return {opt: _run(data, [f"train.optimizer={opt}"]) for opt in ("adamw", "muon")}
+    return reference_runs(data, BASE)
 
 
 @pytest.fixture(scope="module")
@@ -112,23 +121,22 @@ def world4(data):
 
 
 def test_every_layout_on_4_ranks_equals_one_device(world4, reference, data):
-    results = world4[0][0]
-    for name, overrides in LAYOUTS_4:
-        if "model.tie_embeddings=true" in overrides:
-            ref = _run(data, ["model.tie_embeddings=true"])
-        else:
-            ref = reference["muon" if "train.optimizer=muon" in overrides else "adamw"]
-        assert_same_run(name, results[name], ref)
+    check_layouts(data, 4, LAYOUTS_4, [w[0] for w in world4], reference)
 
 
 def test_every_stage_on_2_ranks_equals_one_device(data, reference):
-    layouts = LAYOUTS_2 + [("zero3 bf16", ["parallel.zero=3", "train.dtype=bf16"])]
-    results = spawn(_equivalence_worker, 2, args=(data, layouts, []), timeout=300)[0][0]
-    for name, _ in LAYOUTS_2:
-        assert_same_run(name, results[name], reference["adamw"])
+    bf16 = [("zero3 bf16", ["parallel.zero=3", "train.dtype=bf16"])]
+    world2 = spawn(_equivalence_worker, 2, args=(data, LAYOUTS_2 + bf16, []), timeout=300)
+    check_layouts(data, 2, LAYOUTS_2, [w[0] for w in world2], reference)
     # bf16 gathers and compute: close to the single-device bf16 run, not bit-equal (bf16 has 8 bits).
-    bf16_ref, _ = _run(data, ["train.dtype=bf16"])
-    assert results["zero3 bf16"][0] == pytest.approx(bf16_ref, rel=2e-2)
+    bf16_ref = reference(bf16[0][1])
+    for rank, (results, _) in enumerate(world2):
+        got = results["zero3 bf16"]
+        assert got["losses"] == pytest.approx(bf16_ref["losses"], rel=2e-2)
+        name = f"zero3 bf16 (rank {rank})"
+        assert_same_scalars(name, "grad_norm", got["grad_norms"], bf16_ref["grad_norms"], BF16_RTOL)
+        assert_same_tensors(name, "step-1 gradient", got["grads"], bf16_ref["grads"], BF16_RTOL)
+        assert_same_tensors(name, "parameter", got["params"], bf16_ref["params"], BF16_RTOL)
 
 
 def test_comm_bytes_per_step_equal_the_formula(world4):
@@ -184,25 +192,31 @@ def _train_until(rank, world_size, data, out, overrides, until):
 
 
 def test_checkpoint_from_one_layout_resumes_in_another(data, tmp_path):
-    """ZeRO-3 on 4 ranks writes logical tensors; ZeRO-1 on 2 ranks resumes them: the losses are those
-    of the uninterrupted single-device run."""
-    full = [r["loss"] for r in Trainer(load_config("tiny", [f"data.path={data}", *BASE, "train.steps=6"])).train()]
+    """ZeRO-3 on 4 ranks writes logical tensors; ZeRO-1 on 2 ranks resumes them: the losses and the final
+    checkpoint's parameters are those of the uninterrupted single-device run."""
+    full = _train_until(0, 1, data, str(tmp_path / "full"), [], None)
     out = str(tmp_path / "run")
-    first = spawn(_train_until, 4, args=(data, out, ["parallel.zero=3"], 4), timeout=300)[0]
+    first = spawn(_train_until, 4, args=(data, out, ["parallel.zero=3"], 4), timeout=300)
     rest = spawn(_train_until, 2, args=(data, out, ["parallel.zero=1", "parallel.zero_layout=per_tensor",
-                                                     "train.resume=true"], None), timeout=300)[0]
-    assert first == pytest.approx(full[:4], rel=1e-5)
-    assert rest == pytest.approx(full[3:], rel=1e-5)  # resumed from the step-3 checkpoint
+                                                     "train.resume=true"], None), timeout=300)
+    for losses in first:  # every rank's copy
+        assert losses == pytest.approx(full[:4], rel=1e-5)
+    for losses in rest:
+        assert losses == pytest.approx(full[3:], rel=1e-5)  # resumed from the step-3 checkpoint
+    assert_same_checkpoint("zero3 x4 -> zero1 per-tensor x2 resumed", out, tmp_path / "full")
 
 
 def test_cli_zero3_on_4_processes_matches_one_process(data, tmp_path):
 
     def run(out, *extra):
-        return [r["loss"] for r in cli_train(data, out, [*BASE, *extra])[0]]
+        return cli_train(data, out, [*BASE, *extra])[0]
 
+    layout = ["parallel.dp=4", "parallel.zero=3"]
     one = run(tmp_path / "one")
-    four = run(tmp_path / "four", "--nproc", "4", "parallel.dp=4", "parallel.zero=3")
-    assert len(four) == STEPS and four == pytest.approx(one, rel=1e-5)
+    four = run(tmp_path / "four", "--nproc", "4", *layout)
+    assert len(four) == STEPS and [r["loss"] for r in four] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+    # grad norms, the final checkpoint's parameters and bytes on dp, against the one-process run.
+    assert_same_cli_run("cli zero3 x4", tmp_path / "four", four, tmp_path / "one", one, layout, nproc=4)
 
 
 def test_planner_predicts_the_bytes_of_every_layout_above(data):

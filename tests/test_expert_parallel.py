@@ -3,8 +3,10 @@
 The tiny model with 4 experts per layer, top-2 routing, dropless, trained 5 steps on real stdlib text.
 Every layout must give the single-device run's routing (the tokens per expert of every layer and step,
 compared exactly), losses within 1e-5 relative and every parameter within 1e-5 relative (Frobenius),
-fp32; with the aux loss on (the default coefficient 0.01) and with aux-loss-free bias balancing on.
-One spawned group per world size runs every layout in turn.
+fp32; with the aux loss on (the default coefficient 0.01) and with aux-loss-free bias balancing on. Every
+step's grad_norm and the step-1 gradient of every tensor agree within 1e-5 relative too, on every rank, and
+each layout built the mesh it asked for and moved bytes on ep (and its other axes); ep2 also runs with
+clipping off (train.grad_clip=0). One spawned group per world size runs every layout in turn.
 """
 
 
@@ -12,11 +14,16 @@ import pytest
 
 from meshtrain.config import ConfigError, load_config
 from meshtrain.testing.equivalence import (
+    assert_layout_ran,
     assert_planner_predicts_runs,
+    assert_same_checkpoint,
+    assert_same_cli_run,
     assert_same_run,
     cli_train,
     prepared_stdlib,
+    reference_key,
     run_dir,
+    run_layout,
 )
 from meshtrain.testing.spawn import spawn
 from meshtrain.train.trainer import Trainer
@@ -38,6 +45,7 @@ LAYOUTS_2 = [
     # ep=1: the experts are ordinary parameters of the data-parallel member, and replicated over tp.
     ("ep1 dp2 zero3", ["parallel.zero=3", *AUX]),
     ("ep1 tp2 sp", ["parallel.tp=2", "parallel.sp=true", *AUX]),
+    ("ep2 no clipping", ["parallel.ep=2", "train.grad_clip=0", *AUX]),
 ]
 # A capacity is per local token group, so it depends on the layout: ep=2 must drop exactly what plain
 # data parallelism over the same two token groups drops.
@@ -60,27 +68,31 @@ LAYOUTS_4 = [
 
 
 def _run(data, overrides, out=None):
-    trainer = Trainer(load_config("tiny", [f"data.path={data}", *BASE, *overrides]), out)
-    records = trainer.train()
-    params, _ = trainer.parallel.gather_state(trainer.optimizer)
-    return {"losses": [r["loss"] for r in records], "params": params, "loads": [r["expert_load"] for r in records],
-            "aux": [r["aux_loss"] for r in records], "grad_norm": [r["grad_norm"] for r in records],
-            "dropped": [r.get("moe_dropped") for r in records]}
+    res = run_layout(data, [*BASE, *overrides], out)
+    records = res.pop("records")
+    res.update(loads=[r["expert_load"] for r in records], aux=[r["aux_loss"] for r in records],
+               dropped=[r.get("moe_dropped") for r in records])
+    return res
 
 
 def _worker(rank, world_size, data, layouts):
-    out = {}
-    for name, overrides in layouts:
-        res = _run(data, overrides, run_dir(data, world_size, name))
-        out[name] = res if rank == 0 else None
-    return out
+    return {name: _run(data, overrides, run_dir(data, world_size, name)) for name, overrides in layouts}
 
 
 def _assert_equal(name, got, ref):
     assert got["loads"] == ref["loads"], f"{name}: routing differs: {got['loads']} vs {ref['loads']}"
     assert got["aux"] == pytest.approx(ref["aux"], rel=1e-5), name
-    assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), name  # experts counted once
-    assert_same_run(name, (got["losses"], got["params"]), (ref["losses"], ref["params"]))
+    assert got["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5), name  # experts counted once
+    assert_same_run(name, got, ref)
+
+
+def _check(data, world_size, layouts, world, reference):
+    """Each layout ran as asked, and every rank's results equal the single-device run's."""
+    for name, overrides in layouts:
+        per_rank = [w[name] for w in world]
+        assert_layout_ran(name, overrides, world_size, per_rank, run_dir(data, world_size, name))
+        for rank, got in enumerate(per_rank):
+            _assert_equal(f"{name} (rank {rank})", got, reference(overrides))
 
 
 @pytest.fixture(scope="module")
@@ -90,15 +102,20 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(data):
-    return {"aux": _run(data, AUX), "bias": _run(data, BIAS)}
+    """The single-device run for a layout's overrides (aux loss or bias balancing, clipping or not)."""
+    cache = {}
 
+    def get(overrides):
+        key = reference_key(overrides)
+        if key not in cache:
+            cache[key] = _run(data, list(key))
+        return cache[key]
 
-def _ref(reference, overrides):
-    return reference["bias" if overrides[-1] == BIAS[-1] else "aux"]
+    return get
 
 
 def test_reference_runs_route_and_balance(reference):
-    aux, bias = reference["aux"], reference["bias"]
+    aux, bias = reference(AUX), reference(BIAS)
     tokens = 8 * 32 * 2  # global batch x seq_len x top_k assignments per layer and step
     assert all(sum(layer) == tokens for step in aux["loads"] for layer in step)
     assert aux["aux"][0] == pytest.approx(2 * 0.01, rel=0.05)  # two layers, aux_s close to 1 near balance
@@ -108,18 +125,19 @@ def test_reference_runs_route_and_balance(reference):
 
 
 def test_expert_parallel_on_2_ranks_equals_one_device(data, reference):
-    results = spawn(_worker, 2, args=(data, LAYOUTS_2 + CAPACITY_2), timeout=600)[0]
-    for name, overrides in LAYOUTS_2:
-        _assert_equal(name, results[name], _ref(reference, overrides))
-    ep, dp = results["ep2 capacity"], results["dp2 capacity"]
-    assert all(d > 0 for d in dp["dropped"]) and ep["dropped"] == dp["dropped"], (ep["dropped"], dp["dropped"])
-    _assert_equal("ep2 capacity vs dp2 capacity", ep, dp)
+    world = spawn(_worker, 2, args=(data, LAYOUTS_2 + CAPACITY_2), timeout=600)
+    _check(data, 2, LAYOUTS_2, world, reference)
+    for name, overrides in CAPACITY_2:
+        assert_layout_ran(name, overrides, 2, [w[name] for w in world], run_dir(data, 2, name))
+    for rank, results in enumerate(world):
+        ep, dp = results["ep2 capacity"], results["dp2 capacity"]
+        assert all(d > 0 for d in dp["dropped"]) and ep["dropped"] == dp["dropped"], (ep["dropped"], dp["dropped"])
+        _assert_equal(f"ep2 capacity vs dp2 capacity (rank {rank})", ep, dp)
 
 
 def test_expert_parallel_on_4_ranks_equals_one_device(data, reference):
-    results = spawn(_worker, 4, args=(data, LAYOUTS_4), timeout=900)[0]
-    for name, overrides in LAYOUTS_4:
-        _assert_equal(name, results[name], _ref(reference, overrides))
+    world = spawn(_worker, 4, args=(data, LAYOUTS_4), timeout=900)
+    _check(data, 4, LAYOUTS_4, world, reference)
 
 
 def test_bad_expert_options_are_refused():
@@ -137,19 +155,24 @@ def _train_until(rank, world_size, data, out, overrides, until):
 def test_checkpoints_move_between_sharded_experts_and_one_device(data, tmp_path):
     """ep=2 over 4 ranks with ZeRO-1 (each expert's optimizer state split over its edp=2 holders) writes
     logical tensors (every expert, their AdamW moments, the aux-free bias); one process resumes them, and
-    the other way round: the losses are those of the uninterrupted single-device run."""
+    the other way round: the losses and the final checkpoint's tensors (parameters and the bias) are those of
+    the uninterrupted single-device run."""
     both = ["model.moe_bias_update_rate=0.01"]  # aux loss and bias balancing together
     sharded = ["parallel.ep=2", "parallel.zero=1", *both]
-    full = _train_until(0, 1, data, None, both, None)
+    full = _train_until(0, 1, data, str(tmp_path / "full"), both, None)
     out = str(tmp_path / "ep2-then-one")
-    first = spawn(_train_until, 4, args=(data, out, sharded, 4), timeout=300)[0]
+    first = spawn(_train_until, 4, args=(data, out, sharded, 4), timeout=300)
     rest = _train_until(0, 1, data, out, [*both, "train.resume=true"], None)
-    assert first == pytest.approx(full[:4], rel=1e-5)
+    for losses in first:  # every rank's copy
+        assert losses == pytest.approx(full[:4], rel=1e-5)
     assert rest == pytest.approx(full[3:], rel=1e-5)  # resumed from the step-3 checkpoint
+    assert_same_checkpoint("ep2 zero1 x4 -> one process resumed", out, tmp_path / "full")
     out = str(tmp_path / "one-then-ep2")
     _train_until(0, 1, data, out, both, 4)
-    rest = spawn(_train_until, 4, args=(data, out, [*sharded, "train.resume=true"], None), timeout=300)[0]
-    assert rest == pytest.approx(full[3:], rel=1e-5)
+    rest = spawn(_train_until, 4, args=(data, out, [*sharded, "train.resume=true"], None), timeout=300)
+    for losses in rest:  # every rank's copy
+        assert losses == pytest.approx(full[3:], rel=1e-5)
+    assert_same_checkpoint("one process -> ep2 zero1 x4 resumed", out, tmp_path / "full")
 
 
 def test_cli_ep2_matches_one_process(data, tmp_path):
@@ -161,6 +184,8 @@ def test_cli_ep2_matches_one_process(data, tmp_path):
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
     assert [r["expert_load"] for r in two] == [r["expert_load"] for r in one]
     assert "ep=2" in out
+    # grad norms, the final checkpoint's tensors and bytes on ep and dp, against the one-process run.
+    assert_same_cli_run("cli ep2", tmp_path / "two", two, tmp_path / "one", one, ["parallel.ep=2"], nproc=2)
 
 
 def test_planner_predicts_every_expert_parallel_run(data):

@@ -3,7 +3,10 @@
 Every schedule at pp=2 and pp=4 (interleaved with 2 virtual stages per rank, DualPipeV with its V
 of 2 stages per rank), 3-D dp=2 x tp=2 x pp=2 on 8 processes, and the CLI. Same rules as the other
 equivalence tests: 5 steps of a tiny 8-layer model on real stdlib text, losses within 1e-5 relative,
-every parameter within 1e-5 relative (Frobenius), fp32.
+every parameter within 1e-5 relative (Frobenius), fp32; every step's grad_norm and the step-1 gradient of
+every tensor within 1e-5 relative, on every rank; each rank executed exactly its schedule's actions and moved
+bytes on every axis of its layout. One layout per file runs with clipping off (train.grad_clip=0), where a
+constant factor on a gradient is not hidden by clipping.
 """
 
 
@@ -13,11 +16,12 @@ from meshtrain.config import ConfigError, load_config
 from meshtrain.plan.validate import validate_layout
 from meshtrain.testing.equivalence import (
     assert_planner_predicts_runs,
-    assert_same_run,
+    assert_same_cli_run,
+    check_layouts,
     cli_train,
     layouts_worker,
     prepared_stdlib,
-    train_and_gather,
+    reference_runs,
 )
 from meshtrain.testing.spawn import spawn
 
@@ -43,8 +47,7 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(data):
-    records, params, _ = train_and_gather(data, BASE)
-    return [r["loss"] for r in records], params
+    return reference_runs(data, BASE)
 
 
 @pytest.mark.parametrize("pp", [2, 4])
@@ -53,17 +56,17 @@ def test_every_schedule_equals_one_device(pp, data, reference):
     if pp == 2:  # the data-parallel family composes: pp=2 x dp=2 with ZeRO-1 needs 4 ranks, run below
         layouts.append(("1f1b accum-free recompute", [f"parallel.pp={pp}", "parallel.microbatches=4",
                                                      "train.recompute=full"]))
-    results = spawn(layouts_worker, pp, args=(data, BASE, layouts), timeout=900)[0]
-    for name, _ in layouts:
-        assert_same_run(f"pp={pp} {name}", results[name], reference)
+        layouts.append(("1f1b no clipping", [f"parallel.pp={pp}", "parallel.microbatches=4",
+                                             "parallel.schedule=1f1b", "train.grad_clip=0"]))
+    results = spawn(layouts_worker, pp, args=(data, BASE, layouts), timeout=900)
+    check_layouts(data, pp, layouts, results, reference)
 
 
 def test_pp_with_dp_and_zero1_on_4_ranks(data, reference):
     layouts = [("pp2 x dp2 zero1 1f1b", ["parallel.pp=2", "parallel.microbatches=2", "parallel.zero=1"]),
                ("pp2 x dp2 dp zb-h1", ["parallel.pp=2", "parallel.microbatches=2", "parallel.schedule=zb-h1"])]
-    results = spawn(layouts_worker, 4, args=(data, BASE, layouts), timeout=900)[0]
-    for name, _ in layouts:
-        assert_same_run(name, results[name], reference)
+    results = spawn(layouts_worker, 4, args=(data, BASE, layouts), timeout=900)
+    check_layouts(data, 4, layouts, results, reference)
 
 
 def test_3d_dp2_tp2_pp2_on_8_ranks(data, reference):
@@ -71,9 +74,8 @@ def test_3d_dp2_tp2_pp2_on_8_ranks(data, reference):
                ("dp2 x tp2 sp x pp2 interleaved zero1", ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true",
                                                           "parallel.microbatches=2", "parallel.schedule=interleaved",
                                                           "parallel.virtual_stages=2", "parallel.zero=1"])]
-    results = spawn(layouts_worker, 8, args=(data, BASE, layouts), timeout=900)[0]
-    for name, _ in layouts:
-        assert_same_run(name, results[name], reference)
+    results = spawn(layouts_worker, 8, args=(data, BASE, layouts), timeout=900)
+    check_layouts(data, 8, layouts, results, reference)
 
 
 def test_pipeline_refuses_what_it_cannot_run():
@@ -91,14 +93,15 @@ def test_pipeline_refuses_what_it_cannot_run():
 
 def test_cli_pp2_1f1b_matches_one_process(data, tmp_path):
     def run(out, *extra):
-        records, stdout = cli_train(data, out, [*BASE, *extra])
-        return [r["loss"] for r in records], stdout
+        return cli_train(data, out, [*BASE, *extra])
 
+    layout = ["parallel.pp=2", "parallel.schedule=1f1b", "parallel.microbatches=4"]
     one, _ = run(tmp_path / "one")
-    two, out = run(tmp_path / "two", "--nproc", "2", "parallel.pp=2", "parallel.schedule=1f1b",
-                   "parallel.microbatches=4")
-    assert two == pytest.approx(one, rel=1e-5)
+    two, out = run(tmp_path / "two", "--nproc", "2", *layout)
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
     assert "blocks 0-3" in out  # the partition table
+    # grad norms, the final checkpoint's parameters and bytes on pp, against the one-process run.
+    assert_same_cli_run("cli pp2 1f1b", tmp_path / "two", two, tmp_path / "one", one, layout, nproc=2)
 
 
 def test_planner_predicts_the_bytes_of_every_layout_above(data):

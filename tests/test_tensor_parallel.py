@@ -2,7 +2,10 @@
 
 Same rules as tests/test_data_parallel.py: 5 steps of the tiny model on real stdlib text (byte
 vocabulary of 257 ids, which tp=2 and tp=4 must pad), losses within 1e-5 relative, every
-parameter within 1e-5 relative (Frobenius), fp32.
+parameter within 1e-5 relative (Frobenius), fp32; every step's grad_norm and the step-1 gradient of every
+tensor within 1e-5 relative, on every rank; each layout built the mesh it asked for and moved bytes on tp (and
+dp). TP and TP+SP also run with clipping off (train.grad_clip=0), where a constant factor on a replicated
+norm's gradient is not hidden by clipping.
 """
 
 
@@ -13,10 +16,14 @@ from meshtrain.config import ConfigError, load_config
 from meshtrain.plan.costs import tp_comm_bytes
 from meshtrain.testing.equivalence import (
     assert_planner_predicts_runs,
-    assert_same_run,
+    assert_same_cli_run,
+    check_layouts,
     cli_train,
+    forward_saved_bytes,
     prepared_stdlib,
+    reference_runs,
     run_dir,
+    run_layout,
 )
 from meshtrain.testing.spawn import spawn
 from meshtrain.train.trainer import Trainer
@@ -38,6 +45,8 @@ LAYOUTS_4 = [
     ("tp2 sp x dp2 zero3 selective", ["parallel.tp=2", "parallel.sp=true", "parallel.zero=3",
                                       "train.recompute=selective"]),
     ("tp2 x dp2 dp accum full", ["parallel.tp=2", "parallel.zero=0", "train.grad_accum=2", "train.recompute=full"]),
+    ("tp4 no clipping", ["parallel.tp=4", "train.grad_clip=0", *MHA]),
+    ("tp4 sp no clipping", ["parallel.tp=4", "parallel.sp=true", "train.grad_clip=0", *MHA]),
 ]
 LAYOUTS_2 = [
     ("tp2 gqa", ["parallel.tp=2"]),
@@ -46,21 +55,8 @@ LAYOUTS_2 = [
 ]
 
 
-def _model_overrides(overrides):
-    return [o for o in overrides if o.startswith("model.")]
-
-
-def _run(data, overrides, out=None):
-    trainer = Trainer(load_config("tiny", [f"data.path={data}", *BASE, *overrides]), out)
-    losses = [r["loss"] for r in trainer.train()]
-    params, _ = trainer.parallel.gather_state(trainer.optimizer)
-    return losses, params
-
-
 def _measure(data, tp, sp):
     """tp-axis bytes of one steady-state step, and activation bytes saved for backward by one forward."""
-    from meshtrain.parallel.recompute import saved_activation_bytes
-
     cfg = load_config("tiny", [f"data.path={data}", *BASE, f"parallel.tp={tp}", f"parallel.sp={sp}",
                                "train.global_batch=4", "train.seq_len=64", "model.max_seq_len=64", *MHA])
     trainer = Trainer(cfg)
@@ -69,16 +65,12 @@ def _measure(data, tp, sp):
     trainer.train_step(1)
     snap = comm.METER.snapshot().get("tp", {})
     measured = {("tp", op): v["bytes"] for op, v in snap.items() if op != "metrics"}
-    x, _, _ = trainer.local_batch(trainer.train_data, 0)
-    act = saved_activation_bytes(lambda: trainer.model(x), exclude=list(trainer.model.buffers()))
-    return measured, act
+    return measured, forward_saved_bytes(trainer)
 
 
 def _worker(rank, world_size, data, layouts, measure):
-    out = {}
-    for name, overrides in layouts:
-        res = _run(data, overrides, run_dir(data, world_size, name))
-        out[name] = res if rank == 0 else None
+    out = {name: run_layout(data, [*BASE, *overrides], run_dir(data, world_size, name))
+           for name, overrides in layouts}
     meas = {(tp, sp): _measure(data, tp, sp) for tp, sp in measure}
     return out, meas
 
@@ -93,22 +85,18 @@ def world4(data):
     return spawn(_worker, 4, args=(data, LAYOUTS_4, [(4, False), (4, True)]), timeout=900)
 
 
-def _check(data, layouts, results):
-    refs = {}
-    for name, overrides in layouts:
-        key = tuple(_model_overrides(overrides))
-        if key not in refs:
-            refs[key] = _run(data, list(key))
-        assert_same_run(name, results[name], refs[key])
+@pytest.fixture(scope="module")
+def reference(data):
+    return reference_runs(data, BASE)
 
 
-def test_tp_layouts_on_4_ranks_equal_one_device(world4, data):
-    _check(data, LAYOUTS_4, world4[0][0])
+def test_tp_layouts_on_4_ranks_equal_one_device(world4, data, reference):
+    check_layouts(data, 4, LAYOUTS_4, [w[0] for w in world4], reference)
 
 
-def test_tp2_with_gqa_on_2_ranks_equals_one_device(data):
-    results = spawn(_worker, 2, args=(data, LAYOUTS_2, []), timeout=300)[0][0]
-    _check(data, LAYOUTS_2, results)
+def test_tp2_with_gqa_on_2_ranks_equals_one_device(data, reference):
+    world2 = spawn(_worker, 2, args=(data, LAYOUTS_2, []), timeout=300)
+    check_layouts(data, 2, LAYOUTS_2, [w[0] for w in world2], reference)
 
 
 def test_tp_bytes_per_step_equal_the_formula(world4):
@@ -141,13 +129,15 @@ def test_tp_refuses_shapes_it_cannot_split():
 
 def test_cli_tp2_sp_matches_one_process(data, tmp_path):
     def run(out, *extra):
-        records, stdout = cli_train(data, out, [*BASE, "train.sample_tokens=8", *extra])
-        return [r["loss"] for r in records], stdout
+        return cli_train(data, out, [*BASE, "train.sample_tokens=8", *extra])
 
+    layout = ["parallel.tp=2", "parallel.sp=true"]
     one, out1 = run(tmp_path / "one")
-    two, out2 = run(tmp_path / "two", "--nproc", "2", "parallel.tp=2", "parallel.sp=true")
-    assert two == pytest.approx(one, rel=1e-5)
+    two, out2 = run(tmp_path / "two", "--nproc", "2", *layout)
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
     assert "sample:" in out2  # generation gathers the vocabulary shards
+    # grad norms, the final checkpoint's parameters and bytes on tp, against the one-process run.
+    assert_same_cli_run("cli tp2 sp", tmp_path / "two", two, tmp_path / "one", one, layout, nproc=2)
 
 
 def test_planner_predicts_the_bytes_of_every_layout_above(data):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from meshtrain.config import ConfigError, load_config
+from meshtrain.testing.equivalence import GRAD_RTOL, PARAM_RTOL, assert_same_tensors, run_layout
 from meshtrain.train import checkpoint as ckpt_mod
 from meshtrain.train.checkpoint import CheckpointError, latest_checkpoint
 from meshtrain.train.prepare import prepare_data
@@ -58,11 +59,15 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(stdlib_data, tmp_path):
 
 
 def test_gradient_accumulation_equals_one_big_batch(stdlib_data):
-    a = Trainer(_cfg(stdlib_data, "train.steps=4")).train()
-    b = Trainer(_cfg(stdlib_data, "train.steps=4", "train.grad_accum=4")).train()
-    for x, y in zip(a, b, strict=True):
+    base = ["train.progress=false", "train.tensorboard=false", "train.peak_flops=1e11", "train.steps=4"]
+    one = run_layout(stdlib_data, base)
+    accum = run_layout(stdlib_data, [*base, "train.grad_accum=4"])
+    for x, y in zip(one["records"], accum["records"], strict=True):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
         assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-4)
+    # The step-1 gradient of every tensor and the final parameters too (GRAD_RTOL, PARAM_RTOL: 1e-5).
+    assert_same_tensors("grad_accum=4", "step-1 gradient", accum["grads"], one["grads"], GRAD_RTOL)
+    assert_same_tensors("grad_accum=4", "parameter", accum["params"], one["params"], PARAM_RTOL)
 
 
 def test_checkpoint_errors_and_atomic_write(stdlib_data, tmp_path, monkeypatch):

@@ -11,21 +11,195 @@ import torch
 # fp32 on CPU: only the order of floating-point sums differs between layouts.
 LOSS_RTOL = 1e-5
 PARAM_RTOL = 1e-5  # relative Frobenius norm per tensor: ||a - b|| / ||b||
+GRAD_RTOL = 1e-5  # the step-1 logical gradient per tensor (relative Frobenius) and every step's grad_norm
 
 
-def assert_same_run(name: str, got: tuple[list[float], dict[str, torch.Tensor]],
-                    ref: tuple[list[float], dict[str, torch.Tensor]]) -> None:
-    """Losses over the steps within LOSS_RTOL, every parameter tensor within PARAM_RTOL."""
-    losses, params = got
-    ref_losses, ref_params = ref
-    assert len(losses) == len(ref_losses), f"{name}: {len(losses)} steps vs {len(ref_losses)}"
-    for i, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
-        assert abs(a - b) <= LOSS_RTOL * abs(b), f"{name}: step {i + 1} loss {a} vs {b}"
-    assert set(params) == set(ref_params), f"{name}: parameter names differ"
-    for key, want in ref_params.items():
-        diff, scale = (params[key] - want).norm().item(), want.norm().item()
-        rel = diff / scale if scale > 0 else diff  # an all-zero tensor (an unused MoE bias) must stay zero
-        assert rel <= PARAM_RTOL, f"{name}: {key} differs by {rel:.3g} relative"
+# ----------------------------------------------------------------------------- the trainer's internals
+# Every test reads the trainer's internals through these helpers only, so that when they move, only this
+# block changes.
+
+
+def logical_params(trainer) -> dict[str, torch.Tensor]:
+    """The full logical (single-device-named) parameters, on CPU, on every rank. Collective."""
+    return trainer.parallel.gather_state(trainer.optimizer)[0]
+
+
+def logical_grads(trainer) -> dict[str, torch.Tensor]:
+    """The full logical gradients, on CPU, on every rank: call from a ``grad_hook`` (after the gradient sync,
+    before clipping and the optimizer step). Collective."""
+    return trainer.parallel.gather_state(trainer.optimizer, grads=True)[0]
+
+
+def mesh_sizes(trainer) -> dict[str, int]:
+    """The size of every mesh axis the run built (pp, dp, cp, tp, ep, dp_shard)."""
+    return {axis: trainer.mesh.size(axis) for axis in ("pp", "dp", "cp", "tp", "ep", "dp_shard")}
+
+
+def executed_actions(trainer) -> list | None:
+    """The pipeline actions this rank executed in the last training step, in order (None without a pipeline)."""
+    if trainer.parallel.schedule is None:
+        return None
+    return [a for _, _, a in trainer.parallel.micro.trace.actions]
+
+
+def scheduled_actions(trainer) -> list | None:
+    """The schedule's action list for this rank's pipeline stage (None without a pipeline)."""
+    if trainer.parallel.schedule is None:
+        return None
+    return list(trainer.parallel.schedule.actions[trainer.mesh.coord("pp")])
+
+
+def state_bytes(trainer) -> dict[str, int]:
+    """This rank's live parameter, gradient and optimizer-state bytes."""
+    return trainer.parallel.state_bytes(trainer.optimizer)
+
+
+def attention_flops(trainer) -> dict[str, float] | None:
+    """The context-parallel attention FLOP counters of this rank (None without context parallelism)."""
+    return vars(trainer.parallel.cp.flops).copy() if trainer.parallel.cp is not None else None
+
+
+def forward_saved_bytes(trainer) -> int:
+    """Activation bytes autograd keeps for backward in one forward of this rank's rows of the first training
+    batch (buffers excluded)."""
+    from meshtrain.parallel.recompute import saved_activation_bytes
+
+    x = trainer.local_batch(trainer.train_data, 0)[0]
+    return saved_activation_bytes(lambda: trainer.model(x), exclude=list(trainer.model.buffers()))
+
+
+def axis_bytes(run: str | Path) -> dict[int, dict[str, int]]:
+    """Every rank's collective bytes per mesh axis (summed over ops) of the steady step the run metered,
+    read from its ``comm.json``: {rank: {axis: bytes}}."""
+    import json
+
+    out: dict[int, dict[str, int]] = {}
+    for r in json.loads((Path(run) / "comm.json").read_text())["ranks"]:
+        mine = out.setdefault(int(r["rank"]), {})
+        for key, b in r["bytes"].items():
+            axis = key.split("/")[0]
+            mine[axis] = mine.get(axis, 0) + int(b)
+    return out
+
+
+def checkpoint_params(run: str | Path) -> dict[str, torch.Tensor]:
+    """The parameters (and saved buffers) of the latest checkpoint under ``run``/checkpoints."""
+    from meshtrain.train.checkpoint import latest_checkpoint, read_model_state
+
+    path = latest_checkpoint(Path(run) / "checkpoints")
+    assert path is not None, f"{run} holds no checkpoint"
+    return read_model_state(path)
+
+
+# ----------------------------------------------------------------------------- comparisons
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| (0 when both are zero, inf when only b is)."""
+    diff, base = (a.float() - b.float()).norm().item(), b.float().norm().item()
+    if base == 0.0:
+        return 0.0 if diff == 0.0 else float("inf")
+    return diff / base
+
+
+def assert_same_tensors(name: str, what: str, got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
+                        rtol: float) -> None:
+    """Same names, and every tensor within ``rtol`` relative Frobenius norm (with the norm ratio, which
+    names a constant-factor error at a glance)."""
+    assert set(got) == set(ref), f"{name}: {what} names differ: {sorted(set(got) ^ set(ref))}"
+    for key, want in ref.items():
+        have = got[key]
+        assert tuple(have.shape) == tuple(want.shape), f"{name}: {what} {key} has shape {tuple(have.shape)} " \
+                                                       f"vs {tuple(want.shape)}"
+        rel = _rel(have, want)
+        ratio = have.float().norm().item() / max(want.float().norm().item(), 1e-30)
+        assert rel <= rtol, f"{name}: {what} {key} differs by {rel:.3g} relative (norm ratio {ratio:.6g})"
+
+
+def assert_same_scalars(name: str, what: str, got: list[float], ref: list[float], rtol: float) -> None:
+    assert len(got) == len(ref), f"{name}: {len(got)} {what} values vs {len(ref)}"
+    for i, (a, b) in enumerate(zip(got, ref, strict=True)):
+        assert abs(a - b) <= rtol * abs(b), f"{name}: step {i + 1} {what} {a} vs {b} (ratio {a / b if b else a:.6g})"
+
+
+def assert_same_run(name: str, got: dict, ref: dict) -> None:
+    """Losses and grad norms over the steps within LOSS_RTOL / GRAD_RTOL, the step-1 logical gradient of
+    every tensor within GRAD_RTOL and every final parameter tensor within PARAM_RTOL (relative Frobenius).
+    ``got`` and ``ref`` are ``run_layout`` results."""
+    assert_same_scalars(name, "loss", got["losses"], ref["losses"], LOSS_RTOL)
+    # The gradients tensor by tensor first: a wrong tensor is then named, with its norm ratio.
+    assert_same_tensors(name, "step-1 gradient", got["grads"], ref["grads"], GRAD_RTOL)
+    assert_same_scalars(name, "grad_norm", got["grad_norms"], ref["grad_norms"], GRAD_RTOL)
+    assert_same_tensors(name, "parameter", got["params"], ref["params"], PARAM_RTOL)
+
+
+def assert_same_runs(name: str, per_rank: list[dict], ref: dict) -> None:
+    """``assert_same_run`` on every rank's copy of the (replicated) results, not rank 0's alone."""
+    assert per_rank, f"{name}: no rank returned a result"
+    for rank, got in enumerate(per_rank):
+        assert_same_run(f"{name} (rank {rank} of {len(per_rank)})", got, ref)
+
+
+def expected_mesh(overrides: list[str], world_size: int) -> dict[str, int]:
+    """The mesh sizes a layout asks for, read from its ``parallel.*`` overrides (dp: the rest of the world)."""
+    asked = {o.split("=")[0][len("parallel."):]: o.split("=")[1] for o in overrides if o.startswith("parallel.")}
+    size = {axis: int(asked.get(axis, 1)) for axis in ("pp", "cp", "tp", "ep")}
+    size["dp"] = int(asked.get("dp", world_size // (size["pp"] * size["cp"] * size["tp"])))
+    size["dp_shard"] = int(asked.get("dp_shard", 0)) or size["dp"]
+    return size
+
+
+# The comm meter names the data-parallel gradient sync after its group: dp x cp, or its shard group.
+_DP_SYNC = ("dp_cp", "dp_shard_cp")
+
+
+def intended_axes(mesh: dict[str, int]) -> list[tuple[str, ...]]:
+    """The comm-meter axes a layout with these mesh sizes must move bytes on in every step, each as the
+    names it may be metered under: pp, cp, tp, ep above 1, and the gradient sync over dp x cp (HSDP: its
+    shard group and the replicate axis)."""
+    axes = [(a,) for a in ("pp", "cp", "tp", "ep") if mesh[a] > 1]
+    if mesh["dp"] > 1 and mesh["dp_shard"] < mesh["dp"]:
+        axes += [("dp_shard_cp",), ("dp_replicate",)]
+    elif mesh["dp"] * mesh["cp"] > 1:
+        axes += [_DP_SYNC]
+    return axes
+
+
+def assert_axes_moved_bytes(name: str, run: str | Path, mesh: dict[str, int], world_size: int) -> None:
+    """Every rank's metered steady step (``run``/comm.json) moved bytes on every ``intended_axes`` axis."""
+    per_axis = axis_bytes(run)
+    assert sorted(per_axis) == list(range(world_size)), f"{name}: comm.json ranks {sorted(per_axis)}"
+    for rank, b in per_axis.items():
+        for names in intended_axes(mesh):
+            assert sum(b.get(a, 0) for a in names) > 0, \
+                f"{name}: rank {rank} moved no bytes on {' or '.join(names)} in the metered step: {b}"
+
+
+def assert_layout_ran(name: str, overrides: list[str], world_size: int, per_rank: list[dict],
+                      run: str | Path | None) -> None:
+    """The layout really ran: every rank built the mesh the overrides ask for; each rank's steady-step comm
+    meter (``run``/comm.json) moved bytes on every axis above 1 (pp, cp, tp, ep; the data-parallel sync over
+    dp x cp, or both HSDP axes); pipeline ranks executed exactly their schedule's action list."""
+    want = expected_mesh(overrides, world_size)
+    assert len(per_rank) == world_size, f"{name}: {len(per_rank)} ranks returned, not {world_size}"
+    for rank, got in enumerate(per_rank):
+        assert got["mesh"] == want, f"{name}: rank {rank} built mesh {got['mesh']}, the layout asks for {want}"
+        if want["pp"] > 1:
+            assert got["scheduled"], f"{name}: rank {rank} has no pipeline schedule"
+            assert got["executed"] == got["scheduled"], \
+                f"{name}: rank {rank} executed {[str(a) for a in got['executed']]}, its schedule lists " \
+                f"{[str(a) for a in got['scheduled']]}"
+        else:
+            assert got["executed"] is None, f"{name}: rank {rank} ran a pipeline the layout does not ask for"
+    if run is not None:
+        assert_axes_moved_bytes(name, run, want, world_size)
+
+
+def reference_key(overrides: list[str]) -> tuple[str, ...]:
+    """The overrides that change the single-device run (model shape, optimizer, clipping, dtype); the rest
+    (layout, accumulation, recompute) must not."""
+    keep = ("model.", "train.optimizer=", "train.grad_clip=", "train.dtype=")
+    return tuple(o for o in overrides if o.startswith(keep))
 
 
 def run_dir(data: str, world_size: int, name: str) -> str:
@@ -58,27 +232,79 @@ def prepared_stdlib(tmp_path_factory, name: str) -> str:
     return str(out)
 
 
-def train_and_gather(data: str, overrides: list[str], out: str | None = None, preset: str = "tiny"):
-    """Train the preset on ``data`` with ``overrides`` (writing to ``out``); return (every step's record,
-    the logical parameters gathered from whatever layout ran, the trainer). Collective: call on every rank."""
+def run_layout(data: str, overrides: list[str], out: str | None = None, preset: str = "tiny",
+               extra=None) -> dict:
+    """Train the preset on ``data`` with ``overrides`` (writing to ``out``) on this rank; return what the
+    equivalence checks compare (on every rank): every step's loss and grad_norm, the first step's logical
+    gradients (before clipping and the optimizer step), the final logical parameters, every step's records,
+    the mesh sizes, the executed and scheduled pipeline actions, and ``extra(trainer)`` if given (after
+    training). Collective: call on every rank."""
     from meshtrain.config import load_config
     from meshtrain.train.trainer import Trainer
 
-    trainer = Trainer(load_config(preset, [f"data.path={data}", *overrides]), out)
+    first: dict[str, torch.Tensor] = {}
+
+    def hook(step: int, trainer) -> None:
+        if not first:
+            first.update(logical_grads(trainer))
+
+    trainer = Trainer(load_config(preset, [f"data.path={data}", *overrides]), out, grad_hook=hook)
     records = trainer.train()
-    params, _ = trainer.parallel.gather_state(trainer.optimizer)
-    return records, params, trainer
+    return {"losses": [r["loss"] for r in records], "grad_norms": [r["grad_norm"] for r in records],
+            "grads": first, "params": logical_params(trainer), "records": records, "mesh": mesh_sizes(trainer),
+            "executed": executed_actions(trainer), "scheduled": scheduled_actions(trainer),
+            "extra": extra(trainer) if extra is not None else None}
 
 
 def layouts_worker(rank: int, world_size: int, data: str, base: list[str], layouts: list[tuple[str, list[str]]]
-                   ) -> dict[str, tuple[list[float], dict[str, torch.Tensor]] | None]:
+                   ) -> dict[str, dict]:
     """Spawned-rank body shared by the equivalence files: train every (name, overrides) layout in turn into
-    its ``run_dir``; rank 0 returns {name: (losses, parameters)}."""
-    out = {}
+    its ``run_dir``; every rank returns {name: run_layout result}."""
+    return {name: run_layout(data, [*base, *overrides], run_dir(data, world_size, name))
+            for name, overrides in layouts}
+
+
+def check_layouts(data: str, world_size: int, layouts: list[tuple[str, list[str]]], per_rank: list[dict],
+                  reference) -> None:
+    """For every (name, overrides) layout: it really ran (``assert_layout_ran``) and every rank's results equal
+    ``reference(overrides)``, the single-device run (``assert_same_runs``). ``per_rank``: each rank's
+    {name: result}."""
     for name, overrides in layouts:
-        records, params, _ = train_and_gather(data, [*base, *overrides], run_dir(data, world_size, name))
-        out[name] = ([r["loss"] for r in records], params) if rank == 0 else None
-    return out
+        results = [r[name] for r in per_rank]
+        assert_layout_ran(name, overrides, world_size, results, run_dir(data, world_size, name))
+        assert_same_runs(name, results, reference(overrides))
+
+
+def reference_runs(data: str, base: list[str], preset: str = "tiny"):
+    """``get(overrides)``: the single-device ``run_layout`` result for the overrides that change it
+    (``reference_key``), each trained once."""
+    cache: dict[tuple[str, ...], dict] = {}
+
+    def get(overrides: list[str]) -> dict:
+        key = reference_key(overrides)
+        if key not in cache:
+            cache[key] = run_layout(data, [*base, *key], preset=preset)
+        return cache[key]
+
+    return get
+
+
+def assert_same_checkpoint(name: str, run: str | Path, ref_run: str | Path) -> None:
+    """The latest checkpoints of two runs hold the same tensors within PARAM_RTOL (relative Frobenius)."""
+    assert_same_tensors(name, "checkpoint tensor", checkpoint_params(run), checkpoint_params(ref_run), PARAM_RTOL)
+
+
+def assert_same_cli_run(name: str, out: str | Path, records: list[dict], ref_out: str | Path,
+                        ref_records: list[dict], overrides: list[str] | None = None, nproc: int = 1) -> None:
+    """A CLI run against the one-process CLI run: every step's loss (LOSS_RTOL) and grad_norm (GRAD_RTOL)
+    from metrics.jsonl, and the final checkpoint's tensors (PARAM_RTOL); with ``overrides``, also that each
+    rank moved bytes on every axis the layout asks for (its comm.json)."""
+    assert_same_scalars(name, "loss", [r["loss"] for r in records], [r["loss"] for r in ref_records], LOSS_RTOL)
+    assert_same_scalars(name, "grad_norm", [r["grad_norm"] for r in records],
+                        [r["grad_norm"] for r in ref_records], GRAD_RTOL)
+    assert_same_checkpoint(name, out, ref_out)
+    if overrides is not None:
+        assert_axes_moved_bytes(name, out, expected_mesh(overrides, nproc), nproc)
 
 
 def cli_train(data: str, out: Path, overrides: list[str], timeout: float = 300) -> tuple[list[dict], str]:
