@@ -204,7 +204,7 @@ class Parallel:
 
     # ------------------------------------------------------------------ reporting and generation
 
-    def describe(self) -> str:
+    def log_lines(self) -> str:
         """What a log should say about the layout beyond the mesh (the pipeline's stages)."""
         if self.schedule is None:
             return ""

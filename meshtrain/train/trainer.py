@@ -213,8 +213,8 @@ class Trainer:
             base = unigram_loss(self.train_data._tokens, cfg.model.vocab_size) \
                 if isinstance(self.train_data, TokenDataset) else math.log(cfg.model.vocab_size)
             self.baseline = base
-            if self.parallel.describe():
-                log.write(self.parallel.describe())
+            if self.parallel.log_lines():
+                log.write(self.parallel.log_lines())
             if not self.can_validate:
                 log.write("the validation split is too small for one sequence: no validation loss.")
             log.write(f"meshtrain: {n.total / 1e6:.2f}M parameters, {tokens_per_step} tokens/step, "
