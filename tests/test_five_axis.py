@@ -7,7 +7,9 @@ experts), and pp=2 x dp=2 x cp=2 with ep=4 over dp x cp. Both run through the tr
 through the CLI. A 16-process run puts every axis above 1 at once: dp=2 x cp=2 x tp=2 x pp=2 with ep=2
 and ZeRO-1 (so the experts' optimizer state is also sharded, over edp=2). Same rules as every
 equivalence test: 5 steps of a tiny
-model on real stdlib text, fp32, losses within 1e-5 relative, every parameter within 1e-5 relative.
+model on real stdlib text, fp32, losses within 1e-5 relative, every parameter within 1e-5 relative, every
+step's grad_norm and the step-1 gradient of every tensor within 1e-5 relative, on every rank; each rank built
+the mesh asked for, moved bytes on each of its axes and executed its schedule's pipeline actions.
 """
 
 
@@ -15,11 +17,12 @@ import pytest
 
 from meshtrain.testing.equivalence import (
     assert_planner_predicts_runs,
-    assert_same_run,
+    assert_same_cli_run,
+    check_layouts,
     cli_train,
     layouts_worker,
     prepared_stdlib,
-    train_and_gather,
+    reference_runs,
 )
 from meshtrain.testing.spawn import spawn
 
@@ -51,20 +54,17 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(data):
-    records, params, _ = train_and_gather(data, BASE)
-    return [r["loss"] for r in records], params
+    return reference_runs(data, BASE)
 
 
 def test_five_parallelisms_on_8_ranks_equal_one_device(data, reference):
-    results = spawn(layouts_worker, 8, args=(data, BASE, LAYOUTS_8), timeout=900)[0]
-    for name, _ in LAYOUTS_8:
-        assert_same_run(name, results[name], reference)
+    results = spawn(layouts_worker, 8, args=(data, BASE, LAYOUTS_8), timeout=900)
+    check_layouts(data, 8, LAYOUTS_8, results, reference)
 
 
 def test_every_axis_above_one_on_16_ranks(data, reference):
-    results = spawn(layouts_worker, 16, args=(data, BASE, LAYOUTS_16), timeout=900)[0]
-    for name, _ in LAYOUTS_16:
-        assert_same_run(name, results[name], reference)
+    results = spawn(layouts_worker, 16, args=(data, BASE, LAYOUTS_16), timeout=900)
+    check_layouts(data, 16, LAYOUTS_16, results, reference)
 
 
 def test_planner_predicts_the_five_axis_runs(data):
@@ -75,10 +75,11 @@ def test_planner_predicts_the_five_axis_runs(data):
 
 def test_cli_five_axis_layout_matches_one_process(data, tmp_path):
     def run(out, *extra):
-        records, stdout = cli_train(data, out, [*BASE, *extra], timeout=600)
-        return [r["loss"] for r in records], stdout
+        return cli_train(data, out, [*BASE, *extra], timeout=600)
 
     one, _ = run(tmp_path / "one")
     eight, out = run(tmp_path / "eight", "--nproc", "8", *PP_CP_TP_EP)
-    assert eight == pytest.approx(one, rel=1e-5)
+    assert [r["loss"] for r in eight] == pytest.approx([r["loss"] for r in one], rel=1e-5)
     assert "pp=2 dp=1 cp=2 tp=2 ep=2" in out  # the mesh the run reports
+    # grad norms, the final checkpoint's parameters and bytes on every axis, against the one-process run.
+    assert_same_cli_run("cli pp2 cp2 tp2 ep2", tmp_path / "eight", eight, tmp_path / "one", one, PP_CP_TP_EP, nproc=8)
