@@ -87,10 +87,13 @@ def test_config_imports_nothing_from_meshtrain():
 
 
 def test_plan_imports_only_config_model_and_plan():
+    """plan/ reads the config, the model and the logical-axis rules (meshtrain/rules.py, which sits beside
+    the config and imports only it), and nothing that runs: no mesh, comm, parallel or train."""
     g = graph()
     for name, deps in g.items():
         if name.startswith("meshtrain.plan") and name not in CLI_MODULES:
-            assert {layer(d) for d in deps} <= {"config", "model", "plan"}, (name, deps)
+            assert {layer(d) for d in deps} <= {"config", "rules", "model", "plan"}, (name, deps)
+    assert graph()["meshtrain.rules"] <= {"meshtrain.config"}
 
 
 def test_no_import_cycles():
