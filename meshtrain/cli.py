@@ -79,7 +79,8 @@ def _generate(argv: list[str]) -> int:
     from meshtrain.config import Config, update_from_dict
     from meshtrain.generate import sample
     from meshtrain.model.llama import Llama
-    from meshtrain.train.checkpoint import latest_checkpoint, load_model_weights, read_checkpoint_meta
+    from meshtrain.model.source import load_full
+    from meshtrain.train.checkpoint import CheckpointReader, latest_checkpoint, read_checkpoint_meta
     from meshtrain.train.tokenizer import load_tokenizer
 
     path = Path(args.ckpt)
@@ -96,7 +97,7 @@ def _generate(argv: list[str]) -> int:
         raise CheckpointError(f"{path} was trained on synthetic data: there is no tokenizer to decode with.")
     tok = load_tokenizer("hf" if meta["tokenizer"] == "hf" else meta["tokenizer"], path)
     model = Llama(cfg.model)
-    load_model_weights(path, model)
+    load_full(model, CheckpointReader(path))
     ids = sample(model, tok.encode(args.prompt), args.tokens, cfg.train.seq_len, args.temperature, args.top_k,
                  args.seed)
     print(args.prompt + tok.decode(ids))

@@ -126,6 +126,7 @@ class TrainConfig:
     log_every: int = 1
     ckpt_every: int = 0  # 0: only at the end
     ckpt_keep: int = 2
+    ckpt_async: bool = False  # write checkpoints in the background while training goes on
     resume: bool = False  # resume from the latest checkpoint in --out
     sample_tokens: int = 200  # tokens generated at the end of training (0: none)
     sample_prompt: str = "def "

@@ -79,21 +79,21 @@ def test_checkpoint_errors_and_atomic_write(stdlib_data, tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="already holds checkpoints .* train.resume=true"):
         Trainer(_cfg(stdlib_data, "train.steps=2"), out)
     # A truncated tensor file is reported with the file and the fix.
-    model_file = path / "model.safetensors"
+    model_file = path / "rank_00000.safetensors"
     good = model_file.read_bytes()
     model_file.write_bytes(good[:100])
-    with pytest.raises(CheckpointError, match="model.safetensors is corrupt"):
+    with pytest.raises(CheckpointError, match="rank_00000.safetensors is corrupt"):
         Trainer(_cfg(stdlib_data, "train.steps=3", "train.resume=true"), out)
     model_file.write_bytes(good)
-    (path / "optim.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="missing"):
+    (path / "index.json").unlink()
+    with pytest.raises(CheckpointError, match="index.json is missing"):
         ckpt_mod.load_checkpoint(path, t.model, t.optimizer)
 
     # A failure while writing leaves neither a checkpoint nor a temporary folder behind.
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt_mod, "save_file", boom)
+    monkeypatch.setattr(ckpt_mod, "write_safetensors", boom)
     root = tmp_path / "atomic"
     with pytest.raises(OSError, match="disk full"):
         ckpt_mod.save_checkpoint(root, 1, t.model, t.optimizer, {})

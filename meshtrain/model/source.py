@@ -100,3 +100,15 @@ def state_source(model: nn.Module) -> DictSource:
     persistent = {n for n, _ in model.state_dict().items()}
     tensors.update({n: b for n, b in model.named_buffers() if n in persistent})
     return DictSource(tensors)
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """Names of tied parameters -> the name they are stored under (the first, as ``named_parameters`` gives)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases

@@ -38,6 +38,7 @@ from torch import nn
 from meshtrain import comm
 from meshtrain.mesh import AxisGroup, Mesh
 from meshtrain.model.moe import MoEFeedForward
+from meshtrain.model.source import TensorSource, full_box
 
 
 class _AllToAll(torch.autograd.Function):
@@ -143,22 +144,16 @@ class ExpertParallel:
             rec["moe_dropped"] = int(total[-1])
         return rec
 
-    @torch.no_grad()
-    def bias_state(self, pp_group: AxisGroup) -> dict[str, torch.Tensor]:
-        """Every layer's aux-free selection bias by its buffer name, on every rank (collective over pp)."""
-        full = torch.zeros(self.n_layers, self.n_experts, dtype=torch.float32, device=self.mesh.device)
-        for i, moe in moe_blocks(self.model).items():
-            full[i] = moe.expert_bias
-        comm.all_reduce(full, pp_group)  # each layer lives on one stage: zeros elsewhere
-        return {f"layers.{i}.feed_forward.expert_bias": full[i].cpu() for i in range(self.n_layers)}
+    def local_bias(self) -> dict[str, torch.Tensor]:
+        """The aux-free selection bias of every layer this rank holds, by its buffer name (state to save)."""
+        return {f"layers.{i}.feed_forward.expert_bias": moe.expert_bias for i, moe in moe_blocks(self.model).items()}
 
     @torch.no_grad()
-    def load_bias(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Install saved biases (a checkpoint from before they were saved leaves them at zero)."""
-        for i, moe in moe_blocks(self.model).items():
-            saved = tensors.get(f"layers.{i}.feed_forward.expert_bias")
-            if saved is not None:
-                moe.expert_bias.copy_(saved)
+    def load_bias(self, source: TensorSource) -> None:
+        """Install saved biases (weights without them, e.g. a fresh init, leave them at zero)."""
+        for name, bias in self.local_bias().items():
+            if source.shape(name) is not None:
+                bias.copy_(source.read(name, full_box(bias.shape)))
 
 
 def apply_expert_parallel(model: nn.Module, mesh: Mesh, sp: bool = False,

@@ -65,7 +65,7 @@ class _Gathered(torch.autograd.Function):
 
 class _ShardedUnit:
     def __init__(self, unit: Unit, model: nn.Module, group: AxisGroup, rank: int, dtype: torch.dtype,
-                 reshard_after_forward: bool) -> None:
+                 reshard_after_forward: bool, device: torch.device) -> None:
         self.unit, self.group, self.dtype = unit, group, dtype
         self.reshard_after_forward = reshard_after_forward
         n = group.size
@@ -73,16 +73,19 @@ class _ShardedUnit:
         self.shard_numel = -(-numel // n)
         self.padded = self.shard_numel * n
         self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
-        device = unit.params[0][1].device
-        flat = torch.zeros(self.padded, dtype=torch.float32, device=device)
+        # This rank's fp32 master shard and its gradient: all that persists between steps. Only the shard is
+        # ever allocated: parameters built on the meta device (sharded construction) are filled later, a box
+        # at a time (``state.load_state``); real ones are copied in now.
+        self.shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
         offsets, off = {}, 0
         for _, p in unit.params:
-            flat[off: off + p.numel()] = p.detach().reshape(-1)
             offsets[id(p)] = off
+            a, b = max(off, self.lo), min(off + p.numel(), self.hi)
+            if a < b and not p.is_meta:
+                self.shard[a - self.lo: b - self.lo] = p.detach().reshape(-1)[a - off: b - off]
             off += p.numel()
         self.offsets = [(name, offsets[id(p)], tuple(p.shape)) for name, p in unit.params]
-        # This rank's fp32 master shard and its gradient: all that persists between steps.
-        self.shard = flat[self.lo: self.hi].clone().requires_grad_(True)
+        self.shard.requires_grad_(True)
         self.grad = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
         # Every (module, attribute) that held one of the unit's parameters (tied weights twice).
         mine = {id(p) for _, p in unit.params}
@@ -182,7 +185,7 @@ class FullyShardedDataParallel(GradSync):
         self.handles = []
         self.always_sync = True  # gradients are reduce-scattered as each unit's backward ends
         me = self.group.index(mesh.rank)
-        self.units = [_ShardedUnit(u, model, self.group, me, compute_dtype, reshard_after_forward)
+        self.units = [_ShardedUnit(u, model, self.group, me, compute_dtype, reshard_after_forward, mesh.device)
                       for u in model_units(model, exclude)]
         self._by_storage: dict[int, _ShardedUnit] = {}
         for i, su in enumerate(self.units):

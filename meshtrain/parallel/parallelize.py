@@ -20,7 +20,8 @@ The transformations run in one fixed order, each on what the previous one left:
 (``forward_backward``: a pipeline schedule, or plain accumulation as its degenerate case) with the loss
 reduced to the global mean, the gradient sync (``sync_grads``), the global gradient norm and clipping
 (``clip_grads``), what follows the optimizer step (``after_optimizer_step``), evaluation, and the logical
-state (``gather_state`` / ``load_state``). The trainer's step therefore has no branch on which axis is on.
+state (``local_state`` / ``load_state``, as boxes of the logical tensors: ``state.py``). The trainer's
+step therefore has no branch on which axis is on.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from meshtrain.config import Config, ParallelConfig
 from meshtrain.mesh import Mesh
 from meshtrain.model.llama import Llama, cross_entropy_sum
 from meshtrain.model.moe import expert_index
+from meshtrain.model.source import TensorSource
 from meshtrain.parallel.context import ContextParallel, apply_context_parallel
 from meshtrain.parallel.data import DataParallel, WithExperts
 from meshtrain.parallel.expert import ExpertParallel, apply_expert_parallel
@@ -45,7 +47,7 @@ from meshtrain.parallel.pieces import OptimParam, Placements
 from meshtrain.parallel.pipeline.engine import PipelineEngine, split
 from meshtrain.parallel.pipeline.wgrad import WeightGradStore
 from meshtrain.parallel.recompute import apply_recompute
-from meshtrain.parallel.state import gather_state, load_state
+from meshtrain.parallel.state import Held, check_shapes, gather_full, load_state, local_state, regions
 from meshtrain.parallel.tensor import TensorParallel, apply_tensor_parallel
 from meshtrain.parallel.units import Unit
 from meshtrain.parallel.zero import ZeroGradSync
@@ -74,6 +76,21 @@ def shard_rows(x: torch.Tensor, index: int, count: int) -> torch.Tensor:
     return x[index * r : (index + 1) * r]
 
 
+@torch.no_grad()
+def materialize(model: nn.Module, names: list[str], device: torch.device) -> None:
+    """Give the meta-device parameters ``names`` (uninitialised) storage on ``device``, in every module that
+    holds them (a tied weight stays one parameter)."""
+    wanted = {id(p) for n, p in model.named_parameters() if n in set(names) and p.is_meta}
+    new: dict[int, nn.Parameter] = {}
+    for m in model.modules():
+        for attr, p in list(m._parameters.items()):
+            if p is not None and id(p) in wanted:
+                if id(p) not in new:
+                    new[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                              requires_grad=p.requires_grad)
+                m._parameters[attr] = new[id(p)]
+
+
 def data_parallel(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, placements: Placements,
                   compute_dtype: torch.dtype = torch.float32) -> GradSync:
     """The data-parallel member chosen by ``parallel.zero``, over dp x cp (context-parallel ranks hold the
@@ -83,6 +100,11 @@ def data_parallel(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, placements:
     the experts are synced over edp instead, beside the chosen member (``WithExperts``): all-reduced with
     ZeRO-0, sharded with ZeRO-1/2 (stage 2 also for ZeRO-3: experts are not gathered per forward).
     """
+    # Sharded construction: what this rank holds whole gets storage now (ZeRO-3 allocates only its shards).
+    # Values come later, a box at a time (``Parallel.load_state``).
+    held_whole = [n for n in dict(model.named_parameters()) if cfg.zero < 3 or
+                  (mesh.size("ep") > 1 and expert_index(n) is not None)]
+    materialize(model, held_whole, mesh.device)
     experts = [(n, p) for n, p in model.named_parameters() if expert_index(n) is not None] \
         if mesh.size("ep") > 1 else []
     skip = frozenset(id(p) for _, p in experts)
@@ -181,22 +203,31 @@ class Parallel:
         """What the optimizer updates on this rank."""
         return self.sync.optim_params()
 
-    def gather_state(self, optimizer: torch.optim.Optimizer, grads: bool = False
-                     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Logical (single-device) parameters and optimizer state, full on every rank (``grads=True``: the
-        logical gradients instead). Collective."""
-        params, optim = gather_state(self.sync, optimizer, self.shapes, self.mesh.group("tp"),
-                                     self.mesh.group("pp"), grads=grads)
-        if self.moe is not None and not grads:  # the aux-loss-free selection bias is state too (a buffer)
-            params.update(self.moe.bias_state(self.mesh.group("pp")))
-        return params, optim
+    def local_state(self, optimizer: torch.optim.Optimizer | None = None) -> list[Held]:
+        """The logical state this rank holds, as boxes: parameters, optimizer state (if ``optimizer``) and the
+        MoE selection bias of its layers. What a checkpoint writes."""
+        return local_state(self.optim_params(), optimizer, self.moe.local_bias() if self.moe else None)
 
-    def load_state(self, optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor],
-                   optim: dict[str, dict[str, torch.Tensor]]) -> None:
-        """Install logical tensors into this rank's pieces (parameters, optimizer state, MoE bias)."""
-        load_state(self.sync, optimizer, params, optim)
+    def load_state(self, optimizer: torch.optim.Optimizer, source: TensorSource,
+                   optim_keys: dict[str, list[str]] | None = None, what: str = "the weights") -> None:
+        """Fill this rank's parameters (and the optimizer state ``optim_keys`` names, per parameter) from
+        ``source``, reading only the boxes this rank holds; then every rank holding a parameter it does not own
+        gets it from its owner. ``what`` names the source in errors."""
+        check_shapes(self.optim_params(), source, what)
+        load_state(self.optim_params(), source, optimizer if optim_keys is not None else None, optim_keys)
+        self.sync.after_step()
         if self.moe is not None:
-            self.moe.load_bias(params)
+            self.moe.load_bias(source)
+
+    def logical_tensors(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Whole logical parameters (``grads=True``: their gradients, after ``sync_grads``) on every rank.
+        For equivalence tests on tiny models only: it sends every tensor to every rank."""
+        if grads:
+            held = [Held(op.name, op.shape, op.tensor.grad, regions(op)) for op in self.optim_params()
+                    if op.tensor.grad is not None]
+        else:
+            held = self.local_state()
+        return gather_full(held, self.mesh.group("world"))
 
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Live bytes of parameters, gradients and optimizer state on this rank."""

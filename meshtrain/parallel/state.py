@@ -1,167 +1,191 @@
-"""Logical (single-device) state from any layout, and back: how checkpoints stay layout-independent.
+"""Each rank's share of the logical state, as boxes: what it initialises, loads and saves.
 
-Every optimizer tensor is an ``OptimParam``: a piece (ZeRO) of a local tensor (tensor parallel) of a
-logical parameter. Saving rebuilds each logical tensor in two stages, each an all-reduce of zeros
-with this rank's part filled in: over the ZeRO shard group to rebuild the local tensor, then over
-the tensor-parallel group to place the local slices in the logical tensor. Replicated layouts skip
-a stage. Loading cuts each rank's piece out of the full tensors. A checkpoint written by one layout
-therefore loads into any other.
+Every tensor the optimizer updates is an ``OptimParam``: a piece (ZeRO: a flat range) of a local tensor
+(tensor parallelism: a slice of the logical tensor along one dimension, maybe padded) of a logical
+parameter. ``regions`` cuts a piece into runs that are each one rectangular ``Box`` of the logical tensor
+(a flat range of a matrix is at most a partial row, whole rows and a partial row). With that, one
+mechanism serves every layout and every source of weights:
 
-Under expert parallelism a routed expert lives on the ranks of one ep index (replicated, like the norms,
-over tp) and is absent elsewhere: it is rebuilt over its own ZeRO group (edp, when ``parallel.zero`` >= 1
-shards it) and then summed over the ep group (``sync.ep_group``), where exactly one index holds it.
+- **initialise / load** (``load_state``): each rank asks its ``TensorSource`` (the seeded init, a checkpoint,
+  a HuggingFace folder) for exactly the boxes it holds; no rank reads or builds a whole tensor. Ranks that
+  hold parameters without owning them (ZeRO-1/2) get them from their owners (``sync.after_step``).
+- **save** (``local_state``): each rank lists the (key, box, tensor) it holds; the checkpointer writes each
+  distinct box once (``train/checkpoint.py``), so a checkpoint is a set of boxes any other layout can read.
+
+Optimizer state follows its parameter: ``<name>/exp_avg`` has the parameter's boxes; scalars (``step``)
+are whole. The MoE selection bias (a buffer, whole on the ranks of its pipeline stage) is state too.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 
 from meshtrain import comm
 from meshtrain.mesh import AxisGroup
-from meshtrain.model.moe import expert_index
-from meshtrain.parallel.grad_sync import GradSync
+from meshtrain.model.source import Box, TensorSource, box_numel, box_shape, full_box, relative
 from meshtrain.parallel.pieces import OptimParam
 
 
-def _piece_of(local: torch.Tensor, op: OptimParam) -> torch.Tensor:
-    return local.reshape(-1)[op.offset: op.offset + op.tensor.numel()].view_as(op.tensor)
+def flat_boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[int, int, Box]]:
+    """The flat range [a, b) of a row-major tensor of ``shape`` as (lo, hi, box) runs, each run a box."""
+    if a >= b:
+        return []
+    if len(shape) <= 1:
+        return [(a, b, ((a, b),) if shape else ())]
+    inner = math.prod(shape[1:])
+    first, last = a // inner, (b - 1) // inner
+    if first == last:  # inside one row: a box of the row, one row high
+        base = first * inner
+        return [(lo + base, hi + base, ((first, first + 1), *box))
+                for lo, hi, box in flat_boxes(shape[1:], a - base, b - base)]
+    head = -(-a // inner) * inner  # end of a partial first row (a itself if a starts a row)
+    tail = (b // inner) * inner  # start of a partial last row (b itself if b ends a row)
+    out = flat_boxes(shape, a, head)
+    if head < tail:
+        out.append((head, tail, ((head // inner, tail // inner), *full_box(shape[1:]))))
+    return out + flat_boxes(shape, tail, b)
 
 
-def _local_from_logical(full: torch.Tensor, op: OptimParam) -> torch.Tensor:
-    if op.tp is None:
-        return full
-    local = torch.zeros(op.local, dtype=full.dtype, device=full.device)
-    local.narrow(op.tp.dim, 0, op.tp.length).copy_(full.narrow(op.tp.dim, op.tp.start, op.tp.length))
-    return local
+@dataclass(frozen=True)
+class Region:
+    """A run ``[lo, hi)`` of a piece's flat storage that is one box of the logical tensor: ``piece.view(-1)[lo:hi]
+    .view(shape)[valid]`` is logical region ``box`` (``valid`` leaves out tensor-parallel padding)."""
+
+    lo: int
+    hi: int
+    shape: tuple[int, ...]
+    valid: tuple[slice, ...]
+    box: Box
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        """This region of ``t`` (the piece, or a tensor laid out like it), as a view."""
+        return t.reshape(-1)[self.lo: self.hi].view(self.shape)[self.valid]
 
 
-def _active(group: AxisGroup | None) -> bool:
-    return group is not None and group.size > 1
+def regions(op: OptimParam) -> list[Region]:
+    """The logical boxes that piece ``op`` holds (padding of a tensor-parallel slice is in none)."""
+    start = op.offset
+    out = []
+    for lo, hi, lbox in flat_boxes(op.local, start, start + op.tensor.numel()):
+        valid, box = [slice(None)] * len(lbox), list(lbox)
+        if op.tp is not None:
+            d = op.tp.dim
+            a, b = lbox[d]
+            stop = min(b, op.tp.length)
+            if stop <= a:
+                continue  # all padding
+            valid[d] = slice(0, stop - a)
+            box[d] = (a + op.tp.start, stop + op.tp.start)
+        out.append(Region(lo - start, hi - start, box_shape(lbox), tuple(valid), tuple(box)))
+    return out
 
 
-@torch.no_grad()
-def gather_state(sync: GradSync, optimizer: torch.optim.Optimizer, shapes: dict[str, tuple[int, ...]],
-                 tp_group: AxisGroup | None = None, pp_group: AxisGroup | None = None, grads: bool = False
-                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(parameters by name, optimizer state by "name/key"), full and on CPU, on every rank.
+@dataclass
+class Held:
+    """A logical tensor's part on this rank: ``tensor`` (a piece, or its optimizer state) and its regions."""
 
-    ``grads=True``: (the logical gradients by name, {}) instead, read from the pieces' ``.grad`` (call it
-    after the gradient sync and before the optimizer step; equivalence tests compare them).
+    key: str  # "name" for a parameter or buffer, "name/state" for optimizer state
+    shape: tuple[int, ...]  # the logical shape
+    tensor: torch.Tensor
+    regions: list[Region]
 
-    ``shapes`` lists every logical parameter (the same order on every rank, collectives follow it).
-    Under pipeline parallelism each tensor lives on one stage: a final all-reduce over ``pp_group``
-    (zeros elsewhere) brings it to every rank.
-    """
-    pieces = sync.optim_params()
-    zgroup = sync.norm_group
-    ep_group = sync.ep_group if _active(sync.ep_group) else None
-    ezgroup = sync.expert_norm_group if _active(sync.expert_norm_group) else None  # experts' ZeRO group
-    by_name: dict[str, list[OptimParam]] = {}
+    def parts(self) -> list[tuple[Box, torch.Tensor]]:
+        return [(r.box, r.of(self.tensor)) for r in self.regions]
+
+
+def _whole(key: str, t: torch.Tensor) -> Held:
+    shape = tuple(t.shape)
+    return Held(key, shape, t, [Region(0, t.numel(), shape, tuple(slice(None) for _ in shape), full_box(shape))])
+
+
+def local_state(pieces: list[OptimParam], optimizer: torch.optim.Optimizer | None,
+                buffers: dict[str, torch.Tensor] | None = None) -> list[Held]:
+    """Everything this rank holds of the logical state: parameters, optimizer state (if ``optimizer``) and
+    ``buffers`` (whole tensors by logical name, e.g. the MoE selection bias)."""
+    out = []
     for op in pieces:
-        by_name.setdefault(op.name, []).append(op)
-    # What each logical tensor looks like here: local shape, TP placement, state keys. A rank that
-    # owns no piece of a tensor (per-tensor ZeRO) learns it from the others.
-    info = {name: (ops[0].local, ops[0].tp, sorted({k for op in ops for k, v in optimizer.state.get(op.tensor, {})
-                                                   .items() if torch.is_tensor(v)}))
-            for name, ops in by_name.items()}
-    here: set[str] = set()
-    for g in (zgroup, ezgroup, ep_group, pp_group):
-        if g is pp_group:
-            here = set(info)  # the tensors of this pipeline stage (known to the whole ZeRO group)
-        if not _active(g):
+        regs = regions(op)
+        out.append(Held(op.name, op.shape, op.tensor.detach(), regs))
+        if optimizer is None:
             continue
-        merged: dict = {}
-        for d in comm.gather_objects(info, g):
-            for name, (local, tp, keys) in d.items():
-                old = merged.get(name)
-                merged[name] = (local, tp, sorted(set(keys) | set(old[2] if old else [])))
-        info = merged
-    device = pieces[0].tensor.device if pieces else torch.device("cpu")
-
-    def logical(name: str, shape: tuple[int, ...], value_of) -> torch.Tensor:
-        full = _logical_here(name, shape, value_of) if name in here or not _active(pp_group) else \
-            torch.zeros(shape, dtype=torch.float32, device=device)
-        if _active(pp_group):
-            comm.all_reduce(full, pp_group)
-        return full.cpu()
-
-    def _logical_here(name: str, shape: tuple[int, ...], value_of) -> torch.Tensor:
-        local_shape, tp, _ = info.get(name, (shape, None, []))
-        local = torch.zeros(local_shape, dtype=torch.float32, device=device)
-        for op in by_name.get(name, []):
-            v = value_of(op)
-            if v is not None:
-                _piece_of(local, op).copy_(v)
-        # Expert pieces: rebuilt over their ZeRO group, then over ep (zeros where another rank's experts sit).
-        groups = (ezgroup, ep_group) if ep_group is not None and expert_index(name) is not None else (zgroup,)
-        for group in groups:
-            if _active(group):
-                comm.all_reduce(local, group)
-        if tp is None:
-            return local
-        full = torch.zeros(shape, dtype=torch.float32, device=device)
-        full.narrow(tp.dim, tp.start, tp.length).copy_(local.narrow(tp.dim, 0, tp.length))
-        if _active(tp_group):
-            comm.all_reduce(full, tp_group)
-        return full
-
-    params, optim = {}, {}
-    if grads:
-        return {name: logical(name, shape, lambda op: op.tensor.grad) for name, shape in shapes.items()}, {}
-    for name, shape in shapes.items():
-        params[name] = logical(name, shape, lambda op: op.tensor)
-        for key in info.get(name, (None, None, []))[2]:
-            states = [optimizer.state[op.tensor][key] for op in by_name.get(name, []) if op.tensor in optimizer.state]
-            if key == "step" or (states and states[0].dim() == 0):  # a counter, the same everywhere
-                value = torch.tensor(max([float(s) for s in states], default=0.0), device=device)
-                for g in (zgroup, ezgroup, ep_group, pp_group):
-                    if _active(g):
-                        comm.all_reduce(value, g, op="max")
-                optim[f"{name}/{key}"] = value.cpu()
+        for k, v in sorted(optimizer.state.get(op.tensor, {}).items()):
+            if not torch.is_tensor(v):
                 continue
-            optim[f"{name}/{key}"] = logical(
-                name, shape, lambda op, k=key: optimizer.state[op.tensor][k] if op.tensor in optimizer.state else None)
-    return params, optim
+            if v.dim() == 0:  # a counter: the same for every piece of the tensor
+                out.append(_whole(f"{op.name}/{k}", v.detach()))
+            else:
+                out.append(Held(f"{op.name}/{k}", op.shape, v.detach(), regs))
+    for name, b in (buffers or {}).items():
+        out.append(_whole(name, b.detach()))
+    return out
+
+
+def _fill(t: torch.Tensor, key: str, regs: list[Region], source: TensorSource) -> None:
+    t.zero_()  # tensor-parallel padding stays zero
+    for r in regs:
+        r.of(t).copy_(source.read(key, r.box))
+
+
+def check_shapes(pieces: list[OptimParam], source: TensorSource, what: str) -> None:
+    """Every parameter this rank holds is in ``source`` with its logical shape, or one clear error."""
+    for op in pieces:
+        shape = source.shape(op.name)
+        if shape is None:
+            raise KeyError(f"{what} has no tensor {op.name}: it was written for another model.")
+        if tuple(shape) != tuple(op.shape):
+            raise ValueError(f"{op.name} has shape {tuple(shape)} in {what} but {op.shape} in the model: "
+                             f"check the model config.")
 
 
 @torch.no_grad()
-def load_state(sync: GradSync, optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor],
-               optim_by_name: dict[str, dict[str, torch.Tensor]]) -> None:
-    """Install full logical tensors into this rank's pieces (parameters and optimizer state)."""
-    pieces = sync.optim_params()
+def load_state(pieces: list[OptimParam], source: TensorSource, optimizer: torch.optim.Optimizer | None = None,
+               optim_keys: dict[str, list[str]] | None = None) -> None:
+    """Fill this rank's pieces from ``source``, a box at a time; with ``optimizer``, also install the optimizer
+    state ``optim_keys`` lists per parameter name (e.g. {"w": ["exp_avg", "exp_avg_sq", "step"]}).
+
+    The caller then runs ``sync.after_step()`` so that ranks holding parameters they do not own get them.
+    """
     for op in pieces:
-        if op.name not in params:
-            raise KeyError(f"the checkpoint has no tensor for {op.name}: it was written for another model.")
-        full = params[op.name]
-        if tuple(full.shape) != op.shape:
-            raise ValueError(f"{op.name} has shape {tuple(full.shape)} in the checkpoint but {op.shape} in the "
-                             f"model: check the model config.")
-        op.tensor.copy_(_piece_of(_local_from_logical(full.to(op.tensor.device), op), op))
-    sync.after_step()  # ranks that do not own a piece get it from its owner
-    sliced, names = {}, {}
-    for i, op in enumerate(pieces):
-        state = optim_by_name.get(op.name)
-        if state is None:
-            continue
-        key = f"piece{i}"
-        names[id(op.tensor)] = key
-        sliced[key] = {k: (v.float() if k == "step" and v.dim() == 0 else
-                           _piece_of(_local_from_logical(v, op), op).clone())
-                       for k, v in state.items()}
-    apply_optimizer_state(optimizer, names, sliced)
-
-
-def apply_optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str],
-                          by_name: dict[str, dict[str, torch.Tensor]]) -> None:
-    """Install per-name state for the optimizer's tensors (``names``: id(tensor) -> logical name)."""
+        _fill(op.tensor, op.name, regions(op), source)
+    if optimizer is None:
+        return
     optimizer.state.clear()
     # AdamW keeps its step counter on the parameter's device when fused or capturable, else on the CPU.
     step_on_device = bool(optimizer.defaults.get("fused") or optimizer.defaults.get("capturable"))
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = by_name.get(names.get(id(p), ""))
-            if state is None:
-                continue
-            optimizer.state[p] = {
-                k: v if (k == "step" and not step_on_device) else v.to(p.device) for k, v in state.items()
-            }
+    for op in pieces:
+        state = {}
+        for k in (optim_keys or {}).get(op.name, []):
+            key = f"{op.name}/{k}"
+            if source.shape(key) == ():
+                device = op.tensor.device if (k != "step" or step_on_device) else "cpu"
+                state[k] = source.read(key, ()).to(device=device, dtype=torch.float32).clone()
+            else:
+                t = torch.empty_like(op.tensor)
+                _fill(t, key, regions(op), source)
+                state[k] = t
+        if state:
+            optimizer.state[op.tensor] = state
+
+
+def gather_full(held: list[Held], group: AxisGroup) -> dict[str, torch.Tensor]:
+    """Whole logical tensors from every rank's ``held`` parts, on every rank of ``group``.
+
+    A test and debugging path for tiny models (it sends tensors as objects): training and checkpoints never
+    build whole tensors (``train/checkpoint.py`` writes each rank's boxes instead).
+    """
+    mine = [(h.key, h.shape, [(box, t.detach().cpu().clone()) for box, t in h.parts()]) for h in held]
+    full: dict[str, torch.Tensor] = {}
+    for rank_parts in comm.gather_objects(mine, group):
+        for key, shape, parts in rank_parts:
+            out = full.setdefault(key, torch.zeros(shape, dtype=torch.float32))
+            for box, t in parts:
+                out[relative(box, full_box(shape))] = t
+    return full
+
+
+def held_numel(held: list[Held]) -> int:
+    """Elements of logical state this rank holds (for memory checks)."""
+    return sum(box_numel(r.box) for h in held for r in h.regions)

@@ -21,13 +21,13 @@ GRAD_RTOL = 1e-5  # the step-1 logical gradient per tensor (relative Frobenius) 
 
 def logical_params(trainer) -> dict[str, torch.Tensor]:
     """The full logical (single-device-named) parameters, on CPU, on every rank. Collective."""
-    return trainer.parallel.gather_state(trainer.optimizer)[0]
+    return trainer.parallel.logical_tensors()
 
 
 def logical_grads(trainer) -> dict[str, torch.Tensor]:
     """The full logical gradients, on CPU, on every rank: call from a ``grad_hook`` (after the gradient sync,
     before clipping and the optimizer step). Collective."""
-    return trainer.parallel.gather_state(trainer.optimizer, grads=True)[0]
+    return trainer.parallel.logical_tensors(grads=True)
 
 
 def mesh_sizes(trainer) -> dict[str, int]:
@@ -84,11 +84,12 @@ def axis_bytes(run: str | Path) -> dict[int, dict[str, int]]:
 
 def checkpoint_params(run: str | Path) -> dict[str, torch.Tensor]:
     """The parameters (and saved buffers) of the latest checkpoint under ``run``/checkpoints."""
-    from meshtrain.train.checkpoint import latest_checkpoint, read_model_state
+    from meshtrain.train.checkpoint import CheckpointReader, latest_checkpoint
 
     path = latest_checkpoint(Path(run) / "checkpoints")
     assert path is not None, f"{run} holds no checkpoint"
-    return read_model_state(path)
+    reader = CheckpointReader(path)
+    return {k: reader.read_full(k) for k in reader.keys() if "/" not in k}
 
 
 # ----------------------------------------------------------------------------- comparisons

@@ -1,16 +1,32 @@
-"""Checkpoints: per logical tensor, in safetensors, written atomically, loaded without pickle.
+"""Sharded checkpoints: every rank writes only what it holds, any layout reads them back.
 
 A checkpoint is a folder ``step_000123/`` holding
 
-- ``model.safetensors``: every parameter under its name in the plain model (tied weights once);
-- ``optim.safetensors``: AdamW state as ``<param name>/exp_avg``, ``/exp_avg_sq``, ``/step``;
-- ``rng.safetensors``: the torch RNG states;
-- ``meta.json``: step, resolved config, tokenizer, tensor shapes and a format version.
+- ``rank_00000.safetensors``, ``rank_00001.safetensors``, ...: each rank's boxes of the logical tensors
+  (``parallel/state.py``): parameters under their single-device names, optimizer state as ``<name>/exp_avg``,
+  ``/exp_avg_sq``, ``/step``, the MoE selection bias. A box held by several ranks (replicas) is written once;
+- ``index.json``: each logical tensor's shape and its boxes, with the file that holds each;
+- ``rng.safetensors`` (the torch RNG states) and ``meta.json`` (format, step, resolved config, tokenizer, shapes).
 
-Tensors are stored under the names and global shapes of the single-device model, so a
-later layout can load what another layout wrote (sharded layouts gather or slice by name).
-The folder is written as ``.step_000123.tmp-<pid>`` and renamed when complete: a crash
-leaves no half-written checkpoint under a real name.
+Loading reads, for each box a rank holds, only the saved boxes that overlap it (``safe_open`` reads slices),
+so a checkpoint written by one layout loads into any other (dp, zero, tp, pp, cp, ep and world size) and no
+rank holds more than its own state plus one box in flight. Nothing is unpickled: tensors are safetensors,
+metadata is JSON.
+
+Atomic: all ranks write into ``.step_000123.tmp-<id>``; each rank's file appears under its final name only when
+complete; rank 0 writes the index and meta once every rank's file is there, then renames the folder. A crash
+at any point leaves no folder that ``latest_checkpoint`` picks up. Every rank must see the same filesystem
+(one machine, or a shared filesystem across nodes: the usual requirement of sharded checkpoints).
+
+Async (``train.ckpt_async``): the files are written by a background thread while training goes on. The thread
+reads the live tensors (no staging copy, so no extra memory); the trainer waits for it before the next
+optimizer step changes them (``wait_for_reads``), so the save overlaps the next step's forward and backward.
+
+Why not ``torch.distributed.checkpoint`` (DCP): its filesystem format stores metadata with pickle, which our
+rule never to unpickle a file forbids; its safetensors format stores one chunk per tensor per rank, where a
+ZeRO flat piece of a row-sliced weight is up to three boxes; and our pieces are not DTensors, so its planners
+would need replacing anyway. The box arithmetic above is what DCP's resharding does; the files stay
+standard safetensors that any tool can read.
 """
 
 from __future__ import annotations
@@ -19,18 +35,28 @@ import json
 import os
 import re
 import shutil
+import struct
+import threading
+import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from meshtrain.parallel.state import apply_optimizer_state
+from meshtrain import comm
+from meshtrain.mesh import AxisGroup
+from meshtrain.model.source import Box, box_numel, full_box, intersect, relative, tied_aliases
+from meshtrain.parallel.state import Held, check_shapes, load_state, local_state
+from meshtrain.train.optim import model_params
 
-FORMAT = 1
+FORMAT = 2  # 1: whole tensors in model.safetensors / optim.safetensors (still readable)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+           torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
 
 
 class CheckpointError(RuntimeError):
@@ -54,72 +80,176 @@ def latest_checkpoint(root: Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
-def model_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Parameters by name with tied tensors stored once; returns (tensors, aliases name -> stored name)."""
-    tensors, aliases, first = {}, {}, {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            aliases[name] = first[id(p)]
-            continue
-        first[id(p)] = name
-        tensors[name] = p.detach().cpu().contiguous()
-    return tensors, aliases
+# ----------------------------------------------------------------------------- writing
 
 
-def _param_names(model: nn.Module) -> dict[int, str]:
-    return {id(p): n for n, p in model.named_parameters()}
+def _box_name(key: str, box: Box) -> str:
+    return f"{key}@" + ",".join(f"{a}:{b}" for a, b in box)
 
 
-def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Optimizer state of a non-sharded model as ``{"<param name>/<key>": tensor}``."""
-    names = _param_names(model)
-    return {f"{names[id(p)]}/{key}": v.detach().cpu().contiguous()
-            for p, state in optimizer.state.items() for key, v in state.items() if torch.is_tensor(v)}
+def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """A safetensors file written one tensor at a time, straight from each tensor's memory.
 
-
-def save_checkpoint(root: Path, step: int, model: nn.Module | None, optimizer: torch.optim.Optimizer | None,
-                    extra: dict[str, Any], keep: int = 0, files: list[Path] = (),
-                    state: tuple[dict, dict, dict] | None = None) -> Path:
-    """Write checkpoint ``step`` under ``root`` atomically; keep the newest ``keep`` (0: all).
-
-    The tensors come from ``model``/``optimizer`` or, for sharded layouts, ready-made as
-    ``state = (tensors by name, aliases, optimizer tensors by "name/key")`` of the logical model.
-    ``files`` are copied in as they are (e.g. a tokenizer.json that generation will need).
+    ``safetensors.torch.save_file`` first copies every tensor into one bytes object, which would double the
+    memory a save needs; the format itself (a JSON header of dtypes, shapes and offsets, then raw bytes) can
+    be streamed. Readers are the safetensors library's own. Written as ``path.part`` and renamed when synced.
     """
-    root.mkdir(parents=True, exist_ok=True)
-    final = checkpoint_dir(root, step)
-    tmp = root / f".{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        if state is None:
-            tensors, aliases = model_state(model)
-            optim = optimizer_state(model, optimizer)
+    header, offset = {}, 0
+    for name, t in tensors:
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    part = path.with_name(path.name + ".part")
+    with open(part, "wb") as f:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for _, t in tensors:
+            f.write(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+
+
+class Checkpointer:
+    """Saves sharded checkpoints under ``root`` (collective: every rank of ``group`` calls ``save``).
+
+    ``keep``: how many checkpoints to keep (0: all). ``async_save``: write in a background thread.
+    ``commit_timeout_s``: how long rank 0 waits for the other ranks' files before giving the save up.
+    """
+
+    def __init__(self, root: Path | None, group: AxisGroup, rank: int, keep: int = 0, async_save: bool = False,
+                 commit_timeout_s: float = 1800.0) -> None:
+        self.root, self.group, self.rank, self.keep = root, group, rank, keep
+        self.async_save, self.commit_timeout_s = async_save, commit_timeout_s
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_path: Path | None = None
+        if rank == 0 and root is not None and root.is_dir():  # left by a crashed save (before any save starts)
+            for stale in root.glob(".step_*.tmp-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+
+    def save(self, step: int, held: list[Held], meta: dict[str, Any] | None = None,
+             files: list[Path] = ()) -> Path:
+        """Write this rank's boxes of ``held`` for checkpoint ``step``; rank 0 also writes ``meta`` (extra
+        fields for meta.json) and copies ``files`` in, then commits. Returns the checkpoint's final path.
+
+        Synchronous: returns when this rank's file is written (on rank 0: when the checkpoint is committed).
+        Async: returns at once; ``wait_for_reads`` / ``wait`` join the writer.
+        """
+        self.wait()  # one save in flight at most
+        mine = [(h.key, h.shape, str(t.dtype), box) for h in held for box, t in h.parts()]
+        token = uuid.uuid4().hex[:8] if self.rank == 0 else None
+        everyone = comm.gather_objects((token, mine), self.group)  # metadata only: who holds which box
+        token = everyone[0][0]
+        owner: dict[tuple[str, Box], int] = {}
+        for r, (_, boxes) in enumerate(everyone):
+            for key, _, _, box in boxes:
+                owner.setdefault((key, box), r)  # a replicated box is written by its lowest rank
+        me = self.group.index(self.rank)
+        writes = [(_box_name(h.key, box), t) for h in held for box, t in h.parts() if owner[(h.key, box)] == me]
+        final = checkpoint_dir(self.root, step)
+        tmp = self.root / f".{final.name}.tmp-{token}"
+        tmp.mkdir(parents=True, exist_ok=True)
+        my_file = tmp / f"rank_{me:05d}.safetensors"
+        index = self._index(everyone, owner) if self.rank == 0 else None
+        rng = _rng_state() if self.rank == 0 else None
+        self.last_path = final
+
+        def work() -> None:
+            try:
+                if writes:
+                    write_safetensors(my_file, writes)
+                if self.rank == 0:
+                    self._commit(tmp, final, step, index, rng, meta or {}, files)
+            except BaseException:
+                my_file.with_name(my_file.name + ".part").unlink(missing_ok=True)
+                if self.rank == 0:  # without rank 0 the save can never commit: nothing half-written stays
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise
+
+        if self.async_save:
+            self._thread = threading.Thread(target=self._guard(work), name=f"ckpt-{step}", daemon=True)
+            self._thread.start()
         else:
-            tensors, aliases, optim = state
-        save_file(tensors, str(tmp / "model.safetensors"))
-        save_file(optim, str(tmp / "optim.safetensors"))
-        rng = {"torch_cpu": torch.get_rng_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            rng["torch_cuda"] = torch.cuda.get_rng_state()
+            work()
+        return final
+
+    def _guard(self, fn):
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as e:  # surfaced on the main thread by wait()
+                self._error = e
+        return run
+
+    def wait_for_reads(self) -> None:
+        """Block until a save in progress no longer reads the live tensors (call before changing them)."""
+        self.wait()
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is written; re-raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise CheckpointError(f"saving a checkpoint under {self.root} failed: {e}") from e
+
+    # ------------------------------------------------------------------ rank 0
+
+    @staticmethod
+    def _index(everyone: list, owner: dict[tuple[str, Box], int]) -> dict[str, Any]:
+        tensors: dict[str, dict[str, Any]] = {}
+        for r, (_, boxes) in enumerate(everyone):
+            for key, shape, dtype, box in boxes:
+                entry = tensors.setdefault(key, {"shape": list(shape), "dtype": dtype, "boxes": []})
+                if owner[(key, box)] == r:
+                    entry["boxes"].append({"box": [list(b) for b in box], "file": f"rank_{r:05d}.safetensors",
+                                           "name": _box_name(key, box)})
+        for key, entry in tensors.items():  # every element written exactly once, or the layout code is wrong
+            total = sum(box_numel(tuple(tuple(b) for b in x["box"])) for x in entry["boxes"])
+            numel = box_numel(full_box(entry["shape"]))
+            if total != numel:
+                raise CheckpointError(f"internal error: the ranks hold {total} elements of {key}, which has {numel}")
+        return {"format": FORMAT, "tensors": tensors}
+
+    def _commit(self, tmp: Path, final: Path, step: int, index: dict[str, Any], rng: dict[str, torch.Tensor],
+                meta: dict[str, Any], files: list[Path]) -> None:
+        expected = {x["file"] for e in index["tensors"].values() for x in e["boxes"]}
+        deadline = time.monotonic() + self.commit_timeout_s
+        while not all((tmp / f).exists() for f in expected):  # the other ranks' files, complete
+            if time.monotonic() > deadline:
+                missing = sorted(f for f in expected if not (tmp / f).exists())
+                raise CheckpointError(f"ranks' files {missing[:3]} never appeared in {tmp}: the save was abandoned "
+                                      f"(a rank failed?). Resume uses the previous checkpoint.")
+            time.sleep(0.02)
+        (tmp / "index.json").write_text(json.dumps(index))
         save_file(rng, str(tmp / "rng.safetensors"))
         for f in files:
             shutil.copy(f, tmp / Path(f).name)
-        meta = {
-            "format": FORMAT, "step": step, "aliases": aliases,
-            "shapes": {n: list(t.shape) for n, t in tensors.items()}, **extra,
-        }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        shapes = {k: e["shape"] for k, e in index["tensors"].items() if "/" not in k}
+        (tmp / "meta.json").write_text(json.dumps({"format": FORMAT, "step": step, "shapes": shapes, **meta},
+                                                  indent=1))
         if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
             shutil.rmtree(final)
         os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if keep > 0:
-        for old in list_checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    return final
+        for stale in self.root.glob(".step_*.tmp-*"):  # left by a crashed save
+            shutil.rmtree(stale, ignore_errors=True)
+        if self.keep > 0:
+            for old in list_checkpoints(self.root)[:-self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    rng = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["torch_cuda"] = torch.cuda.get_rng_state()
+    return rng
+
+
+# ----------------------------------------------------------------------------- reading
 
 
 def read_checkpoint_meta(path: Path) -> dict[str, Any]:
@@ -131,71 +261,138 @@ def read_checkpoint_meta(path: Path) -> dict[str, Any]:
         meta = json.loads(meta_file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{meta_file} is corrupt ({e}): resume from another checkpoint.") from None
-    if meta.get("format") != FORMAT or "step" not in meta:
-        raise CheckpointError(f"{meta_file}: unknown checkpoint format {meta.get('format')!r} (expected {FORMAT}).")
+    fmt = meta.get("format")
+    if isinstance(fmt, int) and fmt > FORMAT:
+        raise CheckpointError(f"{meta_file}: written by a newer meshtrain (checkpoint format {fmt}; this version "
+                              f"reads formats 1 to {FORMAT}): upgrade meshtrain to load it.")
+    if fmt not in (1, FORMAT) or "step" not in meta:
+        raise CheckpointError(f"{meta_file}: unknown checkpoint format {fmt!r} (expected 1 to {FORMAT}).")
     return meta
 
 
-def _load_tensors(file: Path) -> dict[str, torch.Tensor]:
+def _open(file: Path):
     if not file.is_file():
         raise CheckpointError(f"Checkpoint file {file} is missing: the checkpoint is incomplete.")
     try:
-        return load_file(str(file))
+        return safe_open(str(file), framework="pt")
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"Checkpoint file {file} is corrupt ({e}): delete the folder or resume "
                               f"from an earlier checkpoint.") from None
 
 
-def load_model_weights(path: Path, model: nn.Module) -> dict[str, Any]:
-    """Load parameters by name into ``model`` (whose shapes must match); returns the meta."""
-    meta = read_checkpoint_meta(path)
-    tensors = read_model_state(path)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    missing = sorted(set(params) - set(tensors))
-    if missing:
-        raise CheckpointError(f"{path}: the checkpoint has no tensor for {missing[:3]}: it was written for "
-                              f"another model shape.")
-    with torch.no_grad():
-        for name, p in params.items():
-            t = tensors[name]
-            if t.shape != p.shape:
-                raise CheckpointError(f"{path}: {name} has shape {tuple(t.shape)} in the checkpoint but "
-                                      f"{tuple(p.shape)} in the model: check the model config.")
-            p.copy_(t)
-        for name, b in model.named_buffers():  # persistent state such as the MoE selection bias, when saved
-            if name in tensors and tensors[name].shape == b.shape:
-                b.copy_(tensors[name])
-    return meta
+class CheckpointReader:
+    """A checkpoint folder as a ``TensorSource``: any box of any logical tensor, reading only the saved boxes
+    that overlap it. Reads format 2 (sharded) and format 1 (whole tensors)."""
 
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.meta = read_checkpoint_meta(self.path)
+        self.aliases: dict[str, str] = self.meta.get("aliases", {})
+        self._files: dict[str, Any] = {}
+        # key -> (shape, [(box, file, name in file)])
+        self.tensors: dict[str, tuple[tuple[int, ...], list[tuple[Box, str, str]]]] = {}
+        if self.meta["format"] == 1:
+            for file in ("model.safetensors", "optim.safetensors"):
+                f = self._file(file)
+                for key in f.keys():
+                    shape = tuple(f.get_slice(key).get_shape())
+                    self.tensors[key] = (shape, [(full_box(shape), file, key)])
+        else:
+            index_file = self.path / "index.json"
+            if not index_file.is_file():
+                raise CheckpointError(f"{index_file} is missing: the checkpoint is incomplete.")
+            try:
+                index = json.loads(index_file.read_text())
+            except json.JSONDecodeError as e:
+                raise CheckpointError(f"{index_file} is corrupt ({e}): resume from another checkpoint.") from None
+            for key, e in index["tensors"].items():
+                self.tensors[key] = (tuple(e["shape"]), [(tuple(tuple(b) for b in x["box"]), x["file"], x["name"])
+                                                         for x in e["boxes"]])
 
-def read_optimizer_state(path: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """``{param name: {key: tensor}}`` from a checkpoint's optim.safetensors."""
-    by_name: dict[str, dict[str, torch.Tensor]] = {}
-    for key, t in _load_tensors(path / "optim.safetensors").items():
-        pname, _, field = key.rpartition("/")
-        by_name.setdefault(pname, {})[field] = t
-    return by_name
+    def _file(self, name: str):
+        if name not in self._files:
+            self._files[name] = _open(self.path / name)
+        return self._files[name]
 
+    def keys(self) -> list[str]:
+        return list(self.tensors) + list(self.aliases)
 
-def read_model_state(path: Path) -> dict[str, torch.Tensor]:
-    """Every parameter by name (tied names included) from a checkpoint's model.safetensors."""
-    meta = read_checkpoint_meta(path)
-    tensors = _load_tensors(path / "model.safetensors")
-    for alias, name in meta.get("aliases", {}).items():
-        tensors.setdefault(alias, tensors[name])
-    return tensors
+    def shape(self, key: str) -> tuple[int, ...] | None:
+        entry = self.tensors.get(self.aliases.get(key, key))
+        return None if entry is None else entry[0]
+
+    def optimizer_keys(self) -> dict[str, list[str]]:
+        """The optimizer state saved for each parameter: {name: ["exp_avg", "exp_avg_sq", "step"]}."""
+        out: dict[str, list[str]] = {}
+        for key in self.tensors:
+            name, sep, field = key.rpartition("/")
+            if sep:
+                out.setdefault(name, []).append(field)
+        return out
+
+    def read(self, key: str, box: Box) -> torch.Tensor:
+        key = self.aliases.get(key, key)
+        shape, saved = self.tensors[key]
+        out, covered = None, 0
+        for sbox, file, name in saved:
+            common = intersect(sbox, box)
+            if common is None:
+                continue
+            part = self._file(file).get_slice(name)[relative(common, sbox)] if common else \
+                self._file(file).get_tensor(name)
+            if out is None:
+                out = torch.empty([b - a for a, b in box], dtype=part.dtype)
+            out[relative(common, box)] = part
+            covered += box_numel(common)
+        if out is None or covered != box_numel(box):
+            raise CheckpointError(f"{self.path}: the saved boxes of {key} do not cover {list(box)}: the "
+                                  f"checkpoint is incomplete.")
+        return out
+
+    def read_full(self, key: str) -> torch.Tensor:
+        return self.read(key, full_box(self.shape(key)))
 
 
 def restore_rng(path: Path) -> None:
-    rng = _load_tensors(path / "rng.safetensors")
+    file = path / "rng.safetensors"
+    if not file.is_file():
+        raise CheckpointError(f"Checkpoint file {file} is missing: the checkpoint is incomplete.")
+    try:
+        rng = load_file(str(file))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"Checkpoint file {file} is corrupt ({e}): delete the folder or resume "
+                              f"from an earlier checkpoint.") from None
     torch.set_rng_state(rng["torch_cpu"])
     if "torch_cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["torch_cuda"])
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Restore model, optimizer state and RNG from a checkpoint folder; returns its meta."""
-    meta = load_model_weights(path, model)
-    apply_optimizer_state(optimizer, _param_names(model), read_optimizer_state(path))
-    restore_rng(path)
-    return meta
+# ----------------------------------------------------------------------------- one whole model
+
+
+def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Persistent buffers (state, such as the MoE selection bias) by name."""
+    persistent = set(model.state_dict())
+    return {n: b for n, b in model.named_buffers() if n in persistent}
+
+
+def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    meta: dict[str, Any] | None = None, keep: int = 0) -> Path:
+    """Checkpoint a whole model held by one process (tools and tests; training ranks use ``Checkpointer``)."""
+    held = local_state(model_params(model), optimizer, _buffers(model))
+    group = AxisGroup("world", (0,), None)
+    return Checkpointer(Path(root), group, 0, keep).save(step, held, {**(meta or {}), "aliases": tied_aliases(model)})
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """Restore a whole model (and ``optimizer``, and the RNG) from a checkpoint of any layout; returns its meta."""
+    reader = CheckpointReader(Path(path))
+    pieces = model_params(model)
+    check_shapes(pieces, reader, str(path))
+    load_state(pieces, reader, optimizer, reader.optimizer_keys() if optimizer is not None else None)
+    with torch.no_grad():
+        for name, b in _buffers(model).items():
+            if reader.shape(name) == tuple(b.shape):
+                b.copy_(reader.read_full(name))
+    restore_rng(Path(path))
+    return reader.meta

@@ -22,20 +22,13 @@ from meshtrain import comm
 from meshtrain.config import Config, ConfigError, save_config
 from meshtrain.generate import sample
 from meshtrain.mesh import Mesh, init_distributed
-from meshtrain.model.llama import build_model
+from meshtrain.model.llama import InitSource, build_model
+from meshtrain.model.source import tied_aliases
 from meshtrain.parallel.parallelize import DTYPES, parallelize
 from meshtrain.plan.flops import flops_per_token, mfu, param_count
 from meshtrain.plan.hardware import peak_flops
 from meshtrain.plan.validate import validate_layout
-from meshtrain.train.checkpoint import (
-    latest_checkpoint,
-    model_state,
-    read_checkpoint_meta,
-    read_model_state,
-    read_optimizer_state,
-    restore_rng,
-    save_checkpoint,
-)
+from meshtrain.train.checkpoint import Checkpointer, CheckpointReader, latest_checkpoint, restore_rng
 from meshtrain.train.data import SyntheticDataset, TokenDataset
 from meshtrain.train.metrics import MetricsLogger, peak_memory_bytes
 from meshtrain.train.optim import build_optimizer, set_lr
@@ -104,16 +97,20 @@ class Trainer:
 
         # A split too small for one sequence (e.g. prepared with val_fraction=0) means no validation.
         self.can_validate = self.val_data.num_tokens >= t.seq_len + 2
-        # The plain model, then every parallelism in one fixed order (parallel/parallelize.py).
-        self.model = build_model(cfg.model, t.seed, self.device)
-        _, self.aliases = model_state(self.model)
+        # The plain model on the meta device (no storage), then every parallelism in one fixed order
+        # (parallel/parallelize.py), which gives each rank storage for what it holds and nothing more.
+        self.model = build_model(cfg.model, t.seed, self.device, meta=True)
+        self.aliases = tied_aliases(self.model)
+        self.shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
         self.parallel = parallelize(self.model, self.mesh, cfg)
         self.optimizer = build_optimizer(self.parallel.optim_params(), t)
         self.step = 0
         self.ckpt_root = self.out_dir / "checkpoints" if self.out_dir else None
+        self.checkpointer = Checkpointer(self.ckpt_root, self.mesh.group("world"), self.mesh.rank, t.ckpt_keep,
+                                         t.ckpt_async)
         self._check_out_dir()
-        if t.resume:
-            self._resume()
+        # Then the values, each rank reading only its boxes: from the latest checkpoint, or the seeded init.
+        self._load_weights()
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         self.peak = t.peak_flops or peak_flops(self.device, self.dtype)
 
@@ -137,16 +134,18 @@ class Trainer:
                 f"continue it, or choose another --out."
             )
 
-    def _resume(self) -> None:
-        if self.ckpt_root is None:
+    def _load_weights(self) -> None:
+        t = self.cfg.train
+        if t.resume and self.ckpt_root is None:
             raise ConfigError("train.resume=true needs --out DIR (where the checkpoints are).")
-        path = latest_checkpoint(self.ckpt_root)
-        if path is None:
-            return  # nothing yet: a fresh start, so a restarted job can always pass resume=true
-        meta = read_checkpoint_meta(path)
-        self.parallel.load_state(self.optimizer, read_model_state(path), read_optimizer_state(path))
+        path = latest_checkpoint(self.ckpt_root) if t.resume else None
+        if path is None:  # a fresh start (so a restarted job can always pass resume=true)
+            self.parallel.load_state(self.optimizer, InitSource(self.cfg.model, t.seed, self.shapes))
+            return
+        reader = CheckpointReader(path)
+        self.parallel.load_state(self.optimizer, reader, reader.optimizer_keys(), what=str(path))
         restore_rng(path)
-        self.step = int(meta["step"])
+        self.step = int(reader.meta["step"])
 
     # ------------------------------------------------------------------ the step
 
@@ -167,6 +166,7 @@ class Trainer:
             self.grad_hook(step, self)
         norm = self.parallel.clip_grads(t.grad_clip)
         lr = set_lr(self.optimizer, step, t)
+        self.checkpointer.wait_for_reads()  # an async save may still be reading what the step changes
         self.optimizer.step()
         routing = self.parallel.after_optimizer_step()
         return {"loss": loss, "lr": lr, "grad_norm": norm, **routing}
@@ -182,19 +182,15 @@ class Trainer:
         return total / count
 
     def save(self) -> Path | None:
+        """Write a checkpoint of the current step (collective: each rank writes the boxes it holds)."""
         if self.ckpt_root is None:
             return None
-        # Collective under sharding: every rank takes part, rank 0 writes.
-        params, optim = self.parallel.gather_state(self.optimizer)
-        if not self.is_logger:
-            return None
-        params = {n: v for n, v in params.items() if n not in self.aliases}
         files = [self.data_dir / "tokenizer.json"] if self.data_dir and (self.data_dir / "tokenizer.json").exists() \
             else []
-        extra = {"config": self.cfg.to_dict(), "tokenizer": self.tokenizer.name if self.tokenizer else None,
-                 "tokens_seen": self.step * self.cfg.train.global_batch * self.cfg.train.seq_len}
-        return save_checkpoint(self.ckpt_root, self.step, None, None, extra, keep=self.cfg.train.ckpt_keep,
-                               files=files, state=(params, self.aliases, optim))
+        meta = {"config": self.cfg.to_dict(), "tokenizer": self.tokenizer.name if self.tokenizer else None,
+                "tokens_seen": self.step * self.cfg.train.global_batch * self.cfg.train.seq_len,
+                "aliases": self.aliases}
+        return self.checkpointer.save(self.step, self.parallel.local_state(self.optimizer), meta, files)
 
     # ------------------------------------------------------------------ the loop
 
@@ -267,6 +263,7 @@ class Trainer:
                 log.write("sample:\n" + t.sample_prompt + text)
         finally:
             log.close()
+        self.checkpointer.wait()  # the last save is on disk (and, on rank 0, committed) before train returns
         return records
 
     def _record_comm(self) -> None:

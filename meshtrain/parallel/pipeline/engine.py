@@ -80,6 +80,9 @@ def split(model: Llama, mesh: Mesh, schedule: PipelineSchedule, partition: Parti
     if wgrad is not None:
         for stage in stages.values():
             defer_weight_grads(stage, wgrad)
+            for attr in ("tok_embeddings", "norm", "output"):  # the model keeps holding the stage's modules
+                if getattr(stage, attr) is not None:
+                    setattr(model, attr, getattr(stage, attr))
     return stages
 
 
