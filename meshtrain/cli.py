@@ -1,8 +1,9 @@
-"""``meshtrain`` command line: train | prepare-data | generate.
+"""``meshtrain`` command line (also ``python -m meshtrain``): train | prepare-data | generate | convert | ...
 
     meshtrain train --config FILE [--out DIR] [--nproc N] [section.key=value ...]
     meshtrain prepare-data [--src DIR] [--out DIR] [--tokenizer byte|tokenizer.json]
     meshtrain generate --ckpt DIR [--prompt TEXT] [--tokens N]
+    meshtrain convert --ckpt DIR --out HF_DIR [--max-shard-size 5GB]   (a checkpoint -> a HuggingFace Llama folder)
     meshtrain schedule --pp 4 --microbatches 8 --schedule 1f1b [--png out.png]
     meshtrain plan --model llama3-70b --hardware h100 --nodes 128 --batch-tokens 4M [--emit run.yaml] [--json]
 """
@@ -15,7 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from meshtrain.config import ConfigError, load_config
+from meshtrain.config import Config, ConfigError, load_config
+from meshtrain.model.source import TensorSource
 from meshtrain.plan.validate import validate_layout
 from meshtrain.train.checkpoint import CheckpointError
 
@@ -66,6 +68,23 @@ def _train(argv: list[str]) -> int:
     return 0
 
 
+def _find_checkpoint(arg: str) -> tuple[Path, dict, Config]:
+    """The checkpoint ``--ckpt`` names (a step_* folder, or a run folder: its latest), its meta and its config."""
+    from meshtrain.config import update_from_dict
+    from meshtrain.train.checkpoint import latest_checkpoint, read_checkpoint_meta
+
+    path = Path(arg)
+    if not path.exists():
+        raise ConfigError(f"--ckpt {path} does not exist.")
+    if not (path / "meta.json").exists():
+        found = latest_checkpoint(path / "checkpoints") or latest_checkpoint(path)
+        if found is None:
+            raise CheckpointError(f"--ckpt {path} holds no checkpoint: pass a run's --out folder or a step_* folder.")
+        path = found
+    meta = read_checkpoint_meta(path)
+    return path, meta, update_from_dict(Config(), meta["config"], str(path / "meta.json"))
+
+
 def _generate(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="meshtrain generate", description="Sample text from a checkpoint.")
     ap.add_argument("--ckpt", required=True, help="a checkpoint folder (step_NNNNNN) or a run folder (--out)")
@@ -76,23 +95,13 @@ def _generate(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    from meshtrain.config import Config, update_from_dict
     from meshtrain.generate import sample
     from meshtrain.model.llama import Llama
     from meshtrain.model.source import load_full
-    from meshtrain.train.checkpoint import CheckpointReader, latest_checkpoint, read_checkpoint_meta
+    from meshtrain.train.checkpoint import CheckpointReader
     from meshtrain.train.tokenizer import load_tokenizer
 
-    path = Path(args.ckpt)
-    if not path.exists():
-        raise ConfigError(f"--ckpt {path} does not exist.")
-    if not (path / "meta.json").exists():
-        found = latest_checkpoint(path / "checkpoints") or latest_checkpoint(path)
-        if found is None:
-            raise CheckpointError(f"--ckpt {path} holds no checkpoint: pass a run's --out folder or a step_* folder.")
-        path = found
-    meta = read_checkpoint_meta(path)
-    cfg = update_from_dict(Config(), meta["config"], str(path / "meta.json"))
+    path, meta, cfg = _find_checkpoint(args.ckpt)
     if not meta.get("tokenizer"):
         raise CheckpointError(f"{path} was trained on synthetic data: there is no tokenizer to decode with.")
     tok = load_tokenizer("hf" if meta["tokenizer"] == "hf" else meta["tokenizer"], path)
@@ -101,6 +110,50 @@ def _generate(argv: list[str]) -> int:
     ids = sample(model, tok.encode(args.prompt), args.tokens, cfg.train.seq_len, args.temperature, args.top_k,
                  args.seed)
     print(args.prompt + tok.decode(ids))
+    return 0
+
+
+def _checkpoint_source(path: Path) -> TensorSource:
+    """A checkpoint's tensors by logical name, read lazily a tensor at a time (any layout wrote it)."""
+    from meshtrain.train.checkpoint import CheckpointReader
+
+    return CheckpointReader(path)
+
+
+def _parse_size(text: str) -> int:
+    """Bytes from ``5GB``, ``200MB``, ``2GiB`` or a plain number of bytes (transformers' max_shard_size style)."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    t = text.strip().upper()
+    digits = t.rstrip("KMGIB")
+    try:
+        value = float(digits) * units[t[len(digits):]]
+    except (ValueError, KeyError):
+        raise ConfigError(f"--max-shard-size {text!r}: expected bytes or a size like 5GB, 200MB, 2GiB.") from None
+    if value < 1:
+        raise ConfigError(f"--max-shard-size {text!r} must be positive.")
+    return int(value)
+
+
+def _convert(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="meshtrain convert",
+                                 description="Export a checkpoint as a HuggingFace LlamaForCausalLM folder "
+                                             "(config.json + safetensors; docs/huggingface.md).")
+    ap.add_argument("--ckpt", required=True, help="a checkpoint folder (step_NNNNNN) or a run folder (--out)")
+    ap.add_argument("--out", required=True, help="the HF folder to write (must not exist, or be empty)")
+    ap.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB, as HF)")
+    args = ap.parse_args(argv)
+
+    from meshtrain.model.hf import export_hf
+    from meshtrain.train.tokenizer import load_tokenizer
+
+    max_bytes = _parse_size(args.max_shard_size)
+    path, meta, cfg = _find_checkpoint(args.ckpt)
+    tokenizer_json = path / "tokenizer.json"
+    files = [tokenizer_json] if tokenizer_json.is_file() else []
+    eos = load_tokenizer(meta["tokenizer"], path).eos_id if meta.get("tokenizer") else None
+    out = export_hf(_checkpoint_source(path), cfg.model, args.out, max_bytes, files, eos_token_id=eos)
+    print(f"wrote {out} (LlamaForCausalLM, {sum(1 for _ in out.glob('*.safetensors'))} safetensors file(s)"
+          f"{', tokenizer.json' if files else ''}) from {path}")
     return 0
 
 
@@ -122,7 +175,8 @@ def _plan(argv: list[str]) -> int:
     return main(argv)
 
 
-COMMANDS = {"train": _train, "prepare-data": _prepare, "generate": _generate, "schedule": _schedule, "plan": _plan}
+COMMANDS = {"train": _train, "prepare-data": _prepare, "generate": _generate, "convert": _convert,
+            "schedule": _schedule, "plan": _plan}
 
 
 def main(argv: list[str] | None = None) -> int:

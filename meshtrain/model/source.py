@@ -13,7 +13,12 @@ checkpoint (``train/checkpoint.py``) and a HuggingFace folder (``model/hf.py``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import json
+import math
+import os
+import struct
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -112,3 +117,41 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
         else:
             first[id(p)] = name
     return aliases
+
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+                      torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...], torch.dtype, Callable[[], torch.Tensor]]],
+                      metadata: dict[str, str] | None = None) -> None:
+    """A safetensors file streamed one tensor at a time: ``tensors`` lists (name, shape, dtype, produce); the
+    header is computed from the shapes, then each tensor is produced, written straight from its memory and
+    dropped. (safetensors' own ``save_file`` first copies every tensor of the file into one bytes object,
+    which would double the memory of a checkpoint or an export.) Readers are the safetensors library's own.
+
+    Written as ``path.part``, synced and renamed: a file under its final name is always complete.
+    """
+    header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}  # transformers wants it
+    offset = 0
+    for name, shape, dtype, _ in tensors:
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    part = path.with_name(path.name + ".part")
+    try:
+        with open(part, "wb") as f:
+            f.write(struct.pack("<Q", len(head)))
+            f.write(head)
+            for name, shape, dtype, produce in tensors:
+                t = produce().detach().to(dtype).contiguous().cpu()
+                if tuple(t.shape) != tuple(shape):
+                    raise ValueError(f"{name}: produced shape {tuple(t.shape)}, expected {tuple(shape)}")
+                f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)

@@ -35,7 +35,6 @@ import json
 import os
 import re
 import shutil
-import struct
 import threading
 import time
 import uuid
@@ -49,14 +48,12 @@ from torch import nn
 
 from meshtrain import comm
 from meshtrain.mesh import AxisGroup
-from meshtrain.model.source import Box, box_numel, full_box, intersect, relative, tied_aliases
+from meshtrain.model.source import Box, box_numel, full_box, intersect, relative, tied_aliases, write_safetensors
 from meshtrain.parallel.state import Held, check_shapes, load_state, local_state
 from meshtrain.train.optim import model_params
 
 FORMAT = 2  # 1: whole tensors in model.safetensors / optim.safetensors (still readable)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-           torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
 
 
 class CheckpointError(RuntimeError):
@@ -85,31 +82,6 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 def _box_name(key: str, box: Box) -> str:
     return f"{key}@" + ",".join(f"{a}:{b}" for a, b in box)
-
-
-def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> None:
-    """A safetensors file written one tensor at a time, straight from each tensor's memory.
-
-    ``safetensors.torch.save_file`` first copies every tensor into one bytes object, which would double the
-    memory a save needs; the format itself (a JSON header of dtypes, shapes and offsets, then raw bytes) can
-    be streamed. Readers are the safetensors library's own. Written as ``path.part`` and renamed when synced.
-    """
-    header, offset = {}, 0
-    for name, t in tensors:
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    part = path.with_name(path.name + ".part")
-    with open(part, "wb") as f:
-        f.write(struct.pack("<Q", len(head)))
-        f.write(head)
-        for _, t in tensors:
-            f.write(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, path)
 
 
 class Checkpointer:
@@ -148,7 +120,8 @@ class Checkpointer:
             for key, _, _, box in boxes:
                 owner.setdefault((key, box), r)  # a replicated box is written by its lowest rank
         me = self.group.index(self.rank)
-        writes = [(_box_name(h.key, box), t) for h in held for box, t in h.parts() if owner[(h.key, box)] == me]
+        writes = [(_box_name(h.key, box), tuple(t.shape), t.dtype, lambda t=t: t) for h in held
+                  for box, t in h.parts() if owner[(h.key, box)] == me]
         final = checkpoint_dir(self.root, step)
         tmp = self.root / f".{final.name}.tmp-{token}"
         tmp.mkdir(parents=True, exist_ok=True)
@@ -164,7 +137,6 @@ class Checkpointer:
                 if self.rank == 0:
                     self._commit(tmp, final, step, index, rng, meta or {}, files)
             except BaseException:
-                my_file.with_name(my_file.name + ".part").unlink(missing_ok=True)
                 if self.rank == 0:  # without rank 0 the save can never commit: nothing half-written stays
                     shutil.rmtree(tmp, ignore_errors=True)
                 raise

@@ -1,0 +1,421 @@
+"""HuggingFace Llama weights in and out: a ``TensorSource`` over an HF folder, and an exporter to one.
+
+An HF folder is ``config.json`` plus ``model.safetensors`` (or shards listed in ``model.safetensors.index.json``).
+``hf_model_config`` maps its config.json to our ``ModelConfig`` and refuses, in one line that names the file and
+the field, anything our model does not compute the same way. ``HFSource`` serves our logical tensors by our names,
+reading only the requested box from the safetensors files (``safe_open(...).get_slice``), so a training rank
+reads only its pieces. ``export_hf`` writes any ``TensorSource`` of our model as a folder that transformers'
+``LlamaForCausalLM.from_pretrained`` loads, one tensor at a time.
+
+Names (ours -> HF, ``{i}`` a layer index):
+
+    tok_embeddings.weight                 model.embed_tokens.weight
+    layers.{i}.attention_norm.weight      model.layers.{i}.input_layernorm.weight
+    layers.{i}.attention.wq.weight        model.layers.{i}.self_attn.q_proj.weight   (rows permuted, see below)
+    layers.{i}.attention.wk.weight        model.layers.{i}.self_attn.k_proj.weight   (rows permuted)
+    layers.{i}.attention.wv.weight        model.layers.{i}.self_attn.v_proj.weight
+    layers.{i}.attention.wo.weight        model.layers.{i}.self_attn.o_proj.weight
+    layers.{i}.ffn_norm.weight            model.layers.{i}.post_attention_layernorm.weight
+    layers.{i}.feed_forward.w1.weight     model.layers.{i}.mlp.gate_proj.weight
+    layers.{i}.feed_forward.w3.weight     model.layers.{i}.mlp.up_proj.weight
+    layers.{i}.feed_forward.w2.weight     model.layers.{i}.mlp.down_proj.weight
+    norm.weight                           model.norm.weight
+    output.weight                         lm_head.weight (model.embed_tokens.weight when tied)
+
+RoPE: ours rotates interleaved pairs (x[2j], x[2j+1]) of each head by angle j (Meta's layout); HF's rotates halves
+(x[j], x[j + head_dim/2]). Both give the same attention scores if the rows of wq and wk are reordered within each
+head: our row 2j+p is HF's row p*head_dim/2 + j (``interleaved_to_halves``, the permutation HF's own
+convert_llama_weights_to_hf applies; ``halves_to_interleaved`` inverts it). Dot products q.k are sums over the
+same pairs either way, so the scores, and the logits, are the same. wv, wo and everything else are unchanged.
+
+Mixtral is not supported: Mixtral renormalises the top-k gate weights of each token to sum to one, our router
+(``moe.py``) uses the softmax probabilities as they are, so the same weights give different logits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from meshtrain.config import ModelConfig
+from meshtrain.model.source import Box, TensorSource, full_box, write_safetensors
+
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+SUPPORTED = "LlamaForCausalLM (model_type llama)"
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
+
+
+# ----------------------------------------------------------------------------- RoPE permutation
+
+
+def interleaved_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of wq/wk from our interleaved-pair RoPE layout to HF's rotate-half layout (per head:
+    our row 2j+p -> HF row p*head_dim/2 + j). ``w`` holds ``n_heads`` whole heads of rows."""
+    head_dim = w.shape[0] // n_heads
+    return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def halves_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of ``interleaved_to_halves``: HF's wq/wk rows to ours."""
+    head_dim = w.shape[0] // n_heads
+    return w.reshape(n_heads, 2, head_dim // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+# ----------------------------------------------------------------------------- config.json
+
+
+def _config_error(file: Path, field: str, value: Any, supported: str) -> ValueError:
+    return ValueError(f"{file}: {field} is {value!r}; meshtrain supports {supported}.")
+
+
+def _read_config(folder: Path) -> tuple[Path, dict[str, Any]]:
+    file = folder / CONFIG
+    if not folder.is_dir():
+        raise FileNotFoundError(f"HuggingFace folder {folder} does not exist.")
+    if not file.is_file():
+        raise FileNotFoundError(f"{folder} has no {CONFIG}: pass a HuggingFace model folder "
+                                f"(config.json with model.safetensors or its shards).")
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON ({e}).") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected a JSON object of LlamaConfig fields.")
+    return file, data
+
+
+def _positive_int(file: Path, data: dict[str, Any], key: str, default: int | None = None) -> int:
+    value = data.get(key, default)
+    if value is None:
+        raise ValueError(f"{file}: {key} is missing; a {SUPPORTED} config.json has it.")
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise _config_error(file, key, value, "a positive integer")
+    return value
+
+
+def _rope_theta(file: Path, data: dict[str, Any]) -> float:
+    """rope_theta from either layout: transformers 4 (``rope_theta``, ``rope_scaling``) or 5 (``rope_parameters``).
+    Only the plain rotation is implemented (layers.rope_tables): any scaling (linear, dynamic, llama3, yarn...)
+    would change the angles, so it is refused rather than ignored."""
+    theta = data.get("rope_theta", 10000.0)
+    for key in ("rope_scaling", "rope_parameters"):
+        params = data.get(key)
+        if params is None:
+            continue
+        if not isinstance(params, dict):
+            raise _config_error(file, key, params, "null or a mapping with rope_type default")
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind != "default":
+            raise _config_error(file, f"{key}.rope_type", kind, "only rope_type default (no RoPE scaling)")
+        theta = params.get("rope_theta", theta)
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:
+        raise _config_error(file, "rope_theta", theta, "a positive number")
+    return float(theta)
+
+
+def hf_model_config(folder: str | Path) -> ModelConfig:
+    """Our ``ModelConfig`` for the HF folder's config.json (a LlamaForCausalLM).
+
+    Raises a one-line ``ValueError`` naming the file, the field and what is supported for anything our model
+    does not compute the same way: another architecture (Mixtral included: see the module docstring), RoPE
+    scaling, attention or MLP biases, an activation other than SiLU, head_dim other than hidden/heads.
+    """
+    file, c = _read_config(Path(folder))
+    arch = c.get("architectures")
+    if arch is not None and arch != ["LlamaForCausalLM"]:
+        if isinstance(arch, list) and "MixtralForCausalLM" in arch:
+            raise ValueError(f"{file}: architectures is {arch!r}; meshtrain supports {SUPPORTED} only: Mixtral "
+                             f"renormalises each token's top-k gate weights, meshtrain's router does not, so the "
+                             f"logits would differ (docs/huggingface.md).")
+        raise _config_error(file, "architectures", arch, SUPPORTED)
+    if c.get("model_type") != "llama":
+        raise _config_error(file, "model_type", c.get("model_type"), SUPPORTED)
+    for key in ("attention_bias", "mlp_bias"):
+        if c.get(key, False):
+            raise _config_error(file, key, c[key], "false only (meshtrain's Llama has no biases)")
+    if c.get("hidden_act", "silu") != "silu":
+        raise _config_error(file, "hidden_act", c["hidden_act"], "silu only (SwiGLU)")
+    d_model = _positive_int(file, c, "hidden_size")
+    n_heads = _positive_int(file, c, "num_attention_heads")
+    if d_model % n_heads:
+        raise _config_error(file, "num_attention_heads", n_heads, f"a divisor of hidden_size={d_model}")
+    head_dim = c.get("head_dim")
+    if head_dim is not None and head_dim != d_model // n_heads:
+        raise _config_error(file, "head_dim", head_dim, f"head_dim = hidden_size / num_attention_heads = "
+                                                        f"{d_model // n_heads} only")
+    if head_dim is not None and head_dim % 2:
+        raise _config_error(file, "head_dim", head_dim, "an even head_dim (RoPE rotates pairs)")
+    kv_heads = _positive_int(file, c, "num_key_value_heads", n_heads)
+    if n_heads % kv_heads:
+        raise _config_error(file, "num_key_value_heads", kv_heads, f"a divisor of num_attention_heads={n_heads}")
+    eps = c.get("rms_norm_eps", 1e-6)  # LlamaConfig's default
+    if isinstance(eps, bool) or not isinstance(eps, int | float) or eps <= 0:
+        raise _config_error(file, "rms_norm_eps", eps, "a positive number")
+    tie = c.get("tie_word_embeddings", False)  # LlamaConfig's default
+    if not isinstance(tie, bool):
+        raise _config_error(file, "tie_word_embeddings", tie, "true or false")
+    init_std = c.get("initializer_range", 0.02)
+    return ModelConfig(
+        vocab_size=_positive_int(file, c, "vocab_size"),
+        d_model=d_model,
+        n_layers=_positive_int(file, c, "num_hidden_layers"),
+        n_heads=n_heads,
+        n_kv_heads=kv_heads,
+        ffn_hidden=_positive_int(file, c, "intermediate_size"),
+        norm_eps=float(eps),
+        rope_theta=_rope_theta(file, c),
+        max_seq_len=_positive_int(file, c, "max_position_embeddings", 2048),
+        tie_embeddings=tie,
+        init_std=float(init_std) if isinstance(init_std, int | float) and init_std > 0 else 0.02,
+    )
+
+
+# ----------------------------------------------------------------------------- names
+
+
+@dataclass(frozen=True)
+class HFTensor:
+    """Where one of our logical tensors lives in an HF folder."""
+
+    hf_name: str
+    shape: tuple[int, ...]  # the logical shape (the same in both layouts)
+    rope_heads: int | None  # wq/wk: heads whose rows are permuted between the RoPE layouts; else None
+
+
+def hf_names(cfg: ModelConfig) -> dict[str, HFTensor]:
+    """Our parameter names -> their HF tensors, in HF's order. Tied: ``output.weight`` is the embedding."""
+    d, hd, hidden = cfg.d_model, cfg.head_dim, cfg.hidden_dim
+    if cfg.moe_experts:
+        raise ValueError(f"model.moe_experts={cfg.moe_experts}: HuggingFace import and export support dense "
+                         f"Llama models only (Mixtral's router renormalises its top-k gates, ours does not).")
+    out = {"tok_embeddings.weight": HFTensor("model.embed_tokens.weight", (cfg.vocab_size, d), None)}
+    for i in range(cfg.n_layers):
+        a, m, ours = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp", f"layers.{i}"
+        out.update({
+            f"{ours}.attention_norm.weight": HFTensor(f"model.layers.{i}.input_layernorm.weight", (d,), None),
+            f"{ours}.attention.wq.weight": HFTensor(f"{a}.q_proj.weight", (cfg.n_heads * hd, d), cfg.n_heads),
+            f"{ours}.attention.wk.weight": HFTensor(f"{a}.k_proj.weight", (cfg.kv_heads * hd, d), cfg.kv_heads),
+            f"{ours}.attention.wv.weight": HFTensor(f"{a}.v_proj.weight", (cfg.kv_heads * hd, d), None),
+            f"{ours}.attention.wo.weight": HFTensor(f"{a}.o_proj.weight", (d, cfg.n_heads * hd), None),
+            f"{ours}.ffn_norm.weight": HFTensor(f"model.layers.{i}.post_attention_layernorm.weight", (d,), None),
+            f"{ours}.feed_forward.w1.weight": HFTensor(f"{m}.gate_proj.weight", (hidden, d), None),
+            f"{ours}.feed_forward.w3.weight": HFTensor(f"{m}.up_proj.weight", (hidden, d), None),
+            f"{ours}.feed_forward.w2.weight": HFTensor(f"{m}.down_proj.weight", (d, hidden), None),
+        })
+    out["norm.weight"] = HFTensor("model.norm.weight", (d,), None)
+    head = "model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
+    out["output.weight"] = HFTensor(head, (cfg.vocab_size, d), None)
+    return out
+
+
+# ----------------------------------------------------------------------------- import
+
+
+class HFSource:
+    """An HF Llama folder as a ``TensorSource`` of our logical tensors, read lazily a box at a time.
+
+    Construction reads config.json and the safetensors headers only, and checks up front (so a bad folder fails
+    before any process starts) that every shard the index names exists and that every tensor config.json implies
+    is present with its shape. ``read`` then reads just the requested region from the memory-mapped file: for
+    wq/wk the whole heads that cover the requested rows (the RoPE permutation stays within a head).
+    """
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        self.cfg = hf_model_config(self.folder)
+        self.tensors = hf_names(self.cfg)
+        self._handles: dict[Path, Any] = {}  # open (memory-mapped) files; reads touch only the pages they need
+        self._names: dict[Path, set[str]] = {}
+        self.files = self._weight_map()
+        for ours, t in self.tensors.items():
+            file = self.files.get(t.hf_name)
+            if file is None or t.hf_name not in self._keys(file):
+                where = self.folder / INDEX if (self.folder / INDEX).is_file() else file or self.folder / SINGLE
+                raise ValueError(f"{where}: tensor {t.hf_name} (meshtrain {ours}) is absent: the weights do not "
+                                 f"match {self.folder / CONFIG}.")
+            stored = tuple(self._handle(file).get_slice(t.hf_name).get_shape())
+            if stored != t.shape:
+                raise ValueError(f"{file}: {t.hf_name} has shape {stored} but {self.folder / CONFIG} implies "
+                                 f"{t.shape}: the weights and config.json disagree.")
+
+    def _weight_map(self) -> dict[str, Path]:
+        """HF tensor name -> the file holding it (the index's weight_map, or every tensor of the single file)."""
+        index = self.folder / INDEX
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{index} is not a safetensors index (no weight_map: {e!r}).") from None
+            files = {name: self.folder / f for name, f in weight_map.items()}
+            for f in sorted(set(files.values())):
+                if not f.is_file():
+                    raise FileNotFoundError(f"{index} names shard {f.name}, which is missing from {self.folder}: "
+                                            f"the download is incomplete.")
+            return files
+        single = self.folder / SINGLE
+        if not single.is_file():
+            raise FileNotFoundError(f"{self.folder} has neither {SINGLE} nor {INDEX}: meshtrain reads safetensors "
+                                    f"weights only (never pickled .bin files).")
+        return {name: single for name in self._keys(single)}
+
+    def _handle(self, file: Path) -> Any:
+        if file not in self._handles:
+            try:
+                self._handles[file] = safe_open(str(file), framework="pt")
+            except (SafetensorError, OSError) as e:
+                raise ValueError(f"{file} is not a readable safetensors file ({e}).") from None
+        return self._handles[file]
+
+    def _keys(self, file: Path) -> set[str]:
+        if file not in self._names:
+            self._names[file] = set(self._handle(file).keys())
+        return self._names[file]
+
+    def shape(self, key: str) -> tuple[int, ...] | None:
+        t = self.tensors.get(key)
+        return None if t is None else t.shape
+
+    def read(self, key: str, box: Box) -> torch.Tensor:
+        t = self.tensors[key]
+        if len(box) != len(t.shape) or any(not 0 <= a <= b <= n for (a, b), n in zip(box, t.shape, strict=True)):
+            raise ValueError(f"box {box} is outside {key} of shape {t.shape}.")
+        if t.rope_heads is None:
+            return self._slice(t, box)
+        # The permutation moves rows only within a head: read the whole heads that cover the box's rows.
+        head_dim = t.shape[0] // t.rope_heads
+        (r0, r1), rest = box[0], box[1:]
+        h0, h1 = r0 // head_dim, -(-r1 // head_dim)
+        block = halves_to_interleaved(self._slice(t, ((h0 * head_dim, h1 * head_dim), *rest)), h1 - h0)
+        return block[r0 - h0 * head_dim: r1 - h0 * head_dim]
+
+    def _slice(self, t: HFTensor, box: Box) -> torch.Tensor:
+        return self._handle(self.files[t.hf_name]).get_slice(t.hf_name)[tuple(slice(a, b) for a, b in box)]
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def hf_config_dict(cfg: ModelConfig, eos_token_id: int | None = None) -> dict[str, Any]:
+    """The config.json of a LlamaForCausalLM equal to our model ``cfg``, readable by transformers 4 (rope_theta)
+    and 5 (rope_parameters)."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.hidden_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "initializer_range": cfg.init_std,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "torch_dtype": "float32",
+        "use_cache": True,
+        "bos_token_id": None,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": None,
+    }
+
+
+def _hf_tensor(source: TensorSource, t: HFTensor, ours: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Our tensor ``ours`` as HF stores it (q/k rows rotated by halves)."""
+    w = source.read(ours, full_box(shape)).to(torch.float32)
+    return interleaved_to_halves(w, t.rope_heads) if t.rope_heads is not None else w
+
+
+def _plan_shards(names: list[tuple[str, tuple[int, ...]]], max_bytes: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """Consecutive tensors grouped into files of at most ``max_bytes`` (a larger tensor gets a file of its own)."""
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in names:
+        n = math.prod(shape) * 4
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += n
+    return shards
+
+
+def export_hf(source: TensorSource, cfg: ModelConfig, out_dir: str | Path,
+              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, files: Iterable[str | Path] = (),
+              eos_token_id: int | None = None) -> Path:
+    """Write our model (``cfg``, tensors from ``source`` by our names) as an HF LlamaForCausalLM folder.
+
+    config.json, ``model.safetensors`` (or shards of at most ``max_shard_bytes`` plus
+    ``model.safetensors.index.json``) in fp32, and ``files`` copied in (a tokenizer.json). One tensor is in memory
+    at a time. The folder is written as a temporary sibling and renamed when complete, so ``out_dir`` either does
+    not exist or holds a whole export. Every tensor must have the shape ``cfg`` implies (a vocabulary padded for
+    tensor parallelism is refused, never written). Returns ``out_dir``.
+    """
+    if sys.byteorder != "little":  # safetensors is little-endian and tensors are written as raw bytes
+        raise RuntimeError("export_hf writes raw little-endian bytes; this machine is big-endian.")
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--out {out} already exists and is not empty: choose a new folder or delete it.")
+    tensors = hf_names(cfg)
+    if cfg.tie_embeddings:
+        del tensors["output.weight"]  # HF ties lm_head to the embedding when tie_word_embeddings is set
+    for ours, t in tensors.items():
+        shape = source.shape(ours)
+        if shape is None:
+            raise ValueError(f"{ours} is missing from the weights to export: they were written for another model.")
+        if tuple(shape) != t.shape:
+            hint = " (a vocabulary padded for tensor parallelism must be cut back to model.vocab_size)" \
+                if ours in ("tok_embeddings.weight", "output.weight") else ""
+            raise ValueError(f"{ours} has shape {tuple(shape)} but the model config implies {t.shape}{hint}.")
+    names = [(t.hf_name, t.shape) for t in tensors.values()]
+    ours_of = {t.hf_name: ours for ours, t in tensors.items()}
+    shards = _plan_shards(names, max_shard_bytes)
+    file_names = [SINGLE] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        (tmp / CONFIG).write_text(json.dumps(hf_config_dict(cfg, eos_token_id), indent=2) + "\n")
+        weight_map = {}
+        for file_name, shard in zip(file_names, shards, strict=True):
+            write_safetensors(tmp / file_name, [
+                (name, shape, torch.float32,
+                 lambda name=name, shape=shape: _hf_tensor(source, tensors[ours_of[name]], ours_of[name], shape))
+                for name, shape in shard])
+            weight_map.update({name: file_name for name, _ in shard})
+        if len(shards) > 1:
+            total = sum(math.prod(shape) * 4 for _, shape in names)
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        for f in files:
+            shutil.copy(f, tmp / Path(f).name)
+        if out.exists():  # an empty folder the user made beforehand
+            out.rmdir()
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,369 @@
+"""HuggingFace weights in and out (model/hf.py, ``meshtrain convert``), against transformers itself.
+
+Tiny random Llamas are built here and saved with ``save_pretrained`` (nothing comes from a hub). Every parameter is
+drawn at a scale where attention is far from uniform and every norm differs from one, so a wrong name, a skipped
+q/k permutation or a swapped norm moves the logits by orders of magnitude more than the tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig
+
+from meshtrain.config import Config, ModelConfig, update_from_dict
+from meshtrain.model.hf import HFSource, export_hf, halves_to_interleaved, hf_model_config, interleaved_to_halves
+from meshtrain.model.llama import Llama, build_model
+from meshtrain.model.source import DictSource, load_full, relative, state_source
+from meshtrain.train.checkpoint import latest_checkpoint, load_model_weights, read_checkpoint_meta
+from meshtrain.train.tokenizer import HFTokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LOGIT_ATOL = 1e-5  # fp32, max abs logit difference against transformers (issue 12); logits here are O(1)
+VOCAB, SEQ = 67, 64  # SEQ = max_position_embeddings: every RoPE position is exercised
+
+
+def _randomise(model: torch.nn.Module, seed: int) -> None:
+    """Weights ~ N(0, 0.2) (attention scores O(1)), norm scales 1 + N(0, 0.2) (each norm distinguishable)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g) * 0.2
+            p.copy_(1 + noise if "norm" in name else noise)
+
+
+def hf_llama(folder: Path, *, tie: bool = False, kv_heads: int = 2, shard: str | None = None,
+             seed: int = 0) -> LlamaForCausalLM:
+    """A tiny random LlamaForCausalLM saved to ``folder`` (sharded into files of at most ``shard``)."""
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=SEQ,
+                      rope_theta=5000.0, rms_norm_eps=1e-5, tie_word_embeddings=tie)
+    model = LlamaForCausalLM(cfg).eval()
+    _randomise(model, seed)
+    if shard:
+        model.save_pretrained(folder, max_shard_size=shard)
+    else:
+        model.save_pretrained(folder)
+    return model
+
+
+def our_model(cfg: ModelConfig, seed: int = 0) -> Llama:
+    model = build_model(cfg, seed).eval()
+    _randomise(model, seed)
+    return model
+
+
+def tokens(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def logit_diff(ours: torch.nn.Module, hf: LlamaForCausalLM, x: torch.Tensor) -> float:
+    return (ours(x) - hf(x).logits).abs().max().item()
+
+
+def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
+LAYOUTS = {  # name: (tie, kv_heads, shard)
+    "gqa-single": (False, 2, None),
+    "gqa-tied-sharded": (True, 2, "20KB"),
+    "mha-tied-single": (True, 4, None),
+    "gqa-sharded": (False, 1, "20KB"),
+}
+
+
+# ----------------------------------------------------------------------------- import
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_import_gives_transformers_logits(tmp_path, layout):
+    tie, kv_heads, shard = LAYOUTS[layout]
+    hf = hf_llama(tmp_path, tie=tie, kv_heads=kv_heads, shard=shard)
+    assert (tmp_path / "model.safetensors.index.json").is_file() == bool(shard)
+    if shard:
+        assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    src = HFSource(tmp_path)
+    assert (src.cfg.n_kv_heads, src.cfg.tie_embeddings, src.cfg.ffn_hidden, src.cfg.rope_theta) == \
+           (kv_heads, tie, 48, 5000.0)
+    model = Llama(src.cfg).eval()
+    load_full(model, src)
+    assert logit_diff(model, hf, tokens()) <= LOGIT_ATOL
+
+
+def test_without_the_rope_permutation_the_logits_differ(tmp_path):
+    """The test above can fail: HF's q/k rows loaded as they are (no permutation) give other logits."""
+    hf = hf_llama(tmp_path)
+    src = HFSource(tmp_path)
+    raw = hf_tensors(tmp_path)
+    model = Llama(src.cfg).eval()
+    load_full(model, DictSource({ours: raw[t.hf_name] for ours, t in src.tensors.items()}))
+    assert logit_diff(model, hf, tokens()) > 1e-2
+
+
+def test_rope_permutations_are_inverse_and_match_hf_conversion():
+    w = torch.randn(4 * 8, 5)
+    assert torch.equal(halves_to_interleaved(interleaved_to_halves(w, 4), 4), w)
+    # HF's convert_llama_weights_to_hf permute(), written out: Meta (interleaved) -> HF (halves).
+    hf = w.view(4, 8 // 2, 2, 5).transpose(1, 2).reshape(32, 5)
+    assert torch.equal(interleaved_to_halves(w, 4), hf)
+    # Our row 2j+p of head h is HF's row p*4+j of that head.
+    h, j, p = 2, 3, 1
+    assert torch.equal(interleaved_to_halves(w, 4)[h * 8 + p * 4 + j], w[h * 8 + 2 * j + p])
+
+
+def test_box_reads_equal_the_full_read(tmp_path):
+    hf_llama(tmp_path, shard="20KB")
+    src = HFSource(tmp_path)
+    g = torch.Generator().manual_seed(0)
+    for key in src.tensors:
+        shape = src.shape(key)
+        full = src.read(key, tuple((0, n) for n in shape))
+        for _ in range(6):
+            box = []
+            for n in shape:
+                a, b = sorted(torch.randint(0, n + 1, (2,), generator=g).tolist())
+                box.append((a, max(b, a + 1)) if a < n else (n - 1, n))
+            box = tuple(box)
+            got = src.read(key, box)
+            assert torch.equal(got, full[relative(box, tuple((0, n) for n in shape))]), (key, box)
+    with pytest.raises(ValueError, match="outside"):
+        src.read("norm.weight", ((0, 33),))
+
+
+def test_box_reads_touch_only_the_heads_they_need(tmp_path, monkeypatch):
+    hf_llama(tmp_path)  # head_dim 8
+    src = HFSource(tmp_path)
+    asked = []
+    inner = HFSource._slice
+    monkeypatch.setattr(HFSource, "_slice", lambda self, t, box: asked.append(box) or inner(self, t, box))
+    src.read("layers.0.attention.wq.weight", ((5, 7), (3, 9)))
+    src.read("layers.0.attention.wk.weight", ((6, 10), (0, 32)))
+    src.read("layers.1.feed_forward.w2.weight", ((1, 2), (4, 6)))
+    assert asked == [((0, 8), (3, 9)), ((0, 16), (0, 32)), ((1, 2), (4, 6))]
+
+
+def test_hf_model_config_maps_the_fields(tmp_path):
+    hf_llama(tmp_path, tie=True)
+    cfg = hf_model_config(tmp_path)
+    assert (cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.kv_heads, cfg.hidden_dim, cfg.norm_eps,
+            cfg.rope_theta, cfg.max_seq_len, cfg.tie_embeddings, cfg.moe_experts) == \
+           (VOCAB, 32, 2, 4, 2, 48, 1e-5, 5000.0, SEQ, True, 0)
+    # The transformers 4 layout of the same fields.
+    c = json.loads((tmp_path / "config.json").read_text())
+    c.pop("rope_parameters")
+    c.update(rope_theta=123.0, rope_scaling=None, torch_dtype="float32")
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    assert hf_model_config(tmp_path).rope_theta == 123.0
+
+
+# ----------------------------------------------------------------------------- export
+
+
+@pytest.mark.parametrize("tie,max_bytes", [(False, 5 * 10**9), (True, 5 * 10**9), (False, 20_000)])
+def test_export_loads_in_transformers_with_our_logits(tmp_path, tie, max_bytes):
+    cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=SEQ,
+                      rope_theta=5000.0, tie_embeddings=tie)
+    model = our_model(cfg)
+    out = export_hf(state_source(model), cfg, tmp_path / "hf", max_shard_bytes=max_bytes)
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    if max_bytes > 10**6:
+        assert files == ["model.safetensors"] and not (out / "model.safetensors.index.json").exists()
+    else:
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        assert len(files) > 2 and sorted(set(index["weight_map"].values())) == files
+        for f in files:
+            assert (out / f).stat().st_size <= 20_000 + 4096  # header included
+    c = json.loads((out / "config.json").read_text())
+    assert (c["torch_dtype"], c["vocab_size"], c["tie_word_embeddings"]) == ("float32", VOCAB, tie)
+    assert ("lm_head.weight" in hf_tensors(out)) == (not tie)
+    hf = LlamaForCausalLM.from_pretrained(out).eval()
+    assert hf.dtype == torch.float32
+    assert logit_diff(model, hf, tokens()) <= LOGIT_ATOL
+
+
+@pytest.mark.parametrize("shard", [None, "20KB"])
+def test_round_trip_hf_ours_hf_is_exact(tmp_path, shard):
+    hf_llama(tmp_path / "a", shard=shard)
+    original = hf_tensors(tmp_path / "a")
+    src = HFSource(tmp_path / "a")
+    model = Llama(src.cfg)
+    load_full(model, src)
+    export_hf(state_source(model), src.cfg, tmp_path / "b")  # through our model
+    export_hf(src, src.cfg, tmp_path / "c", max_shard_bytes=30_000)  # straight from the folder, lazily
+    for name in ("b", "c"):
+        again = hf_tensors(tmp_path / name)
+        assert set(again) == set(original)
+        for key, t in original.items():
+            assert torch.equal(again[key], t), (name, key)
+
+
+def test_export_refuses_a_padded_vocabulary_and_moe(tmp_path):
+    cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=4, max_seq_len=SEQ)
+    tensors = dict(state_source(our_model(cfg)).tensors)
+    tensors["tok_embeddings.weight"] = torch.cat([tensors["tok_embeddings.weight"], torch.zeros(1, 32)])
+    with pytest.raises(ValueError, match=r"tok_embeddings.weight has shape \(68, 32\).*padded for tensor"):
+        export_hf(DictSource(tensors), cfg, tmp_path / "pad")
+    moe = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=4, moe_experts=4)
+    with pytest.raises(ValueError, match="moe_experts=4.*dense Llama models only"):
+        export_hf(state_source(our_model(moe)), moe, tmp_path / "moe")
+    assert not any(tmp_path.iterdir())
+
+
+def test_export_is_atomic(tmp_path):
+    cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=SEQ)
+    good = state_source(our_model(cfg))
+
+    class Failing:
+        shape = good.shape
+
+        def read(self, key, box):
+            if key.startswith("layers.1"):
+                raise OSError("disk gone")
+            return good.read(key, box)
+
+    with pytest.raises(OSError, match="disk gone"):
+        export_hf(Failing(), cfg, tmp_path / "hf", max_shard_bytes=20_000)
+    assert list(tmp_path.iterdir()) == []  # neither the folder nor its temporary sibling
+    (tmp_path / "hf").mkdir()  # an empty folder is fine; a non-empty one is refused
+    export_hf(good, cfg, tmp_path / "hf")
+    with pytest.raises(ValueError, match="already exists and is not empty"):
+        export_hf(good, cfg, tmp_path / "hf")
+
+
+# ----------------------------------------------------------------------------- bad folders
+
+
+def _edit_config(folder: Path, **changes) -> None:
+    c = json.loads((folder / "config.json").read_text())
+    c.update(changes)
+    (folder / "config.json").write_text(json.dumps(c))
+
+
+def _drop_tensor(folder: Path) -> None:
+    tensors = hf_tensors(folder)
+    del tensors["model.norm.weight"]
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _mixtral(folder: Path) -> None:
+    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        architectures=["MixtralForCausalLM"])
+    cfg.save_pretrained(folder)
+
+
+BAD = {  # name: (shard, how to break the folder, error type, what the one line must say)
+    "architecture": (None, lambda f: _edit_config(f, architectures=["MistralForCausalLM"], model_type="mistral"),
+                     ValueError, ["config.json: architectures is ['MistralForCausalLM']", "LlamaForCausalLM"]),
+    "mixtral": (None, _mixtral, ValueError,
+                ["config.json: architectures is ['MixtralForCausalLM']", "renormalises", "LlamaForCausalLM"]),
+    "rope-scaling": (None, lambda f: _edit_config(f, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5,
+                                                                      "factor": 8.0}),
+                     ValueError, ["config.json: rope_parameters.rope_type is 'llama3'", "rope_type default"]),
+    "rope-scaling-v4": (None, lambda f: _edit_config(f, rope_scaling={"type": "linear", "factor": 2.0}),
+                        ValueError, ["config.json: rope_scaling.rope_type is 'linear'"]),
+    "attention-bias": (None, lambda f: _edit_config(f, attention_bias=True),
+                       ValueError, ["config.json: attention_bias is True", "false only"]),
+    "head-dim": (None, lambda f: _edit_config(f, head_dim=16),
+                 ValueError, ["config.json: head_dim is 16", "hidden_size / num_attention_heads = 8"]),
+    "missing-shard": ("20KB", lambda f: sorted(f.glob("model-*.safetensors"))[1].unlink(),
+                      FileNotFoundError, ["model.safetensors.index.json names shard model-00002-of-", "missing"]),
+    "absent-tensor": (None, _drop_tensor, ValueError, ["model.safetensors: tensor model.norm.weight",
+                                                       "(meshtrain norm.weight) is absent"]),
+    "shape-mismatch": (None, lambda f: _edit_config(f, intermediate_size=64),
+                       ValueError, ["gate_proj.weight has shape (48, 32) but", "config.json implies (64, 32)"]),
+    "pickle-only": (None, lambda f: (f / "model.safetensors").rename(f / "pytorch_model.bin"),
+                    FileNotFoundError, ["has neither model.safetensors nor", "never pickled"]),
+    "no-config": (None, lambda f: (f / "config.json").unlink(), FileNotFoundError, ["has no config.json"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_folders_get_one_line_errors(tmp_path, case):
+    shard, breaks, error, says = BAD[case]
+    hf_llama(tmp_path, shard=shard)
+    breaks(tmp_path)
+    with pytest.raises(error) as e:
+        HFSource(tmp_path)
+    message = str(e.value)
+    assert "\n" not in message
+    for part in says:
+        assert part in message, (part, message)
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def _meshtrain(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m meshtrain ARGS`` as a user runs it."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    return subprocess.run([sys.executable, "-m", "meshtrain", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.mark.slow
+def test_python_dash_m_meshtrain_is_the_cli(tmp_path):
+    r = _meshtrain("--help")
+    assert r.returncode == 0 and "meshtrain convert --ckpt" in r.stdout
+    r = _meshtrain("convert", "--ckpt", str(tmp_path / "nothing"), "--out", str(tmp_path / "hf"))
+    assert r.returncode == 2 and r.stderr.strip() == f"error: --ckpt {tmp_path / 'nothing'} does not exist."
+
+
+def _tokenizer_json(path: Path, texts: list[str]) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=90, special_tokens=["<unk>", "</s>"]))
+    tok.save(str(path))
+
+
+@pytest.mark.slow
+def test_convert_a_trained_checkpoint(tmp_path):
+    """prepare-data with a tokenizer.json, 3 training steps and convert, all through ``python -m meshtrain``;
+    transformers loads the export and gives the checkpoint's logits."""
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex bad jugglers".split()
+    src = tmp_path / "src"
+    src.mkdir()
+    texts = [" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(300)) for i in range(6)]
+    for i, text in enumerate(texts):
+        (src / f"doc{i}.txt").write_text(text)
+    _tokenizer_json(tmp_path / "tokenizer.json", texts)
+    r = _meshtrain("prepare-data", "--src", str(src), "--out", str(tmp_path / "data"), "--tokenizer",
+                   str(tmp_path / "tokenizer.json"), "--ext", ".txt", "--val-fraction", "0.3")
+    assert r.returncode == 0, r.stderr
+    r = _meshtrain("train", "--config", "tiny", "--out", str(tmp_path / "run"), f"data.path={tmp_path / 'data'}",
+                   "train.steps=3", "train.progress=false", "train.tensorboard=false")
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = _meshtrain("convert", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "hf"),
+                   "--max-shard-size", "30KB")
+    assert r.returncode == 0, r.stderr
+    assert "wrote" in r.stdout
+
+    ckpt = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    cfg = update_from_dict(Config(), read_checkpoint_meta(ckpt)["config"]).model
+    ours = Llama(cfg).eval()
+    load_model_weights(ckpt, ours)
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.max_seq_len), generator=torch.Generator().manual_seed(0))
+    assert logit_diff(ours, hf, x) <= LOGIT_ATOL
+    assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (tmp_path / "tokenizer.json").read_bytes()
+    c = json.loads((tmp_path / "hf" / "config.json").read_text())
+    tok = HFTokenizer(tmp_path / "tokenizer.json")
+    assert (c["vocab_size"], c["eos_token_id"]) == (tok.vocab_size, tok.eos_id) == (cfg.vocab_size, 1)  # "</s>"
