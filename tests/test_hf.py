@@ -23,7 +23,7 @@ from meshtrain.config import Config, ModelConfig, update_from_dict
 from meshtrain.model.hf import HFSource, export_hf, halves_to_interleaved, hf_model_config, interleaved_to_halves
 from meshtrain.model.llama import Llama, build_model
 from meshtrain.model.source import DictSource, load_full, relative, state_source
-from meshtrain.train.checkpoint import latest_checkpoint, load_model_weights, read_checkpoint_meta
+from meshtrain.train.checkpoint import CheckpointReader, latest_checkpoint, read_checkpoint_meta
 from meshtrain.train.tokenizer import HFTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -358,7 +358,7 @@ def test_convert_a_trained_checkpoint(tmp_path):
     ckpt = latest_checkpoint(tmp_path / "run" / "checkpoints")
     cfg = update_from_dict(Config(), read_checkpoint_meta(ckpt)["config"]).model
     ours = Llama(cfg).eval()
-    load_model_weights(ckpt, ours)
+    load_full(ours, CheckpointReader(ckpt))
     hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
     x = torch.randint(0, cfg.vocab_size, (2, cfg.max_seq_len), generator=torch.Generator().manual_seed(0))
     assert logit_diff(ours, hf, x) <= LOGIT_ATOL
