@@ -30,6 +30,15 @@ def logical_grads(trainer) -> dict[str, torch.Tensor]:
     return trainer.parallel.logical_tensors(grads=True)
 
 
+def elements_loaded(trainer) -> tuple[int | None, int]:
+    """(elements this rank read from the checkpoint it resumed, or None if it started fresh; elements of
+    logical state it holds: parameters, optimizer state, buffers)."""
+    from meshtrain.parallel.state import held_numel
+
+    read = getattr(trainer.weights, "elements_read", None)
+    return read, held_numel(trainer.parallel.local_state(trainer.optimizer))
+
+
 def mesh_sizes(trainer) -> dict[str, int]:
     """The size of every mesh axis the run built (pp, dp, cp, tp, ep, dp_shard)."""
     return {axis: trainer.mesh.size(axis) for axis in ("pp", "dp", "cp", "tp", "ep", "dp_shard")}

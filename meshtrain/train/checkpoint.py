@@ -261,6 +261,7 @@ class CheckpointReader:
         self.meta = read_checkpoint_meta(self.path)
         self.aliases: dict[str, str] = self.meta.get("aliases", {})
         self._files: dict[str, Any] = {}
+        self.elements_read = 0  # what this reader has read so far (a rank reads only what it holds)
         # key -> (shape, [(box, file, name in file)])
         self.tensors: dict[str, tuple[tuple[int, ...], list[tuple[Box, str, str]]]] = {}
         if self.meta["format"] == 1:
@@ -316,6 +317,7 @@ class CheckpointReader:
                 out = torch.empty([b - a for a, b in box], dtype=part.dtype)
             out[relative(common, box)] = part
             covered += box_numel(common)
+        self.elements_read += covered
         if out is None or covered != box_numel(box):
             raise CheckpointError(f"{self.path}: the saved boxes of {key} do not cover {list(box)}: the "
                                   f"checkpoint is incomplete.")

@@ -140,12 +140,13 @@ class Trainer:
             raise ConfigError("train.resume=true needs --out DIR (where the checkpoints are).")
         path = latest_checkpoint(self.ckpt_root) if t.resume else None
         if path is None:  # a fresh start (so a restarted job can always pass resume=true)
-            self.parallel.load_state(self.optimizer, InitSource(self.cfg.model, t.seed, self.shapes))
+            self.weights = InitSource(self.cfg.model, t.seed, self.shapes)
+            self.parallel.load_state(self.optimizer, self.weights)
             return
-        reader = CheckpointReader(path)
-        self.parallel.load_state(self.optimizer, reader, reader.optimizer_keys(), what=str(path))
+        self.weights = CheckpointReader(path)
+        self.parallel.load_state(self.optimizer, self.weights, self.weights.optimizer_keys(), what=str(path))
         restore_rng(path)
-        self.step = int(reader.meta["step"])
+        self.step = int(self.weights.meta["step"])
 
     # ------------------------------------------------------------------ the step
 
