@@ -18,7 +18,6 @@ from pathlib import Path
 
 from meshtrain.config import Config, ConfigError, load_config
 from meshtrain.model.source import TensorSource
-from meshtrain.plan.validate import validate_layout
 from meshtrain.train.checkpoint import CheckpointError
 
 
@@ -46,7 +45,9 @@ def _train(argv: list[str]) -> int:
     if args.nproc and "LOCAL_RANK" not in os.environ:
         if args.nproc < 1:
             raise ConfigError(f"--nproc must be >= 1, got {args.nproc}.")
-        validate_layout(cfg, args.nproc)  # a layout that cannot run is refused before any process starts
+        from meshtrain.train.trainer import check_before_launch
+
+        check_before_launch(cfg, args.out, args.nproc)  # what cannot run is refused before any process starts
         rest = _without_option(argv, "--nproc")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
                "-m", "meshtrain.cli", "train", *rest]

@@ -128,6 +128,7 @@ class TrainConfig:
     ckpt_keep: int = 2
     ckpt_async: bool = False  # write checkpoints in the background while training goes on
     resume: bool = False  # resume from the latest checkpoint in --out
+    init_from: str = ""  # a HuggingFace Llama folder to start from; its config.json replaces the model section
     sample_tokens: int = 200  # tokens generated at the end of training (0: none)
     sample_prompt: str = "def "
     peak_flops: float = 0.0  # per device, for MFU; 0: from the hardware table or a quick calibration

@@ -154,6 +154,32 @@ def test_cli_nproc_relaunches_under_torchrun(tmp_path):
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
 
 
+def test_bad_checkpoints_are_refused_before_starting_processes(tmp_path):
+    """Resuming a checkpoint whose shapes disagree with the config, or one written by a newer format, or
+    starting over a run without resume: one line naming the file or option, before torchrun starts."""
+    out = tmp_path / "run"
+    base = ["train", "--config", "tiny", "--out", str(out), "data.source=synthetic", "train.steps=1",
+            "train.progress=false"]
+    assert _cli(*base).returncode == 0
+    step = latest_checkpoint(out / "checkpoints")
+
+    def refused(*extra: str) -> str:
+        r = _cli(*base, "--nproc", "2", *extra)
+        assert r.returncode == 2, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+        assert not any(ln.startswith("[rank") for ln in r.stderr.splitlines())  # no process was started
+        return r.stderr
+
+    assert "already holds checkpoints" in refused("parallel.dp=2")
+    msg = refused("parallel.dp=2", "train.resume=true", "model.d_model=64")
+    assert "tok_embeddings.weight has shape (257, 32) in the checkpoint but (257, 64)" in msg and str(step) in msg
+    meta = json.loads((step / "meta.json").read_text())
+    (step / "meta.json").write_text(json.dumps({**meta, "format": 99}))
+    assert "written by a newer meshtrain (checkpoint format 99" in refused("parallel.dp=2", "train.resume=true")
+    msg = refused("parallel.dp=2", f"train.init_from={tmp_path / 'no_such_hf_folder'}")
+    assert "no_such_hf_folder" in msg
+
+
 def test_synthetic_source_trains_without_files():
     cfg = load_config("tiny", ["data.source=synthetic", "train.steps=30", "train.progress=false",
                                "train.tensorboard=false", "train.peak_flops=1e11", "train.lr=0.01"])

@@ -134,7 +134,7 @@ def check_shapes(pieces: list[OptimParam], source: TensorSource, what: str) -> N
     for op in pieces:
         shape = source.shape(op.name)
         if shape is None:
-            raise KeyError(f"{what} has no tensor {op.name}: it was written for another model.")
+            raise ValueError(f"{what} has no tensor {op.name}: it was written for another model.")
         if tuple(shape) != tuple(op.shape):
             raise ValueError(f"{op.name} has shape {tuple(shape)} in {what} but {op.shape} in the model: "
                              f"check the model config.")

@@ -8,6 +8,7 @@ parallelism) gives exactly the single-device mean.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -22,13 +23,14 @@ from meshtrain import comm
 from meshtrain.config import Config, ConfigError, save_config
 from meshtrain.generate import sample
 from meshtrain.mesh import Mesh, init_distributed
-from meshtrain.model.llama import InitSource, build_model
+from meshtrain.model.hf import HFSource
+from meshtrain.model.llama import InitSource, Llama, build_model
 from meshtrain.model.source import tied_aliases
 from meshtrain.parallel.parallelize import DTYPES, parallelize
 from meshtrain.plan.flops import flops_per_token, mfu, param_count
 from meshtrain.plan.hardware import peak_flops
 from meshtrain.plan.validate import validate_layout
-from meshtrain.train.checkpoint import Checkpointer, CheckpointReader, latest_checkpoint, restore_rng
+from meshtrain.train.checkpoint import Checkpointer, CheckpointError, CheckpointReader, latest_checkpoint, restore_rng
 from meshtrain.train.data import SyntheticDataset, TokenDataset
 from meshtrain.train.metrics import MetricsLogger, peak_memory_bytes
 from meshtrain.train.optim import build_optimizer, set_lr
@@ -42,6 +44,42 @@ def resolve_device(kind: str) -> torch.device:
     if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
+
+
+def resolve_init_from(cfg: Config) -> None:
+    """With ``train.init_from=HF_DIR``, replace the model section by the folder's config.json (checking the
+    folder: architecture, shards, shapes; one-line errors). Call before validating the layout."""
+    if cfg.train.init_from:
+        cfg.model = HFSource(cfg.train.init_from).cfg
+
+
+def check_before_launch(cfg: Config, out_dir: str | Path | None, world_size: int) -> None:
+    """What can be refused before any process starts, with one clear line each: the HF folder of
+    ``train.init_from``, the layout, and with ``train.resume`` the latest checkpoint (its format, and its
+    tensors' shapes against the model config)."""
+    resolve_init_from(cfg)
+    validate_layout(cfg, world_size)
+    root = Path(out_dir) / "checkpoints" if out_dir else None
+    path = latest_checkpoint(root) if root is not None else None
+    if path is None:
+        return
+    if not cfg.train.resume:
+        raise ConfigError(f"--out {out_dir} already holds checkpoints of an earlier run: pass train.resume=true to "
+                          f"continue it, or choose another --out.")
+    reader = CheckpointReader(path)
+    model = cfg.model
+    if model.vocab_size == 0:  # taken from the data: compare with what the checkpoint's run took
+        model = dataclasses.replace(model, vocab_size=int(reader.shape("tok_embeddings.weight")[0]))
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in Llama(model).named_parameters()}
+    for name, shape in shapes.items():
+        saved = reader.shape(name)
+        if saved is None:
+            raise CheckpointError(f"{path} has no tensor {name}: it was written for another model (model.* differs "
+                                  f"from its meta.json).")
+        if tuple(saved) != shape:
+            raise CheckpointError(f"{path}: {name} has shape {tuple(saved)} in the checkpoint but {shape} with this "
+                                  f"config: set the model section as in the checkpoint's meta.json.")
 
 
 def unigram_loss(tokens: np.ndarray, vocab_size: int) -> float:
@@ -61,6 +99,7 @@ class Trainer:
         synchronised and before they are clipped and applied (equivalence tests gather them there)."""
         self.grad_hook = grad_hook
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        resolve_init_from(cfg)
         validate_layout(cfg, world_size)  # before any process group starts
         self.cfg = cfg
         self.out_dir = Path(out_dir) if out_dir else None
@@ -139,6 +178,10 @@ class Trainer:
         if t.resume and self.ckpt_root is None:
             raise ConfigError("train.resume=true needs --out DIR (where the checkpoints are).")
         path = latest_checkpoint(self.ckpt_root) if t.resume else None
+        if path is None and t.init_from:  # fine-tuning: each rank reads its pieces of the HF weights
+            self.weights = HFSource(t.init_from)
+            self.parallel.load_state(self.optimizer, self.weights, what=t.init_from)
+            return
         if path is None:  # a fresh start (so a restarted job can always pass resume=true)
             self.weights = InitSource(self.cfg.model, t.seed, self.shapes)
             self.parallel.load_state(self.optimizer, self.weights)
