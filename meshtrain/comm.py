@@ -296,7 +296,8 @@ def all_reduce_scalars(values: list[float], group: AxisGroup, op: str = "sum",
 
 
 def gather_objects(obj: object, group: AxisGroup) -> list[object]:
-    """Every rank's picklable ``obj`` (small metadata only, not metered; never model tensors)."""
+    """Every rank's picklable ``obj`` (not metered): small metadata, or a tiny test model's tensors for the
+    equivalence helpers (``state.gather_full``); never model tensors on the training path."""
     if group.size == 1:
         return [obj]
     out: list[object] = [None] * group.size

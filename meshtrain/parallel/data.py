@@ -119,8 +119,8 @@ class WithExperts(GradSync):
     (ZeRO-0), or ZeRO-1/2-sharded over edp (``experts.norm_group``).
 
     Expert gradients differ across ``ep_group`` (different experts), so the gradient norm adds their
-    squares over the edp shards and then over ep (the dense ones over ``norm_group``), and checkpoints
-    rebuild them the same way (``state.gather_state`` reads ``ep_group`` and ``expert_norm_group``).
+    squares over the edp shards and then over ep (the dense ones over ``norm_group``). Checkpoints need
+    nothing from it: each rank saves the boxes it holds (``state.local_state``).
     """
 
     def __init__(self, dense: GradSync, experts: GradSync, ep_group: AxisGroup) -> None:
