@@ -224,15 +224,19 @@ def _rng_state() -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- reading
 
 
+def _read_json(file: Path, missing: str) -> dict[str, Any]:
+    if not file.is_file():
+        raise CheckpointError(missing)
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file} is corrupt ({e}): resume from another checkpoint.") from None
+
+
 def read_checkpoint_meta(path: Path) -> dict[str, Any]:
     """meta.json of a checkpoint folder, checked for format and completeness."""
     meta_file = path / "meta.json"
-    if not meta_file.is_file():
-        raise CheckpointError(f"{path} is not a meshtrain checkpoint (no meta.json): pass a step_NNNNNN folder.")
-    try:
-        meta = json.loads(meta_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{meta_file} is corrupt ({e}): resume from another checkpoint.") from None
+    meta = _read_json(meta_file, f"{path} is not a meshtrain checkpoint (no meta.json): pass a step_NNNNNN folder.")
     fmt = meta.get("format")
     if isinstance(fmt, int) and fmt > FORMAT:
         raise CheckpointError(f"{meta_file}: written by a newer meshtrain (checkpoint format {fmt}; this version "
@@ -272,12 +276,7 @@ class CheckpointReader:
                     self.tensors[key] = (shape, [(full_box(shape), file, key)])
         else:
             index_file = self.path / "index.json"
-            if not index_file.is_file():
-                raise CheckpointError(f"{index_file} is missing: the checkpoint is incomplete.")
-            try:
-                index = json.loads(index_file.read_text())
-            except json.JSONDecodeError as e:
-                raise CheckpointError(f"{index_file} is corrupt ({e}): resume from another checkpoint.") from None
+            index = _read_json(index_file, f"{index_file} is missing: the checkpoint is incomplete.")
             for key, e in index["tensors"].items():
                 self.tensors[key] = (tuple(e["shape"]), [(tuple(tuple(b) for b in x["box"]), x["file"], x["name"])
                                                          for x in e["boxes"]])
