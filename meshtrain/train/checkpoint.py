@@ -264,27 +264,21 @@ class CheckpointReader:
         self.path = Path(path)
         self.meta = read_checkpoint_meta(self.path)
         self.aliases: dict[str, str] = self.meta.get("aliases", {})
-        self._files: dict[str, Any] = {}
         self.elements_read = 0  # what this reader has read so far (a rank reads only what it holds)
         # key -> (shape, [(box, file, name in file)])
         self.tensors: dict[str, tuple[tuple[int, ...], list[tuple[Box, str, str]]]] = {}
         if self.meta["format"] == 1:
             for file in ("model.safetensors", "optim.safetensors"):
-                f = self._file(file)
-                for key in f.keys():
-                    shape = tuple(f.get_slice(key).get_shape())
-                    self.tensors[key] = (shape, [(full_box(shape), file, key)])
+                with _open(self.path / file) as f:
+                    for key in f.keys():
+                        shape = tuple(f.get_slice(key).get_shape())
+                        self.tensors[key] = (shape, [(full_box(shape), file, key)])
         else:
             index_file = self.path / "index.json"
             index = _read_json(index_file, f"{index_file} is missing: the checkpoint is incomplete.")
             for key, e in index["tensors"].items():
                 self.tensors[key] = (tuple(e["shape"]), [(tuple(tuple(b) for b in x["box"]), x["file"], x["name"])
                                                          for x in e["boxes"]])
-
-    def _file(self, name: str):
-        if name not in self._files:
-            self._files[name] = _open(self.path / name)
-        return self._files[name]
 
     def keys(self) -> list[str]:
         return list(self.tensors) + list(self.aliases)
@@ -310,11 +304,15 @@ class CheckpointReader:
             common = intersect(sbox, box)
             if common is None:
                 continue
-            part = self._file(file).get_slice(name)[relative(common, sbox)] if common else \
-                self._file(file).get_tensor(name)
-            if out is None:
-                out = torch.empty([b - a for a, b in box], dtype=part.dtype)
-            out[relative(common, box)] = part
+            # The file is open for this read only: safetensors maps it, and every page a read touches stays
+            # resident while the file is open. Kept open, a resumed rank would hold its share of the checkpoint
+            # a second time for the whole run, since the trainer keeps its reader (benchmarks/checkpoint.py
+            # measured +0.84 GB after resuming 72M parameters in one process).
+            with _open(self.path / file) as f:
+                part = f.get_slice(name)[relative(common, sbox)] if common else f.get_tensor(name)
+                if out is None:
+                    out = torch.empty([b - a for a, b in box], dtype=part.dtype)
+                out[relative(common, box)] = part
             covered += box_numel(common)
         self.elements_read += covered
         if out is None or covered != box_numel(box):
