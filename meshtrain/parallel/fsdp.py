@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections import deque
 from collections.abc import Iterator
 
 import torch
@@ -65,8 +66,9 @@ class _Gathered(torch.autograd.Function):
 
 class _ShardedUnit:
     def __init__(self, unit: Unit, model: nn.Module, group: AxisGroup, rank: int, dtype: torch.dtype,
-                 reshard_after_forward: bool, device: torch.device) -> None:
+                 reshard_after_forward: bool, device: torch.device, inflight: deque[_ShardedUnit]) -> None:
         self.unit, self.group, self.dtype = unit, group, dtype
+        self.inflight = inflight  # every unit's reduce-scatters in launch order (shared by the units)
         self.reshard_after_forward = reshard_after_forward
         n = group.size
         numel = unit.numel
@@ -103,6 +105,7 @@ class _ShardedUnit:
         self.fetch: comm.Handle | None = None
         self.fetch_buf: torch.Tensor | None = None
         self.pending: list[tuple[comm.Handle, torch.Tensor]] = []
+        self.landed: list[comm.Handle] = []
 
     # ------------------------------------------------------------------ gather / free
 
@@ -154,15 +157,27 @@ class _ShardedUnit:
         out = torch.empty(self.shard_numel, dtype=torch.float32, device=grad_full.device)
         h = comm.reduce_scatter(out, grad_full.float().contiguous(), self.group, async_op=True)
         self.pending.append((h, out))
+        self.inflight.append(self)
+        # A reduce-scatter holds its unit's full gradient until it is waited for. Left to finish_grads, every
+        # unit's would be alive at the end of backward (the whole model's gradients on every rank, measured by
+        # benchmarks/checkpoint.py); landing the previous one as this one starts keeps at most two.
+        while len(self.inflight) > 1:
+            self.inflight.popleft().land()
         self.reshard()  # backward through this unit is over: nothing needs the full weights now
 
+    def land(self) -> None:
+        """Wait for this unit's oldest reduce-scatter and add it to the shard's gradient (in launch order, so
+        accumulated microbatches add up in the same order as ever)."""
+        h, out = self.pending.pop(0)
+        h.wait()
+        self.grad += out
+        self.landed.append(h)
+
     def drain(self) -> list[comm.Handle]:
-        done = []
-        for h, out in self.pending:
-            h.wait()
-            self.grad += out
-            done.append(h)
-        self.pending = []
+        """Land what is still in flight; every handle of this step's reduce-scatters."""
+        while self.pending:
+            self.land()
+        done, self.landed = self.landed, []
         return done
 
 
@@ -185,8 +200,9 @@ class FullyShardedDataParallel(GradSync):
         self.handles = []
         self.always_sync = True  # gradients are reduce-scattered as each unit's backward ends
         me = self.group.index(mesh.rank)
-        self.units = [_ShardedUnit(u, model, self.group, me, compute_dtype, reshard_after_forward, mesh.device)
-                      for u in model_units(model, exclude)]
+        self._inflight: deque[_ShardedUnit] = deque()
+        self.units = [_ShardedUnit(u, model, self.group, me, compute_dtype, reshard_after_forward, mesh.device,
+                                   self._inflight) for u in model_units(model, exclude)]
         self._by_storage: dict[int, _ShardedUnit] = {}
         for i, su in enumerate(self.units):
             nxt = self.units[i + 1] if i + 1 < len(self.units) else None
@@ -258,6 +274,7 @@ class FullyShardedDataParallel(GradSync):
         for su in self.units:
             self.handles.extend(su.drain())
             su.reshard()
+        self._inflight.clear()  # all landed
         if self.replicas.size > 1:
             for su in self.units:
                 comm.all_reduce(su.grad, self.replicas)
