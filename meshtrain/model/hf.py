@@ -236,7 +236,6 @@ class HFSource:
         self.folder = Path(folder)
         self.cfg = hf_model_config(self.folder)
         self.tensors = hf_names(self.cfg)
-        self._handles: dict[Path, Any] = {}  # open (memory-mapped) files; reads touch only the pages they need
         self._names: dict[Path, set[str]] = {}
         self.files = self._weight_map()
         for ours, t in self.tensors.items():
@@ -245,7 +244,8 @@ class HFSource:
                 where = self.folder / INDEX if (self.folder / INDEX).is_file() else file or self.folder / SINGLE
                 raise ValueError(f"{where}: tensor {t.hf_name} (meshtrain {ours}) is absent: the weights do not "
                                  f"match {self.folder / CONFIG}.")
-            stored = tuple(self._handle(file).get_slice(t.hf_name).get_shape())
+            with self._open(file) as f:
+                stored = tuple(f.get_slice(t.hf_name).get_shape())
             if stored != t.shape:
                 raise ValueError(f"{file}: {t.hf_name} has shape {stored} but {self.folder / CONFIG} implies "
                                  f"{t.shape}: the weights and config.json disagree.")
@@ -270,17 +270,21 @@ class HFSource:
                                     f"weights only (never pickled .bin files).")
         return {name: single for name in self._keys(single)}
 
-    def _handle(self, file: Path) -> Any:
-        if file not in self._handles:
-            try:
-                self._handles[file] = safe_open(str(file), framework="pt")
-            except (SafetensorError, OSError) as e:
-                raise ValueError(f"{file} is not a readable safetensors file ({e}).") from None
-        return self._handles[file]
+    @staticmethod
+    def _open(file: Path) -> Any:
+        """``file`` opened (memory-mapped) for one use. Never kept open: every page a read touches stays resident
+        while the file is open, and the trainer keeps its source for the whole run, so cached handles held a rank's
+        share of the weights a second time (measured: +0.28 GB resident after init_from of 72M parameters in one
+        process, +72 MB on each rank of dp4 ZeRO-3)."""
+        try:
+            return safe_open(str(file), framework="pt")
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{file} is not a readable safetensors file ({e}).") from None
 
     def _keys(self, file: Path) -> set[str]:
         if file not in self._names:
-            self._names[file] = set(self._handle(file).keys())
+            with self._open(file) as f:
+                self._names[file] = set(f.keys())
         return self._names[file]
 
     def shape(self, key: str) -> tuple[int, ...] | None:
@@ -301,7 +305,8 @@ class HFSource:
         return block[r0 - h0 * head_dim: r1 - h0 * head_dim]
 
     def _slice(self, t: HFTensor, box: Box) -> torch.Tensor:
-        return self._handle(self.files[t.hf_name]).get_slice(t.hf_name)[tuple(slice(a, b) for a, b in box)]
+        with self._open(self.files[t.hf_name]) as f:
+            return f.get_slice(t.hf_name)[tuple(slice(a, b) for a, b in box)]
 
 
 # ----------------------------------------------------------------------------- export
