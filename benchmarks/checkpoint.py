@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import statistics
@@ -109,6 +110,7 @@ class Phases:
 
     def __init__(self) -> None:
         self.peak: dict[str, int] = {}
+        self.grow: dict[str, int] = {}  # the most a phase raised the resident set above its start
         self.seconds: dict[str, list[float]] = {}
         self.whole = 0  # the whole session's peak: the largest mark seen before any reset
 
@@ -117,17 +119,19 @@ class Phases:
         dist.barrier()
         self.whole = max(self.whole, peak_rss())
         reset_peak_rss()
+        start = peak_rss()  # right after the reset: the resident set now
         t0 = time.perf_counter()
         yield
         dt = time.perf_counter() - t0
         peak = peak_rss()
         self.whole = max(self.whole, peak)
         self.peak[name] = max(self.peak.get(name, 0), peak)
+        self.grow[name] = max(self.grow.get(name, 0), peak - start)
         self.seconds.setdefault(name, []).append(dt)
 
     def result(self) -> dict[str, Any]:
         self.whole = max(self.whole, peak_rss())
-        return {"peak": self.peak, "seconds": self.seconds, "whole": self.whole}
+        return {"peak": self.peak, "grow": self.grow, "seconds": self.seconds, "whole": self.whole}
 
 
 # ----------------------------------------------------------------------------- one session, on every rank
@@ -263,16 +267,19 @@ def part_issue(args, root: Path, failures: list[str]) -> dict[str, Any]:
     base = one["train"][0]["whole"]
     print("\n## 1. The issue's run: 72M parameters, batch 8 x 128, dp4 ZeRO-3, ckpt_every=1, 3 steps "
           "(Trainer.train), against one process\n")
-    print("| run | rank | whole-run peak (MB) | / one process | build | first step | steps | save | step after save |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| run | rank | whole-run peak (MB) | / one process | build (init) | first step | later steps | saves "
+          "(+ own growth) | resume: load | resume: next step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in out.items():
-        for rank, (t, p) in enumerate(zip(r["train"], r["phases"], strict=True)):
+        for rank, (t, p, q) in enumerate(zip(r["train"], r["phases"], r["resumed"], strict=True)):
             pk = p["peak"]
+            later = max(pk.get("steps", 0), pk.get("step after save", 0))
             print(f"| {name} | {rank} | {_mb(t['whole'])} | {t['whole'] / base:.2f} | {_mb(pk['build'])} | "
-                  f"{_mb(pk['first step'])} | {_mb(pk.get('steps', 0))} | {_mb(pk['save'])} | "
-                  f"{_mb(pk.get('step after save', 0))} |")
+                  f"{_mb(pk['first step'])} | {_mb(later)} | {_mb(pk['save'])} (+{_mb(p['grow']['save'])}) | "
+                  f"{_mb(q['peak']['build'])} | {_mb(q['peak']['first step'])} |")
     print("\n(whole-run peak: Trainer.train, saves after every step; the phase columns: the same steps and saves "
-          "driven one phase at a time in a separate run.)")
+          "driven one phase at a time in a separate run, 4 steps; resume: a new process loading its step-3 "
+          "checkpoint, then step 4.)")
     worst = max(r["whole"] for r in dp4["train"])
     print(f"\nworst rank / one process: {worst / 1e9:.2f} GB / {base / 1e9:.2f} GB = {worst / base:.2f} "
           f"(target <= 0.5)")
@@ -389,6 +396,9 @@ def main() -> None:
     ap.add_argument("--async-steps", type=int, default=6)
     ap.add_argument("--dir", default="", help="where checkpoints are written (default: a temporary folder)")
     ap.add_argument("--json", default="", help="also write every rank's raw figures here")
+    ap.add_argument("--mmap-threshold", type=int, default=0,
+                    help="set glibc's MALLOC_MMAP_THRESHOLD_ (bytes) in the ranks: buffers above it are mapped and "
+                         "returned to the kernel when freed (0: glibc's default, a threshold that grows up to 32 MiB)")
     ap.add_argument("--smoke", action="store_true", help="tiny models: check the script itself in seconds")
     args = ap.parse_args()
     if args.smoke:
@@ -396,6 +406,10 @@ def main() -> None:
         ISSUE_MODEL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "train.global_batch=8",
                        "train.seq_len=32"]
         BIG = [*BIG, "model.d_model=64", "model.n_layers=2", "model.n_heads=4"]
+    if args.mmap_threshold:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)  # read by each rank's glibc at start
+    print(f"2-core CPU, gloo; allocator: glibc, "
+          f"{f'MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}' if args.mmap_threshold else 'default thresholds'}")
     check_peak_reset()
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="meshtrain-ckptbench-"))
     root.mkdir(parents=True, exist_ok=True)
