@@ -77,7 +77,7 @@ SAVE_STEP = 2  # layouts: train 2 steps, save, train step 3; the resumed session
 
 def _status_kb(field: str) -> int:
     with open("/proc/self/status") as f:
-        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1))
+        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE).group(1))
 
 
 def peak_rss() -> int:
@@ -191,6 +191,7 @@ def timed_session(rank: int, world: int, overrides: list[str], out: str, steps: 
     losses = [trainer.train_step(0)["loss"]]
     trainer.step = 1
     dist.barrier()
+    before = peak_rss()  # construction and the warm-up step
     reset_peak_rss()
     t0 = time.perf_counter()
     for i in range(steps):
@@ -202,7 +203,7 @@ def timed_session(rank: int, world: int, overrides: list[str], out: str, steps: 
     peak = peak_rss()
     trainer.checkpointer.wait()
     dist.barrier()
-    return {"loop": loop, "loop_peak": peak, "losses": losses}
+    return {"loop": loop, "loop_peak": peak, "whole": max(before, peak, peak_rss()), "losses": losses}
 
 
 # ----------------------------------------------------------------------------- the parent
@@ -388,9 +389,57 @@ def part_async(args, root: Path, failures: list[str]) -> dict[str, Any]:
     return rows
 
 
+def part_malloc(args, root: Path, failures: list[str]) -> dict[str, Any]:
+    """The issue's run (72M, batch 8 x 128, a save after every step) with glibc's default thresholds and with a
+    fixed mmap threshold (``MALLOC_MMAP_THRESHOLD_``), alternating: how much of each peak is freed memory the
+    heap keeps, and what returning it costs the step loop."""
+    over = [*ISSUE_MODEL, "train.ckpt_every=1", "train.steps=100"]
+    runs = {"one process": (1, over), "dp4 zero3": (4, [*over, "parallel.dp=4", "parallel.zero=3"])}
+    settings = ["default", str(args.compare_threshold)]
+    rows: dict[tuple[str, str], list[dict[str, Any]]] = {(s, n): [] for s in settings for n in runs}
+    for r in range(args.rounds):
+        for setting in (settings if r % 2 == 0 else settings[::-1]):
+            if setting == "default":
+                os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+            else:
+                os.environ["MALLOC_MMAP_THRESHOLD_"] = setting  # each rank's glibc reads it when it starts
+            for name, (world, ov) in runs.items():
+                d = root / f"malloc-{setting}-{name.replace(' ', '-')}-{r}"
+                res = _run(timed_session, world, ov, str(d), args.async_steps, True)
+                shutil.rmtree(d, ignore_errors=True)
+                rows[(setting, name)].append({"loop": max(x["loop"] for x in res), "whole": [x["whole"] for x in res],
+                                              "losses": res[0]["losses"]})
+        print(f"  round {r + 1} done", flush=True)
+    os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if args.mmap_threshold:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+    print(f"\n## 4. glibc's heap retention: the issue's run (72M, batch 8 x 128, dp4 ZeRO-3 vs one process), a "
+          f"warm-up step then {args.async_steps} steps with a save after each but the last; {args.rounds} rounds, "
+          f"the settings alternating\n")
+    print("| MALLOC_MMAP_THRESHOLD_ | run | whole-run peak, worst rank (MB) | / one process | loop s | "
+          "loop / default |")
+    print("|---|---|---|---|---|---|")
+    for setting in settings:
+        one = statistics.median(max(x["whole"]) for x in rows[(setting, "one process")])
+        for name in runs:
+            xs = rows[(setting, name)]
+            peak = statistics.median(max(x["whole"]) for x in xs)
+            ratio = [x["loop"] / d["loop"] for x, d in zip(xs, rows[("default", name)], strict=True)]
+            print(f"| {setting} | {name} | {_mb(peak)} | {peak / one:.2f} | {_spread([x['loop'] for x in xs])} | "
+                  f"{_spread(ratio)} |")
+    ref = rows[("default", "one process")][0]["losses"]
+    _check(all(_rel(x["losses"], ref) <= 1e-5 for xs in rows.values() for x in xs),
+           "every run of this part computed the same losses (within 1e-5 of one process's)", failures)
+    _check(all(x["losses"] == xs[0]["losses"] for xs in rows.values() for x in xs)
+           and all(rows[("default", n)][0]["losses"] == rows[(settings[1], n)][0]["losses"] for n in runs),
+           "the allocator setting does not change the losses (bitwise, each run)", failures)
+    return {f"{s} {n}": v for (s, n), v in rows.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="issue,layouts,async", help="comma-separated: issue, layouts, async")
+    ap.add_argument("--parts", default="issue,layouts,async,malloc",
+                    help="comma-separated: issue, layouts, async, malloc")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--async-layout", default="zero3 dp4", choices=list(LAYOUTS))
     ap.add_argument("--async-steps", type=int, default=6)
@@ -399,6 +448,8 @@ def main() -> None:
     ap.add_argument("--mmap-threshold", type=int, default=0,
                     help="set glibc's MALLOC_MMAP_THRESHOLD_ (bytes) in the ranks: buffers above it are mapped and "
                          "returned to the kernel when freed (0: glibc's default, a threshold that grows up to 32 MiB)")
+    ap.add_argument("--compare-threshold", type=int, default=1 << 20,
+                    help="malloc: the fixed MALLOC_MMAP_THRESHOLD_ compared with glibc's default")
     ap.add_argument("--smoke", action="store_true", help="tiny models: check the script itself in seconds")
     args = ap.parse_args()
     if args.smoke:
@@ -413,7 +464,7 @@ def main() -> None:
     check_peak_reset()
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="meshtrain-ckptbench-"))
     root.mkdir(parents=True, exist_ok=True)
-    parts = {"issue": part_issue, "layouts": part_layouts, "async": part_async}
+    parts = {"issue": part_issue, "layouts": part_layouts, "async": part_async, "malloc": part_malloc}
     failures: list[str] = []
     raw = {}
     try:
