@@ -206,6 +206,30 @@ def timed_session(rank: int, world: int, overrides: list[str], out: str, steps: 
     return {"loop": loop, "loop_peak": peak, "whole": max(before, peak, peak_rss()), "losses": losses}
 
 
+def interleaved_session(rank: int, world: int, overrides: list[str], out: str, cycles: int) -> dict[str, Any]:
+    """The three variants interleaved step by step in one run, so that load on a shared machine hits them alike:
+    after a warm-up step, each cycle times, in rotated order, (no save | a sync save | an async save) followed by
+    the next step. An async write is joined before that step's optimizer step (``wait_for_reads``), so all the
+    time a save costs the loop falls inside its unit."""
+    trainer = _trainer(overrides, out, False)
+    trainer.train_step(0)
+    trainer.step = 1
+    times: dict[str, list[float]] = {"none": [], "sync": [], "async": []}
+    names = list(times)
+    for c in range(cycles):
+        for v in names[c % 3:] + names[:c % 3]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            if v != "none":
+                trainer.checkpointer.async_save = v == "async"
+                trainer.save()
+            trainer.train_step(trainer.step)
+            trainer.step += 1
+            times[v].append(time.perf_counter() - t0)
+    trainer.checkpointer.wait()
+    return times
+
+
 # ----------------------------------------------------------------------------- the parent
 
 
@@ -369,6 +393,11 @@ def part_async(args, root: Path, failures: list[str]) -> dict[str, Any]:
             rows[v].append({"loop": max(x["loop"] for x in res), "peak": [x["loop_peak"] for x in res],
                             "losses": res[0]["losses"]})
         print(f"  round {r + 1} done ({', '.join(order)})", flush=True)
+    d = root / "async-interleaved"
+    inter = _run(interleaved_session, world, [*BIG, *ov], str(d), args.cycles)
+    shutil.rmtree(d, ignore_errors=True)
+    # A unit ends when the slowest rank's does; each cycle's own difference to its no-save unit.
+    unit = {v: [max(x[v][c] for x in inter) for c in range(args.cycles)] for v in variants}
     saves = args.async_steps - 1
     print(f"\n## 3. Async save: {args.async_layout} ({world} ranks), ~100M parameters, {args.async_steps} timed steps, "
           f"a save after each of the first {saves}; {args.rounds} rounds, order rotated\n")
@@ -382,6 +411,14 @@ def part_async(args, root: Path, failures: list[str]) -> dict[str, Any]:
         peak = statistics.median(max(x["peak"]) for x in rows[v])
         print(f"| {v} | {_spread(loops)} | {_spread([x / args.async_steps for x in loops])} | "
               f"{_spread(lost) if v != 'none' else '-'} | {_mb(peak)} | {peak / peak_none:.2f} |")
+    print(f"\nThe same three interleaved step by step in one run ({args.cycles} cycles, order rotated; a unit is the "
+          f"save, if any, and the next step):\n")
+    print("| variant | unit s | lost per save s (each cycle against its no-save unit) |")
+    print("|---|---|---|")
+    for v in variants:
+        lost = [x - n for x, n in zip(unit[v], unit["none"], strict=True)]
+        print(f"| {v} | {_spread(unit[v])} | {_spread(lost) if v != 'none' else '-'} |")
+    rows["interleaved"] = unit  # type: ignore[assignment]
     ref = rows["none"][0]["losses"]
     _check(all(x["losses"] == ref for v in variants for x in rows[v]),
            f"no-checkpoint, sync and async runs have bitwise the same losses ({len(ref)} steps, every round)",
@@ -443,6 +480,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--async-layout", default="zero3 dp4", choices=list(LAYOUTS))
     ap.add_argument("--async-steps", type=int, default=6)
+    ap.add_argument("--cycles", type=int, default=6, help="async: cycles of the interleaved run")
     ap.add_argument("--dir", default="", help="where checkpoints are written (default: a temporary folder)")
     ap.add_argument("--json", default="", help="also write every rank's raw figures here")
     ap.add_argument("--mmap-threshold", type=int, default=0,
