@@ -13,7 +13,10 @@ Every run goes through the ``Trainer`` on spawned gloo processes (one process pe
   training, saving and loading, and save peak / training peak per rank (target <= 1.3).
 - ``async``: the step-loop time a save costs, sync vs ``train.ckpt_async=true`` vs no checkpoint, same run, as
   (loop time with saves - loop time without) / saves; the variants' order rotates from round to round. Also each
-  variant's peak memory.
+  variant's peak memory, and the three interleaved step by step in one run (robust to a shared machine's drift).
+- ``malloc``: the issue's run with glibc's default thresholds and with a fixed ``MALLOC_MMAP_THRESHOLD_``,
+  alternating: how much of a rank's resident peak is freed memory the heap keeps, and what returning it costs.
+  (``--mmap-threshold`` runs any part with a fixed threshold: the resident set is then what is really held.)
 
 Checks (the script fails if one does not hold): the compared runs computed the same thing (the same losses with
 and without saves, sync or async; dp4 ZeRO-3 against one process within 1e-5 relative), and every run's latest
@@ -21,13 +24,14 @@ checkpoint loads back: a resumed process reads exactly the elements it holds and
 saving run's (bitwise in the same layout, within 1e-5 relative in another).
 
 Memory is the resident set's high-water mark of each process (VmHWM in /proc/self/status: what the kernel had
-to give it, shared libraries and torch's own footprint included, ~0.3 GB per process). A phase's own peak is
+to give it, shared libraries and torch's own footprint included, ~0.24 GB per process). A phase's own peak is
 measured by resetting the mark at the phase's start (writing "5" to /proc/self/clear_refs, Linux), so it is the
 largest resident set during that phase; the whole-run peak is the largest of all phases. Times are the slowest
 rank's, each phase starting after a barrier; checkpoint files land in the page cache, so a load right after a
 save reads memory rather than disk.
 
-    python benchmarks/checkpoint.py [--parts issue,layouts,async] [--rounds 3] [--dir DIR] [--json FILE]
+    python benchmarks/checkpoint.py [--parts issue,layouts,async,malloc] [--rounds 3] [--cycles 6]
+        [--mmap-threshold BYTES] [--dir DIR] [--json FILE] [--smoke]
 """
 
 from __future__ import annotations
