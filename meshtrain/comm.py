@@ -303,3 +303,23 @@ def gather_objects(obj: object, group: AxisGroup) -> list[object]:
     out: list[object] = [None] * group.size
     dist.all_gather_object(out, obj, group=group.pg)
     return out
+
+
+def gather_objects_to_first(obj: object, group: AxisGroup) -> list[object] | None:
+    """Every rank's picklable ``obj`` (metadata, not metered) on the group's first rank; None elsewhere. Unlike
+    ``gather_objects`` no rank but the first holds a list that grows with the group."""
+    if group.size == 1:
+        return [obj]
+    first = group.ranks[0]
+    out: list[object] | None = [None] * group.size if dist.get_rank() == first else None
+    dist.gather_object(obj, out, dst=first, group=group.pg)
+    return out
+
+
+def scatter_objects_from_first(objs: list[object] | None, group: AxisGroup) -> object:
+    """Object ``objs[i]`` (given on the group's first rank) to the group's i-th rank (metadata, not metered)."""
+    if group.size == 1:
+        return objs[0]
+    out: list[object] = [None]
+    dist.scatter_object_list(out, objs, src=group.ranks[0], group=group.pg)
+    return out[0]

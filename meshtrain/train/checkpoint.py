@@ -111,22 +111,30 @@ class Checkpointer:
         Async: returns at once; ``wait_for_reads`` / ``wait`` join the writer.
         """
         self.wait()  # one save in flight at most
-        mine = [(h.key, h.shape, str(t.dtype), box) for h in held for box, t in h.parts()]
-        token = uuid.uuid4().hex[:8] if self.rank == 0 else None
-        everyone = comm.gather_objects((token, mine), self.group)  # metadata only: who holds which box
-        token = everyone[0][0]
-        owner: dict[tuple[str, Box], int] = {}
-        for r, (_, boxes) in enumerate(everyone):
-            for key, _, _, box in boxes:
-                owner.setdefault((key, box), r)  # a replicated box is written by its lowest rank
+        parts = [(h.key, h.shape, box, t) for h in held for box, t in h.parts()]
+        # Metadata only, on rank 0 (no other rank holds a list that grows with the world size): who holds which
+        # box. Rank 0 picks one writer per box (a replicated box is written by its lowest rank), builds the
+        # index, and tells each rank which of its boxes to write and the save's folder id.
+        everyone = comm.gather_objects_to_first([(key, shape, str(t.dtype), box) for key, shape, box, t in parts],
+                                                self.group)
+        index, plans = None, None
+        if self.rank == 0:
+            owner: dict[tuple[str, Box], int] = {}
+            for r, boxes in enumerate(everyone):
+                for key, _, _, box in boxes:
+                    owner.setdefault((key, box), r)
+            index = self._index(everyone, owner)
+            token = uuid.uuid4().hex[:8]
+            plans = [(token, [owner[(key, box)] == r for key, _, _, box in boxes]) for r, boxes in enumerate(everyone)]
+            del everyone, owner
+        token, mask = comm.scatter_objects_from_first(plans, self.group)
         me = self.group.index(self.rank)
-        writes = [(_box_name(h.key, box), tuple(t.shape), t.dtype, lambda t=t: t) for h in held
-                  for box, t in h.parts() if owner[(h.key, box)] == me]
+        writes = [(_box_name(key, box), tuple(t.shape), t.dtype, lambda t=t: t)
+                  for (key, _, box, t), mine in zip(parts, mask, strict=True) if mine]
         final = checkpoint_dir(self.root, step)
         tmp = self.root / f".{final.name}.tmp-{token}"
         tmp.mkdir(parents=True, exist_ok=True)
         my_file = tmp / f"rank_{me:05d}.safetensors"
-        index = self._index(everyone, owner) if self.rank == 0 else None
         rng = _rng_state() if self.rank == 0 else None
         self.last_path = final
 
@@ -174,7 +182,7 @@ class Checkpointer:
     @staticmethod
     def _index(everyone: list, owner: dict[tuple[str, Box], int]) -> dict[str, Any]:
         tensors: dict[str, dict[str, Any]] = {}
-        for r, (_, boxes) in enumerate(everyone):
+        for r, boxes in enumerate(everyone):
             for key, shape, dtype, box in boxes:
                 entry = tensors.setdefault(key, {"shape": list(shape), "dtype": dtype, "boxes": []})
                 if owner[(key, box)] == r:
@@ -196,7 +204,8 @@ class Checkpointer:
                 missing = sorted(f for f in expected if not (tmp / f).exists())
                 raise CheckpointError(f"ranks' files {missing[:3]} never appeared in {tmp}: the save was abandoned "
                                       f"(a rank failed?). Resume uses the previous checkpoint.")
-            time.sleep(0.02)
+            time.sleep(0.02)  # polling the shared folder: this may run in a background thread, where no
+            # collective may be issued (it would interleave with the training step's)
         (tmp / "index.json").write_text(json.dumps(index))
         save_file(rng, str(tmp / "rng.safetensors"))
         for f in files:
