@@ -173,6 +173,11 @@ def test_bad_checkpoints_are_refused_before_starting_processes(tmp_path):
     assert "already holds checkpoints" in refused("parallel.dp=2")
     msg = refused("parallel.dp=2", "train.resume=true", "model.d_model=64")
     assert "tok_embeddings.weight has shape (257, 32) in the checkpoint but (257, 64)" in msg and str(step) in msg
+    shard = step / "rank_00000.safetensors"
+    good = shard.read_bytes()
+    shard.write_bytes(good[:100])
+    assert "rank_00000.safetensors is corrupt" in refused("parallel.dp=2", "train.resume=true")
+    shard.write_bytes(good)
     meta = json.loads((step / "meta.json").read_text())
     (step / "meta.json").write_text(json.dumps({**meta, "format": 99}))
     assert "written by a newer meshtrain (checkpoint format 99" in refused("parallel.dp=2", "train.resume=true")

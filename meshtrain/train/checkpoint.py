@@ -305,6 +305,20 @@ class CheckpointReader:
                 out.setdefault(name, []).append(field)
         return out
 
+    def verify(self) -> None:
+        """Every file the index names opens and holds its tensors (headers only, no tensor data is read): a
+        missing or truncated file is found before any process starts, not by every rank mid-load."""
+        names: dict[str, set[str]] = {}
+        for _, saved in self.tensors.values():
+            for _, file, name in saved:
+                names.setdefault(file, set()).add(name)
+        for file, wanted in names.items():
+            with _open(self.path / file) as f:
+                absent = wanted - set(f.keys())
+            if absent:
+                raise CheckpointError(f"Checkpoint file {self.path / file} lacks {sorted(absent)[:2]}: the checkpoint "
+                                      f"is incomplete; resume from an earlier one.")
+
     def read(self, key: str, box: Box) -> torch.Tensor:
         key = self.aliases.get(key, key)
         shape, saved = self.tensors[key]

@@ -67,6 +67,7 @@ def check_before_launch(cfg: Config, out_dir: str | Path | None, world_size: int
         raise ConfigError(f"--out {out_dir} already holds checkpoints of an earlier run: pass train.resume=true to "
                           f"continue it, or choose another --out.")
     reader = CheckpointReader(path)
+    reader.verify()
     model = cfg.model
     if model.vocab_size == 0:  # taken from the data: compare with what the checkpoint's run took
         model = dataclasses.replace(model, vocab_size=int(reader.shape("tok_embeddings.weight")[0]))
