@@ -223,3 +223,29 @@ def test_planner_predicts_the_bytes_of_every_layout_above(data):
     """Issue 6: for every layout this file ran, each rank's comm-meter bytes of a steady training step
     equal plan/check.predict_rank's prediction exactly (and state bytes within 5%)."""
     assert_planner_predicts_runs(data)
+
+
+def test_zero3_unit_buffers_are_mapped_so_freed_ones_go_back_to_the_os():
+    """host_memory fixes glibc's mmap threshold at the smallest unit buffer of >= 1 MiB, only ever lowering it;
+    accelerators, small units and a user's own MALLOC_MMAP_THRESHOLD_ are left alone. Run in a fresh interpreter:
+    the setting is process-wide."""
+    import os
+    import platform
+    import subprocess
+    import sys
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        pytest.skip("the policy applies to glibc only")
+    code = (
+        "import torch; from meshtrain import host_memory as h\n"
+        "M = 2**20; cpu = torch.device('cpu')\n"
+        "print(h.map_unit_buffers([M // 2], cpu), h.map_unit_buffers([28 * M, 3 * M], torch.device('cuda')),"
+        " h.map_unit_buffers([M // 2, 28 * M, 3 * M], cpu), h.map_unit_buffers([2 * M], cpu),"
+        " h.map_unit_buffers([5 * M], cpu), h.map_unit_buffers([64 * M], cpu), h.mmap_threshold())\n")
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    m = 2**20
+    assert out.split() == ["None", "None", str(3 * m), str(2 * m), str(2 * m), str(2 * m), str(2 * m)]
+    env["MALLOC_MMAP_THRESHOLD_"] = "1048576"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["None"] * 7

@@ -42,7 +42,9 @@ def layer(module: str) -> str:
     if module == "meshtrain.generate":
         return "train"
     part = module.split(".")[1]
-    return {"config": "config", "mesh": "mesh", "comm": "comm", "rules": "rules"}.get(part, part)
+    # host_memory (the CPU allocator policy) knows devices, as the mesh does: the same layer.
+    return {"config": "config", "mesh": "mesh", "host_memory": "mesh", "comm": "comm",
+            "rules": "rules"}.get(part, part)
 
 
 def modules() -> dict[str, Path]:

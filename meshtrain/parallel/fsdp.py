@@ -30,7 +30,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from meshtrain import comm
+from meshtrain import comm, host_memory
 from meshtrain.mesh import AxisGroup, Mesh
 from meshtrain.parallel.grad_sync import GradSync
 from meshtrain.parallel.pieces import OptimParam, Placements, optim_param
@@ -46,21 +46,29 @@ def _in_backward() -> bool:
 
 
 class _Gathered(torch.autograd.Function):
-    """Puts the unit's gathered buffer into the graph; in backward, hands its gradient to the unit.
+    """Puts the unit's gathered buffer into the graph as one view per parameter; in backward, packs their
+    gradients into one flat buffer for the unit's reduce-scatter.
 
-    The buffer is taken from the unit rather than passed in: an output that is an input (or a view
-    of one) would forbid the in-place re-gather into its storage in backward.
+    One output per parameter, rather than one flat output sliced afterwards: the backward of a slice is a
+    zero-filled tensor of the whole unit, so a block of nine weights would allocate nine block-sized
+    gradients and add them up (measured by benchmarks/checkpoint.py). The outputs alias the buffer's storage
+    without being autograd views of it (views of one base returned together may not see their base written in
+    place, and the re-gather in backward writes it). The buffer is taken from the unit rather than passed in
+    for the same reason.
     """
 
     @staticmethod
-    def forward(ctx, shard: torch.Tensor, unit: _ShardedUnit) -> torch.Tensor:
+    def forward(ctx, shard: torch.Tensor, unit: _ShardedUnit) -> tuple[torch.Tensor, ...]:
         ctx.unit = unit
-        buf, unit.incoming = unit.incoming, None
-        return buf
+        ctx.set_materialize_grads(False)  # an unused weight's gradient stays None, not a zero tensor
+        buf = unit.incoming
+        unit.incoming = None
+        unit.full = buf
+        return tuple(_alias(buf, off, shape) for _, off, shape in unit.offsets)
 
     @staticmethod
-    def backward(ctx, grad_full: torch.Tensor) -> tuple[None, None]:
-        ctx.unit.reduce_grad(grad_full)
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[None, None]:
+        ctx.unit.reduce_grad(grads)
         return None, None
 
 
@@ -79,9 +87,9 @@ class _ShardedUnit:
         # ever allocated: parameters built on the meta device (sharded construction) are filled later, a box
         # at a time (``state.load_state``); real ones are copied in now.
         self.shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
-        offsets, off = {}, 0
-        for _, p in unit.params:
-            offsets[id(p)] = off
+        offsets, index, off = {}, {}, 0
+        for i, (_, p) in enumerate(unit.params):
+            offsets[id(p)], index[id(p)] = off, i
             a, b = max(off, self.lo), min(off + p.numel(), self.hi)
             if a < b and not p.is_meta:
                 self.shard[a - self.lo: b - self.lo] = p.detach().reshape(-1)[a - off: b - off]
@@ -95,8 +103,8 @@ class _ShardedUnit:
         for m in model.modules():
             for attr, p in list(m._parameters.items()):
                 if p is not None and id(p) in mine:
-                    self.slots.append((m, attr, offsets[id(p)], tuple(p.shape)))
-        for m, attr, _, _ in self.slots:
+                    self.slots.append((m, attr, index[id(p)]))  # which of _Gathered's outputs it is
+        for m, attr, _ in self.slots:
             m._parameters.pop(attr, None)
         self.full: torch.Tensor | None = None  # the gathered buffer of the current microbatch
         self.incoming: torch.Tensor | None = None
@@ -137,10 +145,10 @@ class _ShardedUnit:
         """Make the modules' weights valid: a new graph node at a microbatch's first use, else a re-gather."""
         if self.fresh:
             self.incoming = self._wait_fetch()
-            self.full = _Gathered.apply(self.shard, self)
+            views = _Gathered.apply(self.shard, self)  # sets self.full to the buffer
             self.fresh = False
-            for m, attr, off, shape in self.slots:
-                setattr(m, attr, self.full[off: off + _numel(shape)].view(shape))
+            for m, attr, i in self.slots:
+                setattr(m, attr, views[i])
         elif not self.materialized:
             self._wait_fetch()
         self.materialized = True
@@ -153,9 +161,20 @@ class _ShardedUnit:
 
     # ------------------------------------------------------------------ gradients
 
-    def reduce_grad(self, grad_full: torch.Tensor) -> None:
-        out = torch.empty(self.shard_numel, dtype=torch.float32, device=grad_full.device)
-        h = comm.reduce_scatter(out, grad_full.float().contiguous(), self.group, async_op=True)
+    def reduce_grad(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        """Pack the parameters' gradients into one flat fp32 buffer and start its reduce-scatter."""
+        flat = torch.empty(self.padded, dtype=torch.float32, device=self.shard.device)
+        end = 0
+        for (_, off, shape), g in zip(self.offsets, grads, strict=True):
+            piece = flat[off: off + _numel(shape)]
+            if g is None:
+                piece.zero_()
+            else:
+                piece.view(shape).copy_(g)
+            end = off + _numel(shape)
+        flat[end:].zero_()
+        out = torch.empty(self.shard_numel, dtype=torch.float32, device=flat.device)
+        h = comm.reduce_scatter(out, flat, self.group, async_op=True)
         self.pending.append((h, out))
         self.inflight.append(self)
         # A reduce-scatter holds its unit's full gradient until it is waited for. Left to finish_grads, every
@@ -181,6 +200,13 @@ class _ShardedUnit:
         return done
 
 
+def _alias(buf: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of ``shape`` on ``buf``'s storage at ``offset``: shares the memory (and its frees and re-gathers)
+    but is not an autograd view, so writes into ``buf`` do not touch its version counter."""
+    t = torch.empty(0, dtype=buf.dtype, device=buf.device)
+    return t.set_(buf.untyped_storage(), buf.storage_offset() + offset, shape)
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for s in shape:
@@ -203,6 +229,9 @@ class FullyShardedDataParallel(GradSync):
         self._inflight: deque[_ShardedUnit] = deque()
         self.units = [_ShardedUnit(u, model, self.group, me, compute_dtype, reshard_after_forward, mesh.device,
                                    self._inflight) for u in model_units(model, exclude)]
+        # Unit buffers are freed and remade every unit: have the host allocator return them (host_memory.py).
+        itemsize = torch.empty(0, dtype=compute_dtype).element_size()
+        host_memory.map_unit_buffers([su.padded * itemsize for su in self.units], mesh.device)
         self._by_storage: dict[int, _ShardedUnit] = {}
         for i, su in enumerate(self.units):
             nxt = self.units[i + 1] if i + 1 < len(self.units) else None
