@@ -19,6 +19,7 @@ from pathlib import Path
 from meshtrain.config import Config, ConfigError, load_config
 from meshtrain.model.source import TensorSource
 from meshtrain.train.checkpoint import CheckpointError
+from meshtrain.train.trainer import NonFiniteError
 
 
 def _without_option(argv: list[str], name: str) -> list[str]:
@@ -39,6 +40,9 @@ def _train(argv: list[str]) -> int:
     ap.add_argument("--config", help="YAML config file or preset name (tiny, small, llama3-8b, ...)")
     ap.add_argument("--out", help="run folder: config.yaml, metrics.jsonl, tb/, checkpoints/")
     ap.add_argument("--nproc", type=int, default=0, help="relaunch under torchrun with N local processes")
+    ap.add_argument("--max-restarts", type=int, default=0,
+                    help="with --nproc: restart every process up to K times after one fails, resuming from the "
+                         "latest checkpoint (torchrun's elastic restarts)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100 parallel.tp=2")
     args = ap.parse_intermixed_args(argv)  # overrides may come before or after the options
     cfg = load_config(args.config, args.overrides)
@@ -48,9 +52,11 @@ def _train(argv: list[str]) -> int:
         from meshtrain.train.trainer import check_before_launch
 
         check_before_launch(cfg, args.out, args.nproc)  # what cannot run is refused before any process starts
-        rest = _without_option(argv, "--nproc")
+        if args.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}.")
+        rest = _without_option(_without_option(argv, "--nproc"), "--max-restarts")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-               "-m", "meshtrain.cli", "train", *rest]
+               f"--max-restarts={args.max_restarts}", "-m", "meshtrain.cli", "train", *rest]
         return subprocess.call(cmd)
     import torch.distributed as dist
 
@@ -190,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return COMMANDS[argv[0]](argv[1:])
-    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, CheckpointError, NonFiniteError, FileNotFoundError, ValueError) as e:
         # User errors carry the option and the fix; MESHTRAIN_DEBUG=1 shows the traceback too.
         if os.environ.get("MESHTRAIN_DEBUG"):
             raise

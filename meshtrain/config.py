@@ -119,6 +119,7 @@ class TrainConfig:
     muon_momentum: float = 0.95
     recompute: str = "none"  # activation checkpointing per block: none | full | selective
     grad_clip: float = 1.0  # 0 disables clipping
+    max_bad_steps: int = 3  # consecutive steps with a non-finite loss or grad norm (skipped) before the run stops
     dtype: str = "fp32"  # compute dtype: fp32 or bf16 (autocast); parameters stay fp32
     device: str = "auto"  # auto: cuda when available, else cpu
     eval_every: int = 0  # 0: only at the end
@@ -347,7 +348,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _need(m.init_std > 0, "model.init_std must be positive.")
     _check_moe(m)
 
-    for name in ("steps", "global_batch", "grad_accum", "seq_len", "log_every", "eval_batches", "ckpt_keep"):
+    for name in ("steps", "global_batch", "grad_accum", "seq_len", "log_every", "eval_batches", "ckpt_keep",
+                 "max_bad_steps"):
         _need(getattr(t, name) > 0, f"train.{name} must be positive, got {getattr(t, name)}.")
     for name in ("eval_every", "ckpt_every", "warmup_steps", "sample_tokens", "threads"):
         _need(getattr(t, name) >= 0, f"train.{name} must be >= 0, got {getattr(t, name)}.")

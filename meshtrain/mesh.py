@@ -190,5 +190,22 @@ def init_distributed(device_kind: str = "auto") -> tuple[int, int]:
     use_cuda = torch.cuda.is_available() and device_kind != "cpu"
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    backend = "nccl" if use_cuda else "gloo"
+    store = _elastic_attempt_store(world_size)
+    if store is None:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=world_size)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _elastic_attempt_store(world_size: int) -> dist.Store | None:
+    """Under torchrun, the store of this attempt: the agent's store seen through a prefix of the restart count.
+
+    After an elastic restart (``--max-restarts``) the workers of the new attempt talk to the same agent store as
+    the dead attempt's, whose keys are still there: without a fresh prefix, gloo reads a dead worker's address
+    and fails to connect ("connectFullMesh ... Connection refused")."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False)
+    return dist.PrefixStore(f"meshtrain/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)

@@ -144,6 +144,11 @@ class ExpertParallel:
             rec["moe_dropped"] = int(total[-1])
         return rec
 
+    def discard_step(self) -> None:
+        """Forget a skipped step's routing counts: its loads must not move the bias."""
+        for moe in moe_blocks(self.model).values():
+            moe.reset_stats()
+
     def local_bias(self) -> dict[str, torch.Tensor]:
         """The aux-free selection bias of every layer this rank holds, by its buffer name (state to save)."""
         return {f"layers.{i}.feed_forward.expert_bias": moe.expert_bias for i, moe in moe_blocks(self.model).items()}

@@ -180,6 +180,12 @@ class Parallel:
         clip_grads(self.sync.grads(), max_norm, norm)
         return float(norm)
 
+    def skip_step(self) -> None:
+        """Drop a step's gradients (and MoE routing counts) instead of applying them: nothing changes."""
+        self.sync.zero_grad()
+        if self.moe is not None:
+            self.moe.discard_step()
+
     def after_optimizer_step(self) -> dict[str, object]:
         """Parameters up to date on every rank, gradients cleared; returns the step's routing metrics (MoE)."""
         self.sync.after_step()

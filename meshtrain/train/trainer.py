@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +38,10 @@ from meshtrain.train.metrics import MetricsLogger, peak_memory_bytes
 from meshtrain.train.optim import build_optimizer, set_lr
 from meshtrain.train.prepare import ensure_prepared
 from meshtrain.train.tokenizer import load_tokenizer
+
+
+class NonFiniteError(RuntimeError):
+    """The run stopped rather than apply or save non-finite values (train.max_bad_steps, or state at a save)."""
 
 
 def resolve_device(kind: str) -> torch.device:
@@ -100,6 +106,11 @@ class Trainer:
         synchronised and before they are clipped and applied (equivalence tests gather them there)."""
         self.grad_hook = grad_hook
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        # torchrun's elastic restart (meshtrain train --max-restarts): the new workers go on from the latest
+        # checkpoint, which is always complete and finite, so the run finishes as if never interrupted.
+        self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if self.restart:
+            cfg.train.resume = True
         resolve_init_from(cfg)
         validate_layout(cfg, world_size)  # before any process group starts
         self.cfg = cfg
@@ -145,6 +156,9 @@ class Trainer:
         self.parallel = parallelize(self.model, self.mesh, cfg)
         self.optimizer = build_optimizer(self.parallel.optim_params(), t)
         self.step = 0
+        self.bad_steps = 0  # consecutive skipped (non-finite) steps
+        self.skipped_steps = 0  # in this session
+        self.stop_requested = False  # SIGTERM: save at the next step boundary, then stop
         self.ckpt_root = self.out_dir / "checkpoints" if self.out_dir else None
         self.checkpointer = Checkpointer(self.ckpt_root, self.mesh.group("world"), self.mesh.rank, t.ckpt_keep,
                                          t.ckpt_async)
@@ -211,6 +225,10 @@ class Trainer:
             self.grad_hook(step, self)
         norm = self.parallel.clip_grads(t.grad_clip)
         lr = set_lr(self.optimizer, step, t)
+        # Loss and norm are global (reduced over every rank), so every rank takes the same branch.
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            self.parallel.skip_step()  # nothing non-finite reaches the weights or the optimizer state
+            return {"loss": loss, "lr": lr, "grad_norm": norm, "skipped": True}
         self.checkpointer.wait_for_reads()  # an async save may still be reading what the step changes
         self.optimizer.step()
         routing = self.parallel.after_optimizer_step()
@@ -230,12 +248,51 @@ class Trainer:
         """Write a checkpoint of the current step (collective: each rank writes the boxes it holds)."""
         if self.ckpt_root is None:
             return None
+        self._check_finite_state()
         files = [self.data_dir / "tokenizer.json"] if self.data_dir and (self.data_dir / "tokenizer.json").exists() \
             else []
         meta = {"config": self.cfg.to_dict(), "tokenizer": self.tokenizer.name if self.tokenizer else None,
                 "tokens_seen": self.step * self.cfg.train.global_batch * self.cfg.train.seq_len,
                 "aliases": self.aliases}
         return self.checkpointer.save(self.step, self.parallel.local_state(self.optimizer), meta, files)
+
+    def _check_finite_state(self) -> None:
+        """Refuse to save non-finite parameters or optimizer state (collective: every rank learns of any)."""
+        mine = [h.key for h in self.parallel.local_state(self.optimizer) if not bool(torch.isfinite(h.tensor).all())]
+        everyone = comm.gather_objects(mine[:3], self.mesh.group("world"))
+        bad = [(rank, keys) for rank, keys in enumerate(everyone) if keys]
+        if bad:
+            where = "; ".join(f"rank {r}: {', '.join(k)}" for r, k in bad)
+            raise NonFiniteError(f"step {self.step}: the model state is not finite ({where}): no checkpoint was "
+                                 f"written, so the last one stays good: resume from it (train.resume=true) with a "
+                                 f"lower train.lr (now {self.cfg.train.lr:g}).")
+
+    def _after_bad_step(self, rec: dict[str, Any], log: MetricsLogger) -> None:
+        """Count a skipped step; stop with one line after train.max_bad_steps in a row."""
+        t = self.cfg.train
+        self.bad_steps += 1
+        self.skipped_steps += 1
+        if self.is_logger:
+            log.write(f"step {self.step}: loss {rec['loss']}, grad norm {rec['grad_norm']}: not applied "
+                      f"({self.bad_steps} in a row of train.max_bad_steps={t.max_bad_steps})")
+        if self.bad_steps < t.max_bad_steps:
+            return
+        self.checkpointer.wait()
+        last = latest_checkpoint(self.ckpt_root) if self.ckpt_root is not None else None
+        advice = (f"resume from {last} (train.resume=true) with a lower train.lr" if last is not None
+                  else "start again with a lower train.lr")
+        raise NonFiniteError(f"step {self.step}: {self.bad_steps} steps in a row had a non-finite loss or gradient "
+                             f"norm (loss {rec['loss']}, grad norm {rec['grad_norm']}; train.max_bad_steps="
+                             f"{t.max_bad_steps}). None was applied or saved: {advice} (now {t.lr:g}, e.g. "
+                             f"train.lr={t.lr / 10:g}).")
+
+    def _on_sigterm(self, signum: int, frame: object) -> None:
+        self.stop_requested = True  # acted on at the next step boundary (a signal handler must not do collectives)
+
+    def _stop_now(self) -> bool:
+        """Whether any rank was asked to stop (SIGTERM): every rank must agree before saving collectively."""
+        return comm.all_reduce_scalars([float(self.stop_requested)], self.mesh.group("world"),
+                                       device=self.device)[0] > 0
 
     # ------------------------------------------------------------------ the loop
 
@@ -258,9 +315,15 @@ class Trainer:
                 log.write(self.parallel.log_lines())
             if not self.can_validate:
                 log.write("the validation split is too small for one sequence: no validation loss.")
+            if self.restart:
+                log.write(f"restart {self.restart}: resumed at step {self.step} from the latest checkpoint.")
             log.write(f"meshtrain: {n.total / 1e6:.2f}M parameters, {tokens_per_step} tokens/step, "
                       f"mesh {self.mesh.describe()}, dtype {t.dtype}; unigram baseline loss {base:.3f}")
         records = []
+        # A scheduler's preemption (SIGTERM): finish the step, save, stop cleanly (only the main thread may
+        # install a handler; a Trainer driven from another thread keeps the default).
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm) \
+            if threading.current_thread() is threading.main_thread() else None
         try:
             while self.step < min(t.steps, until or t.steps):
                 start = time.perf_counter()
@@ -281,13 +344,24 @@ class Trainer:
                 last = self.step == t.steps
                 if self.can_validate and ((t.eval_every and self.step % t.eval_every == 0) or last):
                     rec["val_loss"] = self.evaluate()
-                if not math.isfinite(rec["loss"]):
-                    raise FloatingPointError(f"loss is {rec['loss']} at step {self.step}: lower train.lr.")
-                if self.step % t.log_every == 0 or last or "val_loss" in rec:
+                rec["skipped_steps"] = self.skipped_steps + bool(rec.get("skipped"))
+                if self.step % t.log_every == 0 or last or "val_loss" in rec or rec.get("skipped"):
                     log.log(rec)
                 records.append(rec)
-                if (t.ckpt_every and self.step % t.ckpt_every == 0) or last:
+                if rec.get("skipped"):
+                    self._after_bad_step(rec, log)
+                else:
+                    self.bad_steps = 0
+                stop = self._stop_now()
+                # No periodic save in a streak of skipped steps: the state has not changed, and the save would
+                # push an older checkpoint out of retention (train.ckpt_keep).
+                if (t.ckpt_every and self.step % t.ckpt_every == 0 and not self.bad_steps) or last or stop:
                     self.save()
+                if stop:
+                    if self.is_logger:
+                        log.write(f"SIGTERM: stopped after step {self.step} with its checkpoint saved; run again "
+                                  f"with train.resume=true to continue.")
+                    break
             if self.is_logger and records and self.step == t.steps:
                 last_rec = records[-1]
                 log.write(f"done: step {self.step}, loss {last_rec['loss']:.4f}, "
@@ -308,6 +382,8 @@ class Trainer:
                 log.write("sample:\n" + t.sample_prompt + text)
         finally:
             log.close()
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
         self.checkpointer.wait()  # the last save is on disk (and, on rank 0, committed) before train returns
         return records
 
