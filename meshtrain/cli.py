@@ -111,7 +111,9 @@ def _run_torchrun(cmd: list[str], out_dir: str | None) -> int:
 
 
 _ERROR_LINE = re.compile(r"^(?:\[(?:rank|default)\d+\]:\s*)?error: (.+)$")
-_EXCEPTION_LINE = re.compile(r"^(?:\[rank(\d+)\]:\s*)?((?:\w+\.)*\w*(?:Error|Exception|Interrupt)\b:?.*)$")
+# An exception's last line, as Python prints it (torch prefixes a worker's with its rank): not an indented source line.
+_EXCEPTION_LINE = re.compile(r"^(?:\[rank(\d+)\]: )?((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt)"
+                             r"(?::.*)?)$")
 _EXIT_LINE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 # What a rank raises when another one died first: a consequence, named only when nothing else was found.
 _CONSEQUENCES = ("ChildFailedError", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
@@ -270,9 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         message = _user_error(e, argv)
         if message is None or os.environ.get("MESHTRAIN_DEBUG"):
             raise
-        if "LOCAL_RANK" in os.environ:  # a torchrun worker: its line goes to the launcher's log, marked with its
-            # rank as torch marks tracebacks; the launcher prints it once. Leave now, as a finished worker does
-            # (see _train), so that gloo's teardown cannot hang or abort it.
+        if argv[0] == "train" and "LOCAL_RANK" in os.environ:
+            # A torchrun worker: its line goes to the launcher's log, marked with its rank as torch marks
+            # tracebacks; the launcher prints it once. Leave now, as a finished worker does (see _train), so
+            # that gloo's teardown cannot hang or abort it.
             print(f"[rank{os.environ.get('RANK', '?')}]: error: {message}", file=sys.stderr, flush=True)
             os._exit(2)
         print(f"error: {message}", file=sys.stderr)
