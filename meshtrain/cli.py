@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 from meshtrain.config import Config, ConfigError, load_config
@@ -39,16 +43,17 @@ def _train(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="meshtrain train", description="Train a model.")
     ap.add_argument("--config", help="YAML config file or preset name (tiny, small, llama3-8b, ...)")
     ap.add_argument("--out", help="run folder: config.yaml, metrics.jsonl, tb/, checkpoints/")
-    ap.add_argument("--nproc", type=int, default=0, help="relaunch under torchrun with N local processes")
+    ap.add_argument("--nproc", type=int, default=None, help="relaunch under torchrun with N >= 1 local processes")
     ap.add_argument("--max-restarts", type=int, default=0,
                     help="with --nproc: restart every process up to K times after one fails, resuming from the "
                          "latest checkpoint (torchrun's elastic restarts)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100 parallel.tp=2")
     args = ap.parse_intermixed_args(argv)  # overrides may come before or after the options
+    if args.nproc is not None and args.nproc < 1:  # 0 used to mean "no torchrun": refused, not a silent 1 process
+        raise ConfigError(f"--nproc {args.nproc}: launch at least 1 process (--nproc N, N >= 1), or leave --nproc "
+                          f"out to train in this process.")
     cfg = load_config(args.config, args.overrides)
-    if args.nproc and "LOCAL_RANK" not in os.environ:
-        if args.nproc < 1:
-            raise ConfigError(f"--nproc must be >= 1, got {args.nproc}.")
+    if args.nproc is not None and "LOCAL_RANK" not in os.environ:
         from meshtrain.train.trainer import check_before_launch
 
         check_before_launch(cfg, args.out, args.nproc)  # what cannot run is refused before any process starts
@@ -57,7 +62,7 @@ def _train(argv: list[str]) -> int:
         rest = _without_option(_without_option(argv, "--nproc"), "--max-restarts")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
                f"--max-restarts={args.max_restarts}", "-m", "meshtrain.cli", "train", *rest]
-        return subprocess.call(cmd)
+        return _run_torchrun(cmd, args.out)
     import torch.distributed as dist
 
     from meshtrain.train.trainer import Trainer
@@ -73,6 +78,93 @@ def _train(argv: list[str]) -> int:
         sys.stderr.flush()
         os._exit(0)
     return 0
+
+
+def _launch_log(out_dir: str | None) -> Path:
+    """Where the workers' stderr goes: ``<out>/logs/train-<time>-<pid>.log``, or a temporary file without --out."""
+    if out_dir is None:
+        fd, name = tempfile.mkstemp(prefix="meshtrain-train-", suffix=".log")
+        os.close(fd)
+        return Path(name)
+    logs = Path(out_dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    return logs / f"train-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+
+
+def _run_torchrun(cmd: list[str], out_dir: str | None) -> int:
+    """Run torchrun: its workers' stdout (log lines, the progress bar) passes through; their stderr and
+    torchrun's own go to a log file in the run folder. On failure, print the workers' ``error:`` line once
+    (every rank may print the same one) and where the full log is, not every rank's traceback and torchrun's
+    ChildFailedError; the exit code stays non-zero."""
+    from meshtrain.train.metrics import LAUNCHER_LOG_ENV
+
+    log = _launch_log(out_dir)
+    interrupted = False
+    terminated: list[int] = []
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stderr=f, env={**os.environ, LAUNCHER_LOG_ENV: str(log)})
+
+        def forward(signum: int, frame: object) -> None:
+            # A scheduler's preemption: torchrun passes it to the workers, which save at the next step and stop;
+            # this process waits for that instead of dying first and orphaning them.
+            terminated.append(signum)
+            proc.send_signal(signum)
+
+        previous = signal.signal(signal.SIGTERM, forward)
+        try:
+            code = proc.wait()
+        except KeyboardInterrupt:  # Ctrl-C reached torchrun and its workers too: let them finish stopping
+            interrupted, code = True, proc.wait()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    if code == 0:
+        if out_dir is None:
+            log.unlink(missing_ok=True)
+        return 0
+    if terminated:
+        print("stopped by SIGTERM (the workers saved a checkpoint of their last step if they could: see the log "
+              "above); run again with train.resume=true to continue.", file=sys.stderr)
+        print(f"full log (every rank's stderr, torchrun's report): {log}", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    message, user_error = ("interrupted (Ctrl-C)", False) if interrupted else \
+        worker_error(log.read_text(errors="replace"), code)
+    print(f"error: {message}", file=sys.stderr)
+    print(f"full log (every rank's stderr, torchrun's report): {log}", file=sys.stderr)
+    return 130 if interrupted else 2 if user_error else code
+
+
+_ERROR_LINE = re.compile(r"^(?:\[(?:rank|default)\d+\]:\s*)?error: (.+)$")
+# An exception's last line, as Python prints it (torch prefixes a worker's with its rank): not an indented source line.
+_EXCEPTION_LINE = re.compile(r"^(?:\[rank(\d+)\]: )?((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt)"
+                             r"(?::.*)?)$")
+_EXIT_LINE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+# What a rank raises when another one died first: a consequence, named only when nothing else was found.
+_CONSEQUENCES = ("ChildFailedError", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def worker_error(log: str, code: int) -> tuple[str, bool]:
+    """The one line that says why a torchrun launch failed, from its log, and whether it is a user error.
+
+    First choice, the first worker's ``error:`` line (a mistake meshtrain explains, printed by ``main``); else
+    the first exception a rank raised that is not the echo of another rank's death; else the signal or exit code
+    torchrun reports."""
+    exceptions, consequences = [], []
+    for line in log.splitlines():
+        if m := _ERROR_LINE.match(line):
+            return m.group(1), True
+        if m := _EXCEPTION_LINE.match(line):
+            rank = f" (rank {m.group(1)})" if m.group(1) else ""
+            (consequences if any(c in line for c in _CONSEQUENCES) else exceptions).append(m.group(2) + rank)
+    if exceptions or consequences:
+        return f"a training process failed: {(exceptions or consequences)[0]}", False
+    if m := _EXIT_LINE.search(log):
+        exit_code, rank = int(m.group(1)), m.group(2)
+        if exit_code < 0:
+            name = signal.Signals(-exit_code).name if -exit_code in signal.valid_signals() else str(-exit_code)
+            return (f"local rank {rank} was killed by {name}"
+                    f"{' (out of memory, or killed from outside)' if name == 'SIGKILL' else ''}"), False
+        return f"local rank {rank} exited with code {exit_code}", False
+    return f"torchrun exited with code {code}", False
 
 
 def _find_checkpoint(arg: str) -> tuple[Path, dict, Config]:
@@ -196,12 +288,37 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return COMMANDS[argv[0]](argv[1:])
-    except (ConfigError, CheckpointError, NonFiniteError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, CheckpointError, NonFiniteError, OSError, ValueError, ImportError) as e:
         # User errors carry the option and the fix; MESHTRAIN_DEBUG=1 shows the traceback too.
-        if os.environ.get("MESHTRAIN_DEBUG"):
+        message = _user_error(e, argv)
+        if message is None or os.environ.get("MESHTRAIN_DEBUG"):
             raise
-        print(f"error: {e}", file=sys.stderr)
+        if argv[0] == "train" and "LOCAL_RANK" in os.environ:
+            # A torchrun worker: its line goes to the launcher's log, marked with its rank as torch marks
+            # tracebacks; the launcher prints it once. Leave now, as a finished worker does (see _train), so
+            # that gloo's teardown cannot hang or abort it.
+            print(f"[rank{os.environ.get('RANK', '?')}]: error: {message}", file=sys.stderr, flush=True)
+            os._exit(2)
+        print(f"error: {message}", file=sys.stderr)
         return 2
+
+
+# Optional dependencies (pyproject.toml's extras): the module, its extra, and the option of each command needing it.
+OPTIONAL = {"matplotlib": ("plot", {"schedule": "--png", "plan": "--plot"}),
+            "tokenizers": ("tokenizers", {"train": "data.tokenizer", "prepare-data": "--tokenizer"})}
+
+
+def _user_error(e: BaseException, argv: list[str]) -> str | None:
+    """The one line for an error the user can fix, or None for a bug (whose traceback is the useful part)."""
+    if isinstance(e, ImportError):
+        module = (e.name or "").split(".")[0]
+        if module in OPTIONAL:
+            extra, options = OPTIONAL[module]
+            what = " ".join(x for x in ("meshtrain", argv[0], options.get(argv[0])) if x)
+            return (f"{what} needs {module}, which is not installed: pip install 'meshtrain[{extra}]' "
+                    f"(or pip install {module}).")
+        return str(e) if "pip install" in str(e) else None  # ours name their extra; others are bugs
+    return str(e)
 
 
 if __name__ == "__main__":

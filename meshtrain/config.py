@@ -128,7 +128,8 @@ class TrainConfig:
     ckpt_every: int = 0  # 0: only at the end
     ckpt_keep: int = 2
     ckpt_async: bool = False  # write checkpoints in the background while training goes on
-    resume: bool = False  # resume from the latest checkpoint in --out
+    resume: bool = False  # resume from the latest checkpoint in --out; none there: start fresh (and say so)
+    resume_required: bool = False  # with resume: no checkpoint in --out is an error, not a fresh start
     init_from: str = ""  # a HuggingFace Llama folder to start from; its config.json replaces the model section
     sample_tokens: int = 200  # tokens generated at the end of training (0: none)
     sample_prompt: str = "def "
@@ -369,6 +370,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
           "train.muon_lr must be >= 0 (0: train.lr) and train.muon_momentum in [0, 1).")
     _need(t.dtype in ("fp32", "bf16"), f"train.dtype must be fp32 or bf16, got '{t.dtype}'.")
     _need(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got '{t.device}'.")
+    _need(t.resume or not t.resume_required, "train.resume_required=true makes a missing checkpoint an error when "
+          "resuming: pass it with train.resume=true.")
     _need(d.source in ("files", "synthetic"), f"data.source must be 'files' or 'synthetic', got '{d.source}'.")
     _need(0 <= d.val_fraction <= 0.5, f"data.val_fraction must be in [0, 0.5], got {d.val_fraction}.")
 

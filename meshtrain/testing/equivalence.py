@@ -327,7 +327,10 @@ def cli_train(data: str, out: Path, overrides: list[str], timeout: float = 300) 
     args = [sys.executable, "-m", "meshtrain.cli", "train", "--config", "tiny", "--out", str(out),
             f"data.path={data}", *overrides]
     r = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
-    clues = [ln for ln in r.stderr.splitlines() if any(w in ln for w in ("terminate", "Error", "exitcode"))]
-    assert r.returncode == 0, "\n".join(clues[:20]) + "\n" + r.stderr[-2000:]
+    stderr = r.stderr
+    if r.returncode != 0 and (log := re.search(r"full log .*?: (.+)$", stderr, re.M)):  # --nproc: every rank's
+        stderr += Path(log.group(1)).read_text(errors="replace")  # stderr is in the launcher's log file
+    clues = [ln for ln in stderr.splitlines() if any(w in ln for w in ("terminate", "Error", "exitcode"))]
+    assert r.returncode == 0, "\n".join(clues[:20]) + "\n" + stderr[-2000:]
     records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     return records, r.stdout

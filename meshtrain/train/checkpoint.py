@@ -98,9 +98,12 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_path: Path | None = None
+        self.removed: list[Path] = []  # temporary folders of interrupted saves, removed here (rank 0)
         if rank == 0 and root is not None and root.is_dir():  # left by a crashed save (before any save starts)
-            for stale in root.glob(".step_*.tmp-*"):
+            # Only the temporary names: a complete checkpoint (step_*) never matches.
+            for stale in sorted(root.glob(".step_*.tmp-*")):
                 shutil.rmtree(stale, ignore_errors=True)
+                self.removed.append(stale)
 
     def save(self, step: int, held: list[Held], meta: dict[str, Any] | None = None,
              files: list[Path] = ()) -> Path:
@@ -308,7 +311,7 @@ class CheckpointReader:
     def verify(self) -> None:
         """Every file the index names opens and holds its tensors (headers only, no tensor data is read): a
         missing or truncated file is found before any process starts, not by every rank mid-load."""
-        names: dict[str, set[str]] = {}
+        names: dict[str, set[str]] = {"rng.safetensors": set()}  # restored with the weights: checked with them
         for _, saved in self.tensors.values():
             for _, file, name in saved:
                 names.setdefault(file, set()).add(name)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+
+# Set by the `meshtrain train --nproc` launcher in its workers' environment: the log file their stderr goes to.
+LAUNCHER_LOG_ENV = "MESHTRAIN_LAUNCHER_LOG"
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -44,8 +48,11 @@ class MetricsLogger:
         if enabled and progress:
             from tqdm import tqdm
 
+            # Under `meshtrain train --nproc` the workers' stderr goes to the run's log file (every rank's
+            # tracebacks, torchrun's report) and only stdout reaches the terminal: draw the bar there.
+            stream = sys.stdout if os.environ.get(LAUNCHER_LOG_ENV) else sys.stderr
             self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
-                             mininterval=0.5, file=sys.stderr)
+                             mininterval=0.5, file=stream)
 
     def log(self, record: dict[str, Any]) -> None:
         """Append one step's record ({"step": int, ...}) to every sink."""

@@ -25,6 +25,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from meshtrain.train.paths import unwritable_reason
 from meshtrain.train.tokenizer import HFTokenizer, load_tokenizer, tokenizer_tag
 
 log = logging.getLogger(__name__)
@@ -190,7 +191,8 @@ def prepare_data(
     files = list_source_files(src, extensions, exclude_dirs)
     if not files:
         raise ValueError(
-            f"no files with extensions {', '.join(extensions)} found under {src} (option --src of prepare-data)"
+            f"no files with extensions {', '.join(extensions)} found under {src} (option --src of prepare-data): "
+            f"pass --ext for the files it holds (repeatable, e.g. --ext .txt --ext .md), or another --src"
         )
     dtype = token_dtype(tok.vocab_size)
 
@@ -287,15 +289,26 @@ def _publish(tmp: Path, out: Path, overwrite: bool) -> dict[str, Any]:
     return _read_meta(out)
 
 
-def ensure_prepared(path: str | None, tokenizer: str = "byte", val_fraction: float = 0.02) -> Path:
+def ensure_prepared(path: str | None, tokenizer: str = "byte", val_fraction: float = 0.02,
+                    check_only: bool = False) -> Path:
     """Resolve the ``data.path`` option to a prepared data folder, preparing the default if needed.
 
     Empty/None -> the cached standard-library corpus (prepared on first use). A folder with meta.json is
-    returned as is. Anything else raises with the command that fixes it.
+    returned as is. Anything else raises with the command that fixes it. ``check_only`` (before any process
+    starts): the default corpus is not prepared, only its cache folder checked for writing.
     """
     if not path:
         out = default_data_dir(tokenizer, val_fraction)
         if not (out / "meta.json").is_file():
+            reason = unwritable_reason(out.parent)
+            if reason:
+                raise ValueError(
+                    f"the data cache {out.parent} is not writable ({reason}), so the default corpus cannot be "
+                    f"prepared there: set MESHTRAIN_CACHE to a writable folder, or run `meshtrain prepare-data "
+                    f"--out DIR` and set data.path=DIR"
+                )
+            if check_only:
+                return out
             log.info("preparing the Python standard library as training data into %s", out)
             prepare_data(default_source_dir(), out, tokenizer=tokenizer, val_fraction=val_fraction)
         return out

@@ -78,7 +78,7 @@ class HFTokenizer:
             ) from e
         self.path = Path(path)
         if not self.path.is_file():
-            raise FileNotFoundError(f"tokenizer file {self.path} does not exist (option data.tokenizer)")
+            raise FileNotFoundError(f"the tokenizer file {self.path} is missing (option data.tokenizer)")
         self._tok = _HFTokenizer.from_file(str(self.path))
         self._base_vocab = int(self._tok.get_vocab_size(with_added_tokens=True))
         eos = None
@@ -125,7 +125,13 @@ def tokenizer_tag(spec: str) -> str:
         p = p / "tokenizer.json"
     if p.is_file():
         return "hf-" + hashlib.sha1(p.read_bytes()).hexdigest()[:10]
-    raise ValueError(f"data.tokenizer must be {TOKENIZER_CHOICES}; got {spec!r}")
+    raise ValueError(_missing(spec, p))
+
+
+def _missing(spec: str, path: Path) -> str:
+    # A path that is not there is the usual mistake (a typo, a relative path from another folder): say so first.
+    return (f"the tokenizer file {path} is missing (data.tokenizer={spec!r}, or --tokenizer of prepare-data): "
+            f"data.tokenizer must be {TOKENIZER_CHOICES}")
 
 
 def load_tokenizer(spec: str, data_dir: str | Path | None = None) -> ByteTokenizer | HFTokenizer:
@@ -149,4 +155,4 @@ def load_tokenizer(spec: str, data_dir: str | Path | None = None) -> ByteTokeniz
         p = p / "tokenizer.json"
     if p.is_file():
         return HFTokenizer(p)
-    raise ValueError(f"data.tokenizer must be {TOKENIZER_CHOICES}; got {spec!r} (no such file)")
+    raise ValueError(_missing(spec, p))

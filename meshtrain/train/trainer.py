@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from meshtrain import comm
-from meshtrain.config import Config, ConfigError, save_config
+from meshtrain.config import Config, ConfigError, ModelConfig, save_config
 from meshtrain.generate import sample
 from meshtrain.mesh import Mesh, init_distributed
 from meshtrain.model.hf import HFSource
@@ -33,9 +33,10 @@ from meshtrain.plan.flops import flops_per_token, mfu, param_count
 from meshtrain.plan.hardware import peak_flops
 from meshtrain.plan.validate import validate_layout
 from meshtrain.train.checkpoint import Checkpointer, CheckpointError, CheckpointReader, latest_checkpoint, restore_rng
-from meshtrain.train.data import SyntheticDataset, TokenDataset
+from meshtrain.train.data import SyntheticDataset, TokenDataset, read_meta
 from meshtrain.train.metrics import MetricsLogger, peak_memory_bytes
 from meshtrain.train.optim import build_optimizer, set_lr
+from meshtrain.train.paths import unwritable_reason
 from meshtrain.train.prepare import ensure_prepared
 from meshtrain.train.tokenizer import load_tokenizer
 
@@ -61,32 +62,120 @@ def resolve_init_from(cfg: Config) -> None:
 
 def check_before_launch(cfg: Config, out_dir: str | Path | None, world_size: int) -> None:
     """What can be refused before any process starts, with one clear line each: the HF folder of
-    ``train.init_from``, the layout, and with ``train.resume`` the latest checkpoint (its format, and its
-    tensors' shapes against the model config)."""
+    ``train.init_from``, the layout, the device (``train.device=cuda`` and a GPU per process), the run folder
+    (made here, and written to), the data (``data.path`` prepared, its tokenizer, or the default corpus's cache
+    writable) and, with ``train.resume``, the latest checkpoint (its files and its tensors against the model).
+    Whatever passes here can only fail inside a worker, where the launcher reports its one ``error:`` line."""
     resolve_init_from(cfg)
     validate_layout(cfg, world_size)
+    device = resolve_device(cfg.train.device)
+    if device.type == "cuda" and torch.cuda.device_count() < world_size:
+        n = torch.cuda.device_count()
+        raise ConfigError(f"--nproc {world_size} runs one process per GPU but {n} GPU(s) are visible: pass "
+                          f"--nproc {n} (and a layout for it), or train.device=cpu.")
+    check_out_dir(out_dir)
+    check_data(cfg)
     root = Path(out_dir) / "checkpoints" if out_dir else None
+    if cfg.train.resume and root is None:
+        raise ConfigError(RESUME_WITHOUT_OUT)
     path = latest_checkpoint(root) if root is not None else None
     if path is None:
+        if cfg.train.resume_required:
+            raise ConfigError(no_checkpoint_to_resume(root))
         return
     if not cfg.train.resume:
         raise ConfigError(f"--out {out_dir} already holds checkpoints of an earlier run: pass train.resume=true to "
                           f"continue it, or choose another --out.")
     reader = CheckpointReader(path)
     reader.verify()
-    model = cfg.model
+    check_checkpoint_model(cfg.model, reader)
+
+
+RESUME_WITHOUT_OUT = "train.resume=true needs --out DIR (the run folder whose checkpoints/ it resumes from)."
+
+
+def no_checkpoint_to_resume(root: Path) -> str:
+    return (f"train.resume_required=true but {root} holds no complete checkpoint: check --out (a typo starts a new "
+            f"run elsewhere), or drop train.resume_required to start fresh.")
+
+
+def check_out_dir(out_dir: str | Path | None) -> None:
+    """``--out`` is a folder this process can write (made when missing), and its ``checkpoints`` is a folder."""
+    if out_dir is None:
+        return
+    out = Path(out_dir)
+    reason = unwritable_reason(out)
+    if reason:
+        raise ConfigError(f"--out {out} cannot be used as the run folder ({reason}): choose a folder you can "
+                          f"write, e.g. --out runs/NAME (it is created when missing).")
+    if (out / "checkpoints").exists() and not (out / "checkpoints").is_dir():
+        raise ConfigError(f"--out {out}: {out / 'checkpoints'} is a file, where the run keeps its checkpoint "
+                          f"folders: move it away, or choose another --out.")
+
+
+def _check_vocab(cfg: Config, data_vocab: int) -> None:
+    if cfg.model.vocab_size and cfg.model.vocab_size < data_vocab:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+            f"{data_vocab} ids: set model.vocab_size=0 to take it from the data."
+        )
+
+
+def check_data(cfg: Config) -> None:
+    """The data a run will read, checked without reading tokens: a set ``data.path`` is a prepared folder whose
+    tokenizer loads and fits ``model.vocab_size``; for the default corpus, its tokenizer exists and its cache
+    can be written (rank 0 prepares it on first use)."""
+    d = cfg.data
+    if d.source != "files":
+        return
+    path = ensure_prepared(d.path or None, d.tokenizer, d.val_fraction, check_only=True)
+    if not (path / "meta.json").is_file():  # the default corpus, not prepared yet
+        load_tokenizer(d.tokenizer)
+        return
+    meta = read_meta(path)
+    load_tokenizer(meta["tokenizer"], path)
+    _check_vocab(cfg, int(meta["vocab_size"]))
+
+
+# Options that decide a tensor's name or shape: what a checkpoint and the config must agree on to resume.
+_SHAPE_OPTIONS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "multiple_of",
+                  "tie_embeddings", "moe_experts", "moe_shared_experts", "moe_hidden")
+
+
+def check_checkpoint_model(model: ModelConfig, reader: CheckpointReader) -> None:
+    """The checkpoint holds exactly this model's tensors (names and shapes, both ways: a checkpoint with more
+    layers or experts than the config is refused too, not half-loaded), or one line naming the checkpoint, the
+    ``model.*`` options that differ and the fix."""
+    path = reader.path
     if model.vocab_size == 0:  # taken from the data: compare with what the checkpoint's run took
-        model = dataclasses.replace(model, vocab_size=int(reader.shape("tok_embeddings.weight")[0]))
+        saved = reader.shape("tok_embeddings.weight")
+        model = dataclasses.replace(model, vocab_size=int(saved[0]) if saved else 1)
     with torch.device("meta"):
-        shapes = {n: tuple(p.shape) for n, p in Llama(model).named_parameters()}
+        shapes = {n: tuple(t.shape) for n, t in Llama(model).state_dict().items()}  # parameters and the MoE bias
+    detail = None
     for name, shape in shapes.items():
         saved = reader.shape(name)
         if saved is None:
-            raise CheckpointError(f"{path} has no tensor {name}: it was written for another model (model.* differs "
-                                  f"from its meta.json).")
-        if tuple(saved) != shape:
-            raise CheckpointError(f"{path}: {name} has shape {tuple(saved)} in the checkpoint but {shape} with this "
-                                  f"config: set the model section as in the checkpoint's meta.json.")
+            detail = f"{name} is not in the checkpoint"
+        elif tuple(saved) != shape:
+            detail = f"{name} has shape {tuple(saved)} in the checkpoint but {shape} with this config"
+        if detail:
+            break
+    else:
+        extra = sorted(k for k in reader.keys() if "/" not in k and k not in shapes)
+        if not extra:
+            return
+        detail = f"the checkpoint's {extra[0]} is not in this model"
+    theirs = reader.meta.get("config", {}).get("model", {})
+    differ = [k for k in _SHAPE_OPTIONS if k in theirs and theirs[k] != getattr(model, k)]
+    if differ:
+        fix = " ".join(f"model.{k}={theirs[k]}" for k in differ)
+        ours = ", ".join(f"model.{k}={getattr(model, k)}" for k in differ)
+        raise CheckpointError(f"cannot resume from {path}: {detail}. This config has {ours}; the checkpoint was "
+                              f"written with {fix.replace(' ', ', ')}: set {fix} (as in its meta.json) to resume "
+                              f"it, or choose another --out for a new run.")
+    raise CheckpointError(f"cannot resume from {path}: {detail}: it was written for another model; set the model "
+                          f"section as in its meta.json, or choose another --out for a new run.")
 
 
 def unigram_loss(tokens: np.ndarray, vocab_size: int) -> float:
@@ -113,7 +202,11 @@ class Trainer:
             cfg.train.resume = True
         resolve_init_from(cfg)
         validate_layout(cfg, world_size)  # before any process group starts
+        check_out_dir(out_dir)
+        if cfg.train.resume and out_dir is None:
+            raise ConfigError(RESUME_WITHOUT_OUT)
         self.cfg = cfg
+        self.notes: list[str] = []  # what the run's log says first (rank 0): a fresh start despite resume, ...
         self.out_dir = Path(out_dir) if out_dir else None
         t = cfg.train
         if t.threads:
@@ -138,13 +231,9 @@ class Trainer:
             self.train_data = TokenDataset(self.data_dir, "train")
             self.val_data = TokenDataset(self.data_dir, "val")
             self.tokenizer = load_tokenizer(self.train_data.meta["tokenizer"], self.data_dir)
+        _check_vocab(cfg, self.train_data.vocab_size)
         if cfg.model.vocab_size == 0:
             cfg.model.vocab_size = self.train_data.vocab_size
-        elif cfg.model.vocab_size < self.train_data.vocab_size:
-            raise ConfigError(
-                f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-                f"{self.train_data.vocab_size} ids: set model.vocab_size=0 to take it from the data."
-            )
 
         # A split too small for one sequence (e.g. prepared with val_fraction=0) means no validation.
         self.can_validate = self.val_data.num_tokens >= t.seq_len + 2
@@ -162,7 +251,10 @@ class Trainer:
         self.ckpt_root = self.out_dir / "checkpoints" if self.out_dir else None
         self.checkpointer = Checkpointer(self.ckpt_root, self.mesh.group("world"), self.mesh.rank, t.ckpt_keep,
                                          t.ckpt_async)
-        self._check_out_dir()
+        if self.checkpointer.removed:
+            self.notes.append(f"removed {len(self.checkpointer.removed)} unfinished save(s) of an interrupted run "
+                              f"from {self.ckpt_root}: {', '.join(p.name for p in self.checkpointer.removed)}")
+        self._refuse_earlier_run()
         # Then the values, each rank reading only its boxes: from the latest checkpoint, or the seeded init.
         self._load_weights()
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
@@ -179,7 +271,7 @@ class Trainer:
             path = ensure_prepared(self.cfg.data.path or None, self.cfg.data.tokenizer, self.cfg.data.val_fraction)
         return path
 
-    def _check_out_dir(self) -> None:
+    def _refuse_earlier_run(self) -> None:
         if self.ckpt_root is None or self.cfg.train.resume:
             return
         if latest_checkpoint(self.ckpt_root) is not None:
@@ -190,9 +282,14 @@ class Trainer:
 
     def _load_weights(self) -> None:
         t = self.cfg.train
-        if t.resume and self.ckpt_root is None:
-            raise ConfigError("train.resume=true needs --out DIR (where the checkpoints are).")
         path = latest_checkpoint(self.ckpt_root) if t.resume else None
+        if t.resume and path is None:
+            if t.resume_required:
+                raise ConfigError(no_checkpoint_to_resume(self.ckpt_root))
+            # Said plainly: a mistyped --out would otherwise throw a run's progress away without a word.
+            self.notes.append(f"train.resume=true: no checkpoint in {self.ckpt_root}, so this run starts fresh from "
+                              f"{'train.init_from' if t.init_from else 'step 0'} (train.resume_required=true makes "
+                              f"this an error)")
         if path is None and t.init_from:  # fine-tuning: each rank reads its pieces of the HF weights
             self.weights = HFSource(t.init_from)
             self.parallel.load_state(self.optimizer, self.weights, what=t.init_from)
@@ -202,6 +299,7 @@ class Trainer:
             self.parallel.load_state(self.optimizer, self.weights)
             return
         self.weights = CheckpointReader(path)
+        check_checkpoint_model(self.cfg.model, self.weights)
         self.parallel.load_state(self.optimizer, self.weights, self.weights.optimizer_keys(), what=str(path))
         restore_rng(path)
         self.step = int(self.weights.meta["step"])
@@ -307,6 +405,8 @@ class Trainer:
                             tensorboard=t.tensorboard)
         tokens_per_step = t.global_batch * t.seq_len
         if self.is_logger:
+            for note in self.notes:
+                log.write(note)
             n = param_count(cfg.model)
             base = unigram_loss(self.train_data._tokens, cfg.model.vocab_size) \
                 if isinstance(self.train_data, TokenDataset) else math.log(cfg.model.vocab_size)

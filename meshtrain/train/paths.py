@@ -1,0 +1,30 @@
+"""Whether a folder can be written, asked before anything is written there (the run folder, the data cache).
+
+A real probe (make the folder, create and delete a file in it) rather than ``os.access``: as root ``os.access``
+says yes to every folder, and it cannot see a read-only mount or a full quota.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+
+def unwritable_reason(folder: Path) -> str | None:
+    """Why ``folder`` cannot be made and written to (``None`` when it can); makes it when missing.
+
+    The reason names the path at fault: ``folder`` itself or an ancestor that is a file.
+    """
+    folder = Path(folder).expanduser()
+    for p in (folder, *folder.parents):  # the nearest existing path decides: a file there means no folder below
+        if p.exists():
+            if not p.is_dir():
+                return f"{p} is a file, not a folder"
+            break
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        return f"{e.strerror or e}: {e.filename or folder}"
+    return None
