@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from meshtrain.comm import CommError
 from meshtrain.config import Config, ConfigError, load_config
 from meshtrain.model.source import TensorSource
 from meshtrain.train.checkpoint import CheckpointError
@@ -190,8 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return COMMANDS[argv[0]](argv[1:])
-    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
-        # User errors carry the option and the fix; MESHTRAIN_DEBUG=1 shows the traceback too.
+    except (ConfigError, CheckpointError, FileNotFoundError, ValueError, CommError) as e:
+        # User errors carry the option and the fix, a failed collective the ranks that did not arrive;
+        # MESHTRAIN_DEBUG=1 shows the traceback too.
         if os.environ.get("MESHTRAIN_DEBUG"):
             raise
         print(f"error: {e}", file=sys.stderr)
