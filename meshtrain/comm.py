@@ -79,6 +79,8 @@ def configure(timeout_s: float = 300.0, check_order: bool = False) -> None:
     _SETTINGS.timeout_s, _SETTINGS.check_order = float(timeout_s), bool(check_order)
     WATCH.timeout_s = float(timeout_s)
     LOG.reset()
+    if dist.is_initialized() and dist.get_world_size() > 1:  # a rank stalled before its first collective shows
+        WATCH.start()
 
 
 def recent(n: int | None = None) -> list[Entry]:
@@ -291,7 +293,8 @@ def _check_order(group: AxisGroup, entry: Entry, device: torch.device) -> None:
     Not metered and not logged: a debug option's cost, one small all-gather per collective."""
     mine = torch.tensor([entry.seq, LOG.fingerprint(entry.key)], dtype=torch.int64, device=device)
     rows = torch.empty(group.size * 2, dtype=torch.int64, device=device)
-    _wait(dist.all_gather_into_tensor(rows, mine, group=group.pg, async_op=True), entry, device.type == "cpu")
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    _wait(gather(rows, mine, group=group.pg, async_op=True), entry, device.type == "cpu")
     got = rows.view(group.size, 2).tolist()
     if all(r == got[0] for r in got):
         return

@@ -190,9 +190,11 @@ class Watch:
                 alive = before is not None and now["beat"] != before["beat"]
                 reached = entry.is_p2p or now["seq"].get(entry.key, 0) >= entry.seq
                 blocked = now.get("blocked")
-                if not alive:
-                    last = _described(now["last"])
-                    key, why = "stalled", f"stopped responding (stalled or dead) after starting {last}"
+                if not alive:  # its position is its last heartbeat's: up to PUBLISH_EVERY_S old
+                    last = f"after starting {_described(now['last'])}" if now["last"] else "before its first collective"
+                    if now["last"] and now["last"]["group"] != entry.group:  # and how far it got on this group
+                        last += f", #{now['seq'].get(entry.key, 0)} on '{entry.group}'"
+                    key, why = "stalled", f"stopped responding (stalled or dead), last heard of {last}"
                 elif blocked and (not reached or entry.is_p2p):
                     key, why = "elsewhere", f"is alive but has waited {blocked['for_s']:.0f} s in {_described(blocked)}"
                 elif not reached:
