@@ -32,7 +32,7 @@ from meshtrain.comm_log import CollectiveLog, Entry
 
 PUBLISH_EVERY_S = 1.0  # heartbeat period: one small store write per rank per second
 SETTLE_S = 2.5  # > 2 heartbeat periods: a live rank's counter moves at least twice meanwhile
-STORE_WAIT_S = 5.0  # a store read slower than this: the store's host may be the stalled rank
+STORE_WAIT_S = 10.0  # a store read slower than this: the store's host may be the stalled rank
 BACKSTOP_EXIT_CODE = 3
 _KEY = "meshtrain/comm/{rank}"
 
@@ -80,12 +80,12 @@ def _bounded(fn: Callable[[], Any], seconds: float) -> Any | None:
 
 
 def _read(store: Any, ranks: list[int]) -> dict[int, dict[str, Any]]:
-    out = {}
-    for r in ranks:
-        key = _KEY.format(rank=r)
-        if store.check([key]):  # get() would block until the key appears
-            out[r] = json.loads(store.get(key))
-    return out
+    """The published positions of ``ranks`` (those that published): two round trips when all did."""
+    keys = [_KEY.format(rank=r) for r in ranks]
+    if store.check(keys):
+        return {r: json.loads(v) for r, v in zip(ranks, store.multi_get(keys), strict=True)}
+    # get() would block until a missing key appears: one key at a time, only those present.
+    return {r: json.loads(store.get(k)) for r, k in zip(ranks, keys, strict=True) if store.check([k])}
 
 
 def _described(d: dict[str, Any] | None) -> str:
@@ -104,7 +104,6 @@ class Watch:
         self._start_lock = threading.Lock()
         self._exit_registered = False
         self.running = False  # read at every collective: a plain attribute
-
 
     def start(self) -> None:
         """Start both threads (idempotent; ``comm`` calls it at the first collective between processes)."""
@@ -188,21 +187,21 @@ class Watch:
                 key, why = "unknown", "published no progress (stalled or died before its first collective)"
             else:
                 alive = before is not None and now["beat"] != before["beat"]
-                reached = entry.is_p2p or now["seq"].get(entry.key, 0) >= entry.seq
+                # p2p counts differ between the two sides of a transfer: no "reached" for them
+                reached = not entry.is_p2p and now["seq"].get(entry.key, 0) >= entry.seq
                 blocked = now.get("blocked")
                 if not alive:  # its position is its last heartbeat's: up to PUBLISH_EVERY_S old
                     last = f"after starting {_described(now['last'])}" if now["last"] else "before its first collective"
                     if now["last"] and now["last"]["group"] != entry.group:  # and how far it got on this group
                         last += f", #{now['seq'].get(entry.key, 0)} on '{entry.group}'"
-                    key, why = "stalled", f"stopped responding (stalled or dead), last heard of {last}"
-                elif blocked and (not reached or entry.is_p2p):
-                    key, why = "elsewhere", f"is alive but has waited {blocked['for_s']:.0f} s in {_described(blocked)}"
-                elif not reached:
-                    key, why = "busy", f"is alive and busy; the last collective it started is {_described(now['last'])}"
-                else:
+                    key, why = ("stalled-reached" if reached else "stalled",
+                                f"stopped responding (stalled or dead), last heard of {last}")
+                elif reached:
                     continue  # arrived, and waiting like us
-                if reached and not entry.is_p2p:
-                    key = f"{key}-reached"
+                elif blocked:
+                    key, why = "elsewhere", f"is alive but has waited {blocked['for_s']:.0f} s in {_described(blocked)}"
+                else:
+                    key, why = "busy", f"is alive and busy; the last collective it started is {_described(now['last'])}"
             classes.setdefault(key, []).append(r)
             detail.setdefault(key, why)
         if not classes:

@@ -1,5 +1,6 @@
 """Reliability: what a run guarantees when something goes wrong, shown with real processes (docs/reliability.md)."""
 
+import json
 import os
 import re
 import signal
@@ -127,6 +128,56 @@ def test_collective_fingerprints_agree_only_on_the_same_sequence():
 def test_rank_lists_are_short():
     assert comm_watch.rank_list([2]) == "rank 2"
     assert comm_watch.rank_list([6, 1, 4, 5]) == "ranks 1, 4-6"
+
+
+class _HangFakeStore:
+    """Published positions by rank; every read moves the heartbeat of the ranks in ``alive``."""
+
+    def __init__(self, positions: dict[int, dict], alive: set[int]) -> None:
+        self.positions, self.alive, self.reads = positions, alive, 0
+
+    def check(self, keys: list[str]) -> bool:
+        return all(int(k.rsplit("/", 1)[1]) in self.positions for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.multi_get([key])[0]
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self.reads += 1
+        out = []
+        for k in keys:
+            r = int(k.rsplit("/", 1)[1])
+            out.append(json.dumps({**self.positions[r], "beat": self.reads if r in self.alive else 1}).encode())
+        return out
+
+
+def test_diagnosis_tells_stalled_busy_elsewhere_and_arrived_ranks_apart(monkeypatch):
+    log = CollectiveLog()
+    waited = log.issue("dp", tuple(range(6)), "all_reduce", (4,), "float32")  # rank 0 waits in dp #1
+    last = Entry("dp", "all_reduce", 1, (4,), "float32").to_dict()
+    other = {**Entry("tp", "all_gather", 3, (2, 4), "bfloat16").to_dict(), "for_s": 12.0}
+    positions = {
+        1: {"seq": {"dp": 1}, "last": last, "blocked": None},  # arrived and alive: not named
+        2: {"seq": {"dp": 0}, "last": None, "blocked": None},  # stalled before its first collective
+        3: {"seq": {"dp": 0}, "last": other, "blocked": None},  # stalled too: one clause for both
+        4: {"seq": {"dp": 0}, "last": other, "blocked": other},  # alive, waiting in another collective
+        # 5 never published
+    }
+    store = _HangFakeStore(positions, alive={1, 4})
+    monkeypatch.setattr(comm_watch, "_store", lambda: store)
+    monkeypatch.setattr(comm_watch.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(comm_watch, "SETTLE_S", 0.0)
+    msg = comm_watch.Watch(log).diagnose(waited)
+    assert msg == ("ranks 2-3 did not arrive: rank 2, the first, stopped responding (stalled or dead), last heard of "
+                   "before its first collective; rank 4 did not arrive: it is alive but has waited 12 s in all_gather "
+                   "on 'tp' #3 (shape [2, 4], bfloat16); rank 5 did not arrive: it published no progress (stalled or "
+                   "died before its first collective)"), msg
+    positions[2] = positions[3] = positions[4] = positions[5] = positions[1]  # all reached dp #1 ...
+    assert comm_watch.Watch(log).diagnose(waited) == (  # ... but 2, 3 and 5 stopped there
+        "ranks 2-3, 5 reached it but rank 2, the first, stopped responding (stalled or dead), last heard of after "
+        "starting all_reduce on 'dp' #1 (shape [4], float32)")
+    store.alive = set(range(6))
+    assert comm_watch.Watch(log).diagnose(waited).startswith("every other rank of the group reached it and is alive")
 
 
 @pytest.mark.parametrize("value", ["0", "-5", ".nan"])
