@@ -30,7 +30,8 @@ HANG_BASE = ["data.source=synthetic", "train.steps=4", "train.progress=false", "
 
 
 def _hang_train(rank: int, world_size: int, out: str, fault: str, overrides: list[str]) -> None:
-    """Train the tiny model; rank 1 commits ``fault`` in step 1 ("stop", "die", "extra" or "none")."""
+    """Train the tiny model; rank 1 commits ``fault`` in step 1: "stop", "stop-async" (rank 0 then waits on an
+    async handle), "die", "extra" or "none"."""
     if fault == "die":
         # spawn gives the peers of a rank that exited 2 s to report before killing them; a faster heartbeat lets
         # rank 0's diagnosis (two heartbeats) finish inside that window. The logic is the same.
@@ -38,6 +39,8 @@ def _hang_train(rank: int, world_size: int, out: str, fault: str, overrides: lis
     cfg = load_config("tiny", [*HANG_BASE, *overrides])
 
     def hook(step: int, trainer: Trainer) -> None:
+        if rank == 0 and step == 1 and fault == "stop-async":  # wait on a Handle, as the DP buckets do
+            comm.all_reduce(torch.ones(2), trainer.mesh.group("world"), async_op=True).wait()
         if rank != 1 or step != 1 or fault == "none":
             return
         if fault == "extra":
@@ -45,7 +48,7 @@ def _hang_train(rank: int, world_size: int, out: str, fault: str, overrides: lis
             return
         Path(out, "fault").write_text(f"{os.getpid()} {time.time()}")  # no more collectives from here
         time.sleep(2 * comm_watch.PUBLISH_EVERY_S)  # a heartbeat publishes where it is: mid-run, not at start-up
-        if fault == "stop":
+        if fault.startswith("stop"):
             os.kill(os.getpid(), signal.SIGSTOP)
         os._exit(9)
 
@@ -218,6 +221,16 @@ def test_a_stalled_rank_is_named_within_the_timeout(tmp_path):
         behind = int(m.group(4)) if m.group(3) == group else int(m.group(7))
         assert behind < seq and (m.group(3) == group or m.group(8) == group), msg
     assert "\n" not in msg
+
+
+@pytest.mark.slow
+def test_an_async_wait_has_the_timeout_too(tmp_path):
+    # The spawn harness's process group keeps torch's 30 min default: the 3 s come from Handle.wait itself.
+    msg, raised, _ = _hang_run(tmp_path, "stop-async")
+    assert HANG_TIMEOUT_S < raised < HANG_TIMEOUT_S + comm_watch.SETTLE_S + 2, raised
+    assert msg.startswith(f"CollectiveTimeout: collective timed out on rank 0 after {HANG_TIMEOUT_S:g} s "
+                          f"(train.collective_timeout_s) waiting in all_reduce on 'world' #1 (shape [2], float32): "
+                          f"rank 1 did not arrive: it stopped responding (stalled or dead)"), msg
 
 
 @pytest.mark.slow
