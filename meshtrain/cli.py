@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from meshtrain.comm import CommError
 from meshtrain.config import Config, ConfigError, load_config
 from meshtrain.model.source import TensorSource
 from meshtrain.train.checkpoint import CheckpointError
@@ -288,8 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return COMMANDS[argv[0]](argv[1:])
-    except (ConfigError, CheckpointError, NonFiniteError, OSError, ValueError, ImportError) as e:
-        # User errors carry the option and the fix; MESHTRAIN_DEBUG=1 shows the traceback too.
+    except (ConfigError, CheckpointError, NonFiniteError, CommError, OSError, ValueError, ImportError) as e:
+        # User errors carry the option and the fix, a failed collective the ranks that did not arrive;
+        # MESHTRAIN_DEBUG=1 shows the traceback too.
         message = _user_error(e, argv)
         if message is None or os.environ.get("MESHTRAIN_DEBUG"):
             raise

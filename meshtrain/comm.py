@@ -18,6 +18,12 @@ send / recv        size of the tensor           bytes for send, 0 for recv
 =================  ===========================  =============================
 
 Collectives over a group of size 1 return at once and are not counted: nothing moves.
+
+Every collective between processes is also recorded in ``LOG`` (``comm_log.py``: a bounded ring with a sequence
+number per group) and waits at most ``train.collective_timeout_s`` (``configure``). When one times out or a peer
+dies, the error is a ``CommError`` whose one-line message names the collective and the ranks that did not arrive
+(``comm_watch.py`` reads every rank's published progress). With ``check_order`` every collective is first
+compared across its group, and a ``CollectiveOrderError`` names the first divergence.
 """
 
 from __future__ import annotations
@@ -25,14 +31,61 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from meshtrain.comm_log import CollectiveLog, Entry, caller_site, dtype_name
+from meshtrain.comm_watch import Watch, rank_list
 from meshtrain.mesh import AxisGroup
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "avg": dist.ReduceOp.AVG}
+
+
+class CommError(RuntimeError):
+    """A collective failed: a peer died or closed its connection. The message names the collective (group, op,
+    sequence number, shape) and the ranks that did not arrive."""
+
+
+class CollectiveTimeout(CommError):
+    """A collective waited longer than ``train.collective_timeout_s`` for its peers."""
+
+
+class CollectiveOrderError(CommError):
+    """The ranks of a group issued different collectives (``train.check_collective_order``): the first one."""
+
+
+LOG = CollectiveLog()  # this process's recent collectives (always on)
+WATCH = Watch(LOG)  # its heartbeat in the store, the diagnosis of a failure, the backstop
+
+
+@dataclass
+class _Settings:
+    timeout_s: float = 300.0
+    check_order: bool = False
+
+
+_SETTINGS = _Settings()
+
+
+def configure(timeout_s: float = 300.0, check_order: bool = False) -> None:
+    """Set how long any collective may wait for its peers and whether collective order is checked.
+
+    Call it on every rank at the same point (the trainer does, before building the mesh): it also resets the
+    log, so sequence numbers and fingerprints start together."""
+    _SETTINGS.timeout_s, _SETTINGS.check_order = float(timeout_s), bool(check_order)
+    WATCH.timeout_s = float(timeout_s)
+    LOG.reset()
+    if dist.is_initialized() and dist.get_world_size() > 1:  # a rank stalled before its first collective shows
+        WATCH.start()
+
+
+def recent(n: int | None = None) -> list[Entry]:
+    """This rank's last ``n`` collectives (oldest first): what it was doing when something went wrong."""
+    return LOG.recent(n)
 
 
 @dataclass
@@ -90,9 +143,12 @@ class Handle:
     where it has one) let benchmarks measure how much communication ran under compute.
     """
 
-    def __init__(self, work: object | None, stats: OpStats | None = None) -> None:
+    def __init__(self, work: object | None, stats: OpStats | None = None, entry: Entry | None = None,
+                 cpu: bool = True) -> None:
         self._work = work
         self._stats = stats
+        self._entry = entry
+        self._cpu = cpu
         self.started = time.perf_counter()
         self.completed: float | None = None if work is not None else self.started
         if work is not None and METER.timing:
@@ -108,7 +164,7 @@ class Handle:
     def wait(self) -> None:
         if self._work is not None:
             t = time.perf_counter()
-            self._work.wait()
+            _wait(self._work, self._entry, self._cpu)
             if self._stats is not None:
                 self._stats.seconds += time.perf_counter() - t
             self._mark_done()  # no later than here, whatever a poller would note afterwards
@@ -159,13 +215,109 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# ----------------------------------------------------------------------------- recording, waiting, failing
+
+
+def _issue(group: AxisGroup, op: str, tensor: torch.Tensor | None, peer: int = -1) -> Entry:
+    """Record a collective in the log (and start the heartbeat at the first one)."""
+    if not WATCH.running:
+        WATCH.start()
+    check = _SETTINGS.check_order
+    return LOG.issue(group.name, group.ranks, op, tuple(tensor.shape) if tensor is not None else None,
+                     dtype_name(tensor.dtype) if tensor is not None else "", peer,
+                     caller_site(__file__) if check else "", fingerprint=check and peer < 0)
+
+
+def _failure(entry: Entry, err: BaseException) -> CommError | None:
+    """The error a backend's failure of ``entry`` becomes: a timeout or a lost peer, with the ranks named.
+    None for anything else (a programming error keeps its own message)."""
+    text = str(err).lower()
+    me = dist.get_rank() if dist.is_initialized() else 0
+    if "timed out" in text or "timeout" in text:
+        cls = CollectiveTimeout
+        what = f"collective timed out on rank {me} after {_SETTINGS.timeout_s:g} s (train.collective_timeout_s)"
+    elif any(m in text for m in ("connection", "peer", "broken pipe")):
+        cls, what = CommError, f"collective failed on rank {me} (a peer closed its connection)"
+    else:
+        return None
+    return cls(WATCH.report(what, entry))
+
+
+def _wait(work, entry: Entry | None, cpu: bool) -> None:
+    """Wait for ``work`` at most the configured timeout. Gloo (CPU) takes the timeout per wait; NCCL's own
+    watchdog enforces the process group's timeout (a timed wait there would block the CPU on the GPU)."""
+    if entry is None:
+        work.wait()
+        return
+    LOG.block(entry)
+    try:
+        if cpu:
+            work.wait(timedelta(seconds=_SETTINGS.timeout_s))
+        else:
+            work.wait()
+    except RuntimeError as e:
+        LOG.unblock()
+        err = _failure(entry, e)
+        if err is None:
+            raise
+        raise err from e
+    LOG.unblock()
+
+
+def _blocking(entry: Entry, fn: Callable[[], object]) -> object:
+    """Run a call that has no async form (object collectives): the process group's timeout applies, and the
+    watchdog's backstop ends the process should it not."""
+    LOG.block(entry)
+    try:
+        return fn()
+    except RuntimeError as e:
+        LOG.unblock()
+        err = _failure(entry, e)
+        if err is None:
+            raise
+        raise err from e
+    finally:
+        LOG.unblock()
+
+
+def _object_device(group: AxisGroup) -> torch.device:
+    """Where a collective without a tensor of ours runs: CPU on gloo, this rank's GPU on NCCL."""
+    if dist.get_backend(group.pg) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _check_order(group: AxisGroup, entry: Entry, device: torch.device) -> None:
+    """Compare (sequence number, running fingerprint) of ``entry`` across the group before it runs; on a
+    difference, every rank of the group gets the same ``CollectiveOrderError`` naming what each side issued.
+    Not metered and not logged: a debug option's cost, one small all-gather per collective."""
+    mine = torch.tensor([entry.seq, LOG.fingerprint(entry.key)], dtype=torch.int64, device=device)
+    rows = torch.empty(group.size * 2, dtype=torch.int64, device=device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    _wait(gather(rows, mine, group=group.pg, async_op=True), entry, device.type == "cpu")
+    got = rows.view(group.size, 2).tolist()
+    if all(r == got[0] for r in got):
+        return
+    said: list[object] = [None] * group.size
+    _blocking(entry, lambda: dist.all_gather_object(said, entry.describe(), group=group.pg))
+    by_desc: dict[str, list[int]] = {}
+    for rank, desc in zip(group.ranks, said, strict=True):
+        by_desc.setdefault(str(desc), []).append(rank)
+    issued = "; ".join(f"{rank_list(ranks)} issued {desc}" for desc, ranks in by_desc.items())
+    raise CollectiveOrderError(f"collective order diverged (the first difference, found before it ran): {issued}")
+
+
 def _run(group: AxisGroup, op: str, tensor: torch.Tensor, nbytes: int, wire: float, fn, async_op: bool):
     METER.record(group, op, tensor, nbytes, wire)
     stats = METER.stats[(group.name, op)]
+    entry = _issue(group, op, tensor)
+    cpu = tensor.device.type == "cpu"
+    if _SETTINGS.check_order:
+        _check_order(group, entry, tensor.device)
     if async_op:
-        return Handle(fn(True), stats)
+        return Handle(fn(True), stats, entry, cpu)
     t = time.perf_counter()
-    fn(False)
+    _wait(fn(True), entry, cpu)  # blocking = issued async, then a wait that has the timeout
     stats.seconds += time.perf_counter() - t
     return None
 
@@ -256,14 +408,16 @@ def batch_p2p(ops: list[P2P], group: AxisGroup) -> list[Handle]:
     """Post sends and receives together (no ordering deadlocks); wait on the returned handles."""
     if not ops:
         return []
-    p2p = []
+    p2p, entries = [], []
     for o in ops:
         b = _nbytes(o.tensor)
         METER.record(group, o.op, o.tensor, b, b if o.op == "send" else 0)
+        entries.append(_issue(group, o.op, o.tensor, peer=o.peer))
         fn = dist.isend if o.op == "send" else dist.irecv
         p2p.append(dist.P2POp(fn, o.tensor, o.peer, group=group.pg, tag=o.tag))
     stats = METER.stats[(group.name, ops[0].op)]
-    return [Handle(w, stats) for w in dist.batch_isend_irecv(p2p)]
+    works = dist.batch_isend_irecv(p2p)
+    return [Handle(w, stats, e, o.tensor.device.type == "cpu") for w, e, o in zip(works, entries, ops, strict=True)]
 
 
 def send(tensor: torch.Tensor, peer: int, group: AxisGroup) -> None:
@@ -281,7 +435,11 @@ def recv(tensor: torch.Tensor, peer: int, group: AxisGroup) -> None:
 def barrier(group: AxisGroup) -> None:
     """Wait for every rank of the group (not metered: no payload)."""
     if group.size > 1:
-        dist.barrier(group=group.pg)
+        entry = _issue(group, "barrier", None)
+        device = _object_device(group)
+        if _SETTINGS.check_order:
+            _check_order(group, entry, device)
+        _wait(dist.barrier(group=group.pg, async_op=True), entry, device.type == "cpu")
 
 
 def all_reduce_scalars(values: list[float], group: AxisGroup, op: str = "sum",
@@ -291,7 +449,8 @@ def all_reduce_scalars(values: list[float], group: AxisGroup, op: str = "sum",
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=device)
     # Metered as "metrics" so per-step byte checks of the training collectives stay exact.
-    _run(group, "metrics", t, _nbytes(t), 0.0, lambda a: dist.all_reduce(t, _OPS[op], group=group.pg), False)
+    _run(group, "metrics", t, _nbytes(t), 0.0, lambda a: dist.all_reduce(t, _OPS[op], group=group.pg, async_op=a),
+         False)
     return t.tolist()
 
 
@@ -301,7 +460,7 @@ def gather_objects(obj: object, group: AxisGroup) -> list[object]:
     if group.size == 1:
         return [obj]
     out: list[object] = [None] * group.size
-    dist.all_gather_object(out, obj, group=group.pg)
+    _object_collective(group, "gather_objects", lambda: dist.all_gather_object(out, obj, group=group.pg))
     return out
 
 
@@ -312,7 +471,8 @@ def gather_objects_to_first(obj: object, group: AxisGroup) -> list[object] | Non
         return [obj]
     first = group.ranks[0]
     out: list[object] | None = [None] * group.size if dist.get_rank() == first else None
-    dist.gather_object(obj, out, dst=first, group=group.pg)
+    _object_collective(group, "gather_objects_to_first",
+                       lambda: dist.gather_object(obj, out, dst=first, group=group.pg))
     return out
 
 
@@ -321,5 +481,13 @@ def scatter_objects_from_first(objs: list[object] | None, group: AxisGroup) -> o
     if group.size == 1:
         return objs[0]
     out: list[object] = [None]
-    dist.scatter_object_list(out, objs, src=group.ranks[0], group=group.pg)
+    _object_collective(group, "scatter_objects_from_first",
+                       lambda: dist.scatter_object_list(out, objs, src=group.ranks[0], group=group.pg))
     return out[0]
+
+
+def _object_collective(group: AxisGroup, op: str, fn: Callable[[], object]) -> None:
+    entry = _issue(group, op, None)
+    if _SETTINGS.check_order:
+        _check_order(group, entry, _object_device(group))
+    _blocking(entry, fn)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -135,6 +136,8 @@ class TrainConfig:
     sample_prompt: str = "def "
     peak_flops: float = 0.0  # per device, for MFU; 0: from the hardware table or a quick calibration
     threads: int = 0  # CPU threads for torch; 0: torch's default
+    collective_timeout_s: float = 300.0  # a collective waiting longer for its peers ends the run, naming them
+    check_collective_order: bool = False  # debug: compare each collective across its group before it runs
     progress: bool = True
     tensorboard: bool = True
 
@@ -368,6 +371,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
           f"train.recompute must be none, full or selective, got '{t.recompute}'.")
     _need(t.muon_lr >= 0 and 0 <= t.muon_momentum < 1,
           "train.muon_lr must be >= 0 (0: train.lr) and train.muon_momentum in [0, 1).")
+    _need(math.isfinite(t.collective_timeout_s) and t.collective_timeout_s > 0,
+          f"train.collective_timeout_s must be a positive number of seconds (how long a collective waits for its "
+          f"peers before the run ends naming them), got {t.collective_timeout_s}.")
     _need(t.dtype in ("fp32", "bf16"), f"train.dtype must be fp32 or bf16, got '{t.dtype}'.")
     _need(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got '{t.device}'.")
     _need(t.resume or not t.resume_required, "train.resume_required=true makes a missing checkpoint an error when "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,10 @@ class Mesh:
     """A (pp, dp, cp, tp) rank grid over torch.distributed, plus the ep/edp split of dp x cp."""
 
     def __init__(self, pp: int = 1, dp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1, dp_shard: int = 0,
-                 *, rank: int | None = None, device: torch.device | None = None) -> None:
+                 *, rank: int | None = None, device: torch.device | None = None,
+                 timeout_s: float | None = None) -> None:
+        """``timeout_s``: how long a collective on the groups this mesh creates may wait for its peers
+        (``train.collective_timeout_s``); None keeps torch's default. new_group does not inherit the world's."""
         self.shape = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
         self.ep = ep
         self.dp_shard = dp_shard or dp
@@ -66,6 +70,7 @@ class Mesh:
         self.coords = self.coords_of(self.rank)
         self.device = device if device is not None else default_device()
         self._groups: dict[str, AxisGroup] = {}
+        self._timeout = timedelta(seconds=timeout_s) if timeout_s else None
         self._build_groups(create=initialized)
 
     # ------------------------------------------------------------------ coordinates
@@ -158,7 +163,8 @@ class Mesh:
             mine = next(p for p in parts if self.rank in p)
             for part in parts:
                 if create and len(part) > 1 and part not in made:
-                    made[part] = dist.new_group(list(part)) if len(part) < self.world_size else dist.group.WORLD
+                    made[part] = dist.new_group(list(part), timeout=self._timeout) if len(part) < self.world_size \
+                        else dist.group.WORLD
             self._groups[name] = AxisGroup(name, mine, made.get(mine) if len(mine) > 1 else None)
         world = tuple(range(self.world_size))
         self._groups["world"] = AxisGroup("world", world, dist.group.WORLD if create and len(world) > 1 else None)
@@ -179,9 +185,11 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device_kind: str = "auto") -> tuple[int, int]:
+def init_distributed(device_kind: str = "auto", timeout_s: float | None = None) -> tuple[int, int]:
     """Initialise torch.distributed from torchrun's environment (NCCL on CUDA, gloo on CPU).
 
+    ``timeout_s`` (``train.collective_timeout_s``): how long a collective on the world group, and a store
+    operation, may wait before the backend fails it; None keeps torch's default (30 min gloo, 10 min NCCL).
     Returns (rank, world_size); does nothing and returns (0, 1) outside torchrun.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -191,15 +199,17 @@ def init_distributed(device_kind: str = "auto") -> tuple[int, int]:
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     backend = "nccl" if use_cuda else "gloo"
-    store = _elastic_attempt_store(world_size)
+    timeout = timedelta(seconds=timeout_s) if timeout_s else None
+    store = _elastic_attempt_store(world_size, timeout)
     if store is None:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
     else:
-        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=world_size)
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=world_size,
+                                timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
 
 
-def _elastic_attempt_store(world_size: int) -> dist.Store | None:
+def _elastic_attempt_store(world_size: int, timeout: timedelta | None) -> dist.Store | None:
     """Under torchrun, the store of this attempt: the agent's store seen through a prefix of the restart count.
 
     After an elastic restart (``--max-restarts``) the workers of the new attempt talk to the same agent store as
@@ -207,5 +217,6 @@ def _elastic_attempt_store(world_size: int) -> dist.Store | None:
     and fails to connect ("connectFullMesh ... Connection refused")."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False)
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                           **({"timeout": timeout} if timeout else {}))
     return dist.PrefixStore(f"meshtrain/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)

@@ -21,7 +21,7 @@ ALLOWED: dict[str, set[str]] = {
     "config": set(),  # the bottom: imports nothing from meshtrain
     "rules": {"config"},  # the logical-axis sharding table, beside the config
     "mesh": {"config"},
-    "comm": {"config", "mesh"},
+    "comm": {"config", "mesh", "comm"},  # comm.py over comm_log.py (the ring) and comm_watch.py (the heartbeat)
     "model": {"config", "model"},
     "plan": {"config", "rules", "model", "plan"},
     "parallel": {"config", "rules", "mesh", "comm", "model", "plan", "parallel"},
@@ -42,9 +42,10 @@ def layer(module: str) -> str:
     if module == "meshtrain.generate":
         return "train"
     part = module.split(".")[1]
-    # host_memory (the CPU allocator policy) knows devices, as the mesh does: the same layer.
-    return {"config": "config", "mesh": "mesh", "host_memory": "mesh", "comm": "comm",
-            "rules": "rules"}.get(part, part)
+    # host_memory (the CPU allocator policy) knows devices, as the mesh does: the same layer. comm_log and
+    # comm_watch are the comm module's record of collectives and its watchdog.
+    return {"config": "config", "mesh": "mesh", "host_memory": "mesh", "comm": "comm", "comm_log": "comm",
+            "comm_watch": "comm", "rules": "rules"}.get(part, part)
 
 
 def modules() -> dict[str, Path]:

@@ -212,10 +212,12 @@ class Trainer:
         if t.threads:
             torch.set_num_threads(t.threads)
         self.device = resolve_device(t.device)
-        init_distributed("cpu" if self.device.type == "cpu" else "cuda")
+        init_distributed("cpu" if self.device.type == "cpu" else "cuda", t.collective_timeout_s)
+        # Before the first collective, on every rank: the timeout of every wait, the order check, a fresh log.
+        comm.configure(t.collective_timeout_s, t.check_collective_order)
         p = cfg.parallel
         self.mesh = Mesh(pp=p.pp, dp=world_size // (p.pp * p.cp * p.tp), cp=p.cp, tp=p.tp, ep=p.ep,
-                         dp_shard=p.dp_shard, device=self.device)
+                         dp_shard=p.dp_shard, device=self.device, timeout_s=t.collective_timeout_s)
         self.is_logger = self.mesh.rank == 0
         self.dtype = DTYPES[t.dtype]
 
