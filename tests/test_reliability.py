@@ -660,6 +660,8 @@ def test_bad_input_gets_one_clear_line(case, nproc, tmp_path, moe_run):
     assert r.returncode == 2
     # Found before any process started: no rank printed anything.
     assert "[rank" not in r.stdout + r.stderr and "full log" not in r.stderr
+    if case == "resume_required without checkpoint":  # refused after --out was probed: no empty folder left
+        assert not (tmp_path / "typo").exists()
 
 
 @pytest.mark.slow

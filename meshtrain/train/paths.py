@@ -10,21 +10,31 @@ import tempfile
 from pathlib import Path
 
 
-def unwritable_reason(folder: Path) -> str | None:
-    """Why ``folder`` cannot be made and written to (``None`` when it can); makes it when missing.
+def unwritable_reason(folder: Path, leave_nothing: bool = False) -> str | None:
+    """Why ``folder`` cannot be made and written to (``None`` when it can); makes it when missing. With
+    ``leave_nothing`` (one process, before launch) the folders the probe made are removed again, so a run refused
+    by a later check leaves no empty run folder; not where several ranks probe the same folder at once.
 
     The reason names the path at fault: ``folder`` itself or an ancestor that is a file.
     """
     folder = Path(folder).expanduser()
+    missing = []
     for p in (folder, *folder.parents):  # the nearest existing path decides: a file there means no folder below
         if p.exists():
             if not p.is_dir():
                 return f"{p} is a file, not a folder"
             break
+        missing.append(p)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as e:
         return f"{e.strerror or e}: {e.filename or folder}"
+    finally:
+        for p in missing if leave_nothing else []:  # deepest first
+            try:
+                p.rmdir()
+            except OSError:
+                break
     return None

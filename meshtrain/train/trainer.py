@@ -73,7 +73,7 @@ def check_before_launch(cfg: Config, out_dir: str | Path | None, world_size: int
         n = torch.cuda.device_count()
         raise ConfigError(f"--nproc {world_size} runs one process per GPU but {n} GPU(s) are visible: pass "
                           f"--nproc {n} (and a layout for it), or train.device=cpu.")
-    check_out_dir(out_dir)
+    check_out_dir(out_dir, before_launch=True)
     check_data(cfg)
     root = Path(out_dir) / "checkpoints" if out_dir else None
     if cfg.train.resume and root is None:
@@ -99,12 +99,13 @@ def no_checkpoint_to_resume(root: Path) -> str:
             f"run elsewhere), or drop train.resume_required to start fresh.")
 
 
-def check_out_dir(out_dir: str | Path | None) -> None:
-    """``--out`` is a folder this process can write (made when missing), and its ``checkpoints`` is a folder."""
+def check_out_dir(out_dir: str | Path | None, before_launch: bool = False) -> None:
+    """``--out`` is a folder this process can write (made when missing, but not ``before_launch``), and its
+    ``checkpoints`` is a folder."""
     if out_dir is None:
         return
     out = Path(out_dir)
-    reason = unwritable_reason(out)
+    reason = unwritable_reason(out, leave_nothing=before_launch)
     if reason:
         raise ConfigError(f"--out {out} cannot be used as the run folder ({reason}): choose a folder you can "
                           f"write, e.g. --out runs/NAME (it is created when missing).")
@@ -202,7 +203,7 @@ class Trainer:
             cfg.train.resume = True
         resolve_init_from(cfg)
         validate_layout(cfg, world_size)  # before any process group starts
-        check_out_dir(out_dir)
+        check_out_dir(out_dir, before_launch=world_size == 1)  # alone, it can probe without leaving a folder
         if cfg.train.resume and out_dir is None:
             raise ConfigError(RESUME_WITHOUT_OUT)
         self.cfg = cfg
