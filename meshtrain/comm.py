@@ -28,10 +28,11 @@ compared across its group, and a ``CollectiveOrderError`` names the first diverg
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -243,41 +244,41 @@ def _failure(entry: Entry, err: BaseException) -> CommError | None:
     return cls(WATCH.report(what, entry))
 
 
-def _wait(work, entry: Entry | None, cpu: bool) -> None:
-    """Wait for ``work`` at most the configured timeout. Gloo (CPU) takes the timeout per wait; NCCL's own
-    watchdog enforces the process group's timeout (a timed wait there would block the CPU on the GPU)."""
-    if entry is None:
-        work.wait()
-        return
+@contextlib.contextmanager
+def _watched(entry: Entry) -> Iterator[None]:
+    """Mark the calling thread as waiting in ``entry`` (the watchdog's backstop reads it); a timeout or a lost
+    peer inside becomes a ``CommError`` naming the ranks that did not arrive, other errors pass unchanged."""
     LOG.block(entry)
     try:
-        if cpu:
-            work.wait(timedelta(seconds=_SETTINGS.timeout_s))
-        else:
-            work.wait()
+        yield
     except RuntimeError as e:
-        LOG.unblock()
-        err = _failure(entry, e)
-        if err is None:
-            raise
-        raise err from e
-    LOG.unblock()
-
-
-def _blocking(entry: Entry, fn: Callable[[], object]) -> object:
-    """Run a call that has no async form (object collectives): the process group's timeout applies, and the
-    watchdog's backstop ends the process should it not."""
-    LOG.block(entry)
-    try:
-        return fn()
-    except RuntimeError as e:
-        LOG.unblock()
+        LOG.unblock()  # the diagnosis takes seconds: the backstop must not end the process meanwhile
         err = _failure(entry, e)
         if err is None:
             raise
         raise err from e
     finally:
         LOG.unblock()
+
+
+def _wait(work, entry: Entry | None, cpu: bool) -> None:
+    """Wait for ``work`` at most the configured timeout. Gloo (CPU) takes the timeout per wait; NCCL's own
+    watchdog enforces the process group's timeout (a timed wait there would block the CPU on the GPU)."""
+    if entry is None:
+        work.wait()
+        return
+    with _watched(entry):
+        if cpu:
+            work.wait(timedelta(seconds=_SETTINGS.timeout_s))
+        else:
+            work.wait()
+
+
+def _blocking(entry: Entry, fn: Callable[[], object]) -> object:
+    """Run a call that has no async form (object collectives): the process group's timeout applies, and the
+    watchdog's backstop ends the process should it not."""
+    with _watched(entry):
+        return fn()
 
 
 def _object_device(group: AxisGroup) -> torch.device:

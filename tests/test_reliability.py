@@ -165,6 +165,18 @@ HANG_BASE = ["data.source=synthetic", "train.steps=4", "train.progress=false", "
              "train.peak_flops=1e11", "train.sample_tokens=0", f"train.collective_timeout_s={HANG_TIMEOUT_S}"]
 
 
+def _hang_release(tmp_path: Path) -> None:
+    """Spawn kills its processes; a stopped one (its pid in the fault file) must not outlive the test either."""
+    if not (tmp_path / "fault").exists():
+        return
+    pid = int((tmp_path / "fault").read_text().split()[0])
+    for sig in (signal.SIGCONT, signal.SIGKILL):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            break
+
+
 def _hang_train(rank: int, world_size: int, out: str, fault: str, overrides: list[str]) -> None:
     """Train the tiny model; rank 1 commits ``fault`` in step 1: "stop", "stop-async" (rank 0 then waits on an
     async handle), "die", "extra" or "none"."""
@@ -183,7 +195,7 @@ def _hang_train(rank: int, world_size: int, out: str, fault: str, overrides: lis
             comm.all_reduce(torch.zeros(3), trainer.mesh.group("world"))  # the extra collective
             return
         Path(out, "fault").write_text(f"{os.getpid()} {time.time()}")  # no more collectives from here
-        time.sleep(2 * comm_watch.PUBLISH_EVERY_S)  # a heartbeat publishes where it is: mid-run, not at start-up
+        assert comm.WATCH.publish()  # the heartbeat's record of where it is: mid-run, not at start-up
         if fault.startswith("stop"):
             os.kill(os.getpid(), signal.SIGSTOP)
         os._exit(9)
@@ -204,13 +216,7 @@ def _hang_run(tmp_path: Path, fault: str, *overrides: str) -> tuple[str, float, 
         assert not isinstance(info.value, SpawnTimeout), f"the run hung until spawn's timeout: {info.value}"
         ended = time.time()
     finally:
-        if (tmp_path / "fault").exists():  # spawn kills its processes; a stopped one must not outlive the test
-            pid = int((tmp_path / "fault").read_text().split()[0])
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    break
+        _hang_release(tmp_path)
     assert (tmp_path / "rank0.txt").exists(), f"rank 0 did not end with an error of its own: {info.value}"
     raised, msg = (tmp_path / "rank0.txt").read_text().split("\n", 1)
     if fault == "extra":
@@ -405,7 +411,7 @@ def _hang_object_collective(rank: int, world_size: int, out: str) -> None:
     comm.all_reduce(torch.ones(2), group)
     if rank == 1:
         Path(out, "fault").write_text(f"{os.getpid()} {time.time()}")
-        time.sleep(2 * comm_watch.PUBLISH_EVERY_S)  # a heartbeat publishes the all-reduce
+        assert comm.WATCH.publish()  # the heartbeat's record of the all-reduce
         os.kill(os.getpid(), signal.SIGSTOP)
     comm.gather_objects({"rank": rank}, group)
 
@@ -417,12 +423,7 @@ def test_the_watchdog_ends_a_wait_the_backend_does_not(tmp_path, capfd):
             spawn(_hang_object_collective, 2, (str(tmp_path),), timeout=60)
         ended = time.time()
     finally:
-        pid = int((tmp_path / "fault").read_text().split()[0])
-        for sig in (signal.SIGCONT, signal.SIGKILL):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                break
+        _hang_release(tmp_path)
     assert f"exited with code {comm_watch.BACKSTOP_EXIT_CODE}" in str(info.value), info.value
     since = ended - float((tmp_path / "fault").read_text().split()[1])
     assert since < HANG_TIMEOUT_S + comm_watch.backstop_grace(HANG_TIMEOUT_S) + comm_watch.SETTLE_S + 5, since
