@@ -53,13 +53,15 @@ def _train(argv: list[str]) -> int:
     if args.nproc is not None and args.nproc < 1:  # 0 used to mean "no torchrun": refused, not a silent 1 process
         raise ConfigError(f"--nproc {args.nproc}: launch at least 1 process (--nproc N, N >= 1), or leave --nproc "
                           f"out to train in this process.")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts {args.max_restarts}: give the number of restarts allowed, >= 0.")
+    if args.max_restarts and args.nproc is None:
+        raise ConfigError("--max-restarts restarts torchrun's processes: use it with --nproc N.")
     cfg = load_config(args.config, args.overrides)
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
         from meshtrain.train.trainer import check_before_launch
 
         check_before_launch(cfg, args.out, args.nproc)  # what cannot run is refused before any process starts
-        if args.max_restarts < 0:
-            raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}.")
         rest = _without_option(_without_option(argv, "--nproc"), "--max-restarts")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
                f"--max-restarts={args.max_restarts}", "-m", "meshtrain.cli", "train", *rest]

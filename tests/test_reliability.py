@@ -672,6 +672,15 @@ def test_nproc_zero_is_refused():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("args, named", [(["--max-restarts", "2"], ["--max-restarts", "--nproc N"]),
+                                         (["--nproc", "2", "--max-restarts", "-1"], ["--max-restarts -1", ">= 0"])],
+                         ids=["without --nproc", "negative"])
+def test_bad_max_restarts_is_refused(args, named):
+    r = _meshtrain("train", *_TINY, *args, "data.source=synthetic")
+    _one_error_line(r, *named)
+
+
+@pytest.mark.slow
 def test_error_inside_workers_is_one_line_and_the_full_log_is_kept(tmp_path, prepared):
     """A truncated token file passes the pre-launch checks (they read meta.json, not the tokens) and fails in
     every worker: one line, not every rank's; the full log in <out>/logs holds both ranks' lines and torchrun's."""

@@ -360,7 +360,10 @@ class Trainer:
     def _check_finite_state(self) -> None:
         """Refuse to save non-finite parameters or optimizer state (collective: every rank learns of any)."""
         mine = [h.key for h in self.parallel.local_state(self.optimizer) if not bool(torch.isfinite(h.tensor).all())]
-        everyone = comm.gather_objects(mine[:3], self.mesh.group("world"))
+        world = self.mesh.group("world")
+        if comm.all_reduce_scalars([float(len(mine))], world, device=self.device)[0] == 0:
+            return  # the usual case: one scalar, not a list per rank
+        everyone = comm.gather_objects(mine[:3], world)
         bad = [(rank, keys) for rank, keys in enumerate(everyone) if keys]
         if bad:
             where = "; ".join(f"rank {r}: {', '.join(k)}" for r, k in bad)
