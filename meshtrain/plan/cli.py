@@ -72,7 +72,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--precision", default="meshtrain", choices=sorted(PRECISIONS),
                     help="meshtrain: fp32 params/grads/Adam + bf16 compute (what meshtrain runs); mixed: "
                          "16-bit params/grads + fp32 master and Adam")
-    ap.add_argument("--reduce-dtype", default="", choices=["", *REDUCE_DTYPES],
+    ap.add_argument("--reduce-dtype", default=None, choices=REDUCE_DTYPES,
                     help="dtype of the data-parallel gradient collectives (parallel.reduce_dtype; default: the "
                          "precision's: fp32 for meshtrain, bf16 for mixed); bf16 halves their bytes")
     ap.add_argument("--efficiency", type=float, default=0.75, help="fraction of peak FLOP/s a large matmul reaches")

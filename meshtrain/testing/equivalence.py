@@ -129,6 +129,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return diff / base
 
 
+def worst_rel(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """The largest relative Frobenius difference over the tensors of ``ref`` (for reporting a measured margin)."""
+    return max(_rel(got[k], want) for k, want in ref.items())
+
+
 def assert_same_tensors(name: str, what: str, got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
                         rtol: float) -> None:
     """Same names, and every tensor within ``rtol`` relative Frobenius norm (with the norm ratio, which
