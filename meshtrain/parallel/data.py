@@ -28,7 +28,7 @@ from torch import nn
 
 from meshtrain import comm
 from meshtrain.mesh import AxisGroup
-from meshtrain.parallel.grad_sync import GradSync, replica_weighted_norm_sq
+from meshtrain.parallel.grad_sync import GradSync, reduce_as, replica_weighted_norm_sq
 from meshtrain.parallel.pieces import OptimParam, Placements, optim_param
 
 
@@ -38,6 +38,7 @@ class _Bucket:
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=device)
         self.pending = len(params)
         self.handle: comm.Handle | None = None
+        self.sent: torch.Tensor | None = None  # what the all-reduce in flight sends: the buffer or its bf16 copy
         offset = 0
         for p in params:
             # The gradient is a view into the bucket: backward accumulates straight into what is sent.
@@ -49,13 +50,16 @@ class DataParallel(GradSync):
     """Plain data parallelism (``parallel.zero=0``) over ``group`` with bucketed, overlapped all-reduce.
 
     ``params`` (named) restricts it to some of the model's parameters (the experts over edp); ``exclude``
-    leaves some out (the experts, for the dense member).
+    leaves some out (the experts, for the dense member). ``reduce_dtype`` is what the all-reduce sends
+    (``parallel.reduce_dtype``): bf16 sends a bf16 copy of each fp32 bucket and writes the sum back into it.
     """
 
     def __init__(self, model: nn.Module, group: AxisGroup, placements: Placements, bucket_mb: float = 25.0,
-                 params: list[tuple[str, nn.Parameter]] | None = None, exclude: frozenset[int] = frozenset()) -> None:
+                 params: list[tuple[str, nn.Parameter]] | None = None, exclude: frozenset[int] = frozenset(),
+                 reduce_dtype: torch.dtype = torch.float32) -> None:
         self.model = model
         self.group = group
+        self.reduce_dtype = reduce_dtype
         self.handles = []
         named = params if params is not None else [(n, p) for n, p in model.named_parameters()
                                                     if p.requires_grad and id(p) not in exclude]
@@ -86,7 +90,8 @@ class DataParallel(GradSync):
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        bucket.handle = comm.all_reduce(bucket.buffer, self.group, async_op=True)
+        bucket.sent = reduce_as(bucket.buffer, self.reduce_dtype)
+        bucket.handle = comm.all_reduce(bucket.sent, self.group, async_op=True)
         self.handles.append(bucket.handle)
 
     def finish_grads(self) -> None:
@@ -96,7 +101,9 @@ class DataParallel(GradSync):
             if b.handle is None:  # some parameter got no gradient this step: send the bucket anyway
                 self._launch(b)
             b.handle.wait()
-            b.handle = None
+            if b.sent is not b.buffer:  # reduced in bf16: the sum back into the fp32 gradients
+                b.buffer.copy_(b.sent)
+            b.handle, b.sent = None, None
             b.pending = len(b.params)
 
     def zero_grad(self) -> None:

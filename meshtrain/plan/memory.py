@@ -15,8 +15,9 @@ class Precision:
     ``optim`` counts every optimizer byte per parameter (AdamW: two fp32 moments = 8; with 16-bit
     parameters an fp32 master copy joins them: K = 12 in the ZeRO paper). ``act`` is what is saved for
     backward and what TP/SP/CP move (the compute dtype); ``hidden`` the residual stream that pipeline
-    stages send; ``gather`` what ZeRO-3 all-gathers; DP reduces gradients in ``grad`` and ZeRO-1/2
-    all-gather updated parameters in ``param``.
+    stages send; ``gather`` what ZeRO-3 all-gathers (the compute dtype); ``reduce`` what the gradient
+    collectives of the DP family send (``parallel.reduce_dtype``); ZeRO-1/2 all-gather updated parameters in
+    ``param``.
     """
 
     param: int = 4
@@ -25,17 +26,27 @@ class Precision:
     act: int = 2
     hidden: int = 4
     gather: int = 2
+    reduce: int = 4
 
 
 # meshtrain itself: fp32 parameters, gradients and AdamW moments, bf16 autocast (docs/ARCHITECTURE.md).
-MESHTRAIN_BF16 = Precision(param=4, grad=4, optim=8, act=2, hidden=4, gather=2)
+MESHTRAIN_BF16 = Precision(param=4, grad=4, optim=8, act=2, hidden=4, gather=2, reduce=4)
 
 
 # The ZeRO paper's / Megatron's mixed precision: 16-bit params and grads, fp32 master + Adam (K = 12).
-MIXED_16BIT = Precision(param=2, grad=2, optim=12, act=2, hidden=2, gather=2)
+MIXED_16BIT = Precision(param=2, grad=2, optim=12, act=2, hidden=2, gather=2, reduce=2)
 
 
 PRECISIONS = {"meshtrain": MESHTRAIN_BF16, "mixed": MIXED_16BIT}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}  # train.dtype, parallel.reduce_dtype
+
+
+def run_precision(dtype: str = "bf16", reduce_dtype: str = "fp32") -> Precision:
+    """meshtrain's precision for a run's ``train.dtype`` (what activations, TP/CP/EP traffic and ZeRO-3's gathers
+    use) and ``parallel.reduce_dtype`` (what the DP family's gradient collectives send); parameters,
+    gradients and AdamW moments stay fp32."""
+    b = DTYPE_BYTES[dtype]
+    return Precision(param=4, grad=4, optim=8, act=b, hidden=4, gather=b, reduce=DTYPE_BYTES[reduce_dtype])
 
 
 def state_bytes(n_params: float, zero: int, n_shard: int, param_bytes: float = 4, grad_bytes: float = 4,

@@ -138,12 +138,14 @@ def search(problem: Problem, opts: SearchOptions | None = None) -> SearchResult:
 
 def to_config(problem: Problem, layout: Layout) -> Config:
     """The run config of a layout: the model, seq_len, global batch (sequences), bf16 autocast, recompute,
-    accumulation and every parallel setting, as ``meshtrain train --config`` reads it."""
+    accumulation, the gradients' reduce dtype (the precision's) and every parallel setting, as
+    ``meshtrain train --config`` reads it."""
     cfg = Config()
     cfg.model = copy.deepcopy(problem.model)
     cfg.model.max_seq_len = max(cfg.model.max_seq_len, problem.seq_len)
     t, p = cfg.train, cfg.parallel
     t.seq_len, t.global_batch, t.dtype, t.recompute = problem.seq_len, problem.sequences, "bf16", layout.recompute
+    p.reduce_dtype = "bf16" if problem.precision.reduce == 2 else "fp32"
     t.grad_accum = layout.microbatches if layout.pp == 1 else 1
     p.dp, p.tp, p.pp, p.cp, p.ep = layout.dp, layout.tp, layout.pp, layout.cp, layout.ep
     p.zero, p.dp_shard, p.sp = layout.zero, layout.dp_shard, layout.sp

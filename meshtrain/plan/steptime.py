@@ -197,7 +197,7 @@ def data_parallel_time(problem: Problem, lay: Layout, act: StageAction) -> tuple
     ndp = lay.dp * cp
     shard = lay.shard * cp
     accum = mc if pp == 1 else 1
-    dp_bytes = dp_family_bytes(units, lay.zero, ndp, accum, shard if lay.dp_shard else 0, prec.grad, prec.param,
+    dp_bytes = dp_family_bytes(units, lay.zero, ndp, accum, shard if lay.dp_shard else 0, prec.reduce, prec.param,
                                prec.gather)
     axes = dp_axes(hw, lay.tp, lay.cp, lay.pp)
     dp_link = group_link(hw, ndp, tp, axes)
@@ -232,7 +232,7 @@ def data_parallel_time(problem: Problem, lay: Layout, act: StageAction) -> tuple
     edp = ndp // lay.ep
     if experts and edp > 1:
         edp_link = group_link(hw, edp, tp * lay.ep, axes)
-        dp_time += exposed(collective_time("all_reduce", experts * prec.grad, edp_link), B)
+        dp_time += exposed(collective_time("all_reduce", experts * prec.reduce, edp_link), B)
     return dp_time, DataParallel(units, dp_bytes, dp_link, shard_link, rep_link)
 
 
@@ -251,7 +251,8 @@ def memory(problem: Problem, lay: Layout, t: int, act: StageAction, units: list[
         mem["experts"] = experts * (prec.param + prec.grad / (edp if ez >= 2 else 1)
                                     + prec.optim / (edp if ez >= 1 else 1))
     if lay.zero == 3:
-        mem["zero3_gathered"] = max(units) * (2 * prec.gather + prec.grad)  # current + prefetched unit, its grad
+        # current + prefetched unit, and its gradient packed for the reduce-scatter
+        mem["zero3_gathered"] = max(units) * (2 * prec.gather + prec.reduce)
     mem["activations"] = activation_bytes(cfg, t, act.layers, lay.recompute, tp, lay.sp, prec.act, inflight) \
         + t * cfg.d_model * prec.hidden * inflight  # each stage's input hidden state
     mem["logits"] = t * -(-cfg.vocab_size // tp) * 12  # fp32 logits, softmax and their gradient on the last stage
