@@ -409,9 +409,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if p.tp > 1:
         _need(m.n_heads % p.tp == 0, f"parallel.tp={p.tp} must divide model.n_heads={m.n_heads} "
               f"(attention is split by heads).")
-        _need(m.kv_heads % p.tp == 0, f"parallel.tp={p.tp} must divide model.n_kv_heads={m.kv_heads}: each rank "
-              f"keeps whole key/value heads for its query heads (kv heads are not replicated across ranks). "
-              f"Use tp <= n_kv_heads, or more kv heads.")
+        # tp > kv heads: each kv head is replicated on the tp / n_kv_heads ranks whose query heads use it.
+        _need(m.kv_heads % p.tp == 0 or p.tp % m.kv_heads == 0,
+              f"parallel.tp={p.tp} must divide model.n_kv_heads={m.kv_heads} or be a multiple of it (a rank keeps "
+              f"whole key/value heads, or one kv head shared by tp / n_kv_heads ranks): choose such a tp.")
         _need(m.hidden_dim % p.tp == 0, f"parallel.tp={p.tp} must divide the MLP hidden size {m.hidden_dim} "
               f"(model.ffn_hidden).")
     dp = resolve_dp(cfg, world_size)

@@ -427,3 +427,23 @@ def test_plan_units_are_the_runtime_units():
     assert experts and sum(u.numel for u in model_units(model, frozenset(experts))) == sum(unit_numels(cfg, ep=2))
     assert sum(p.numel() for p in model.parameters() if id(p) in experts) == 2 * expert_params_per_rank(
         cfg, 2, cfg.n_layers)
+
+
+def test_kv_heads_fewer_than_tp_are_planned():
+    """Llama-3 70B (8 kv heads) on TPU v5p (tensor parallelism up to 16): the search offers tp=16, the layout
+    validates as a config, and its step time and bytes count the shared kv heads' gradient all-reduce."""
+    cfg = load_config("llama3-70b").model
+    problem = planner.Problem(cfg, 8192, 512, get_hardware("v5p"), 256, model_name="llama3-70b")
+    tps = {lay.tp for lay in planner.candidate_layouts(problem)}
+    assert 16 in tps and max(tps) > cfg.kv_heads
+    lay = planner.Layout(dp=64, tp=16, zero=3, sp=True, microbatches=4)
+    est = planner.check_runnable(problem, planner.evaluate(problem, lay, with_collectives=True))
+    assert est.runnable, est.not_runnable_reason
+    kv = [c for c in est.collectives if c.axis == "tp_kv"]
+    # one kv head's wk and wv per layer, fp32, ZeRO-3-sharded over dp 64, once per step over 16 / 8 = 2 ranks
+    assert [(c.group, c.bytes, c.calls) for c in kv] == [(2, 2 * 128 * 8192 * 80 * 4 / 64, 1)]
+    assert tp_comm_bytes(cfg, 16, True, 8192)[("tp_kv", "all_reduce")] == 2 * 128 * 8192 * 80 * 4
+    assert ("tp_kv", "all_reduce") not in tp_comm_bytes(cfg, 8, True, 8192)
+    # per-rank weights and activations hold one whole kv head, not half of one
+    assert unit_numels(cfg, tp=16)[1] == unit_numels(cfg, tp=8)[1] - (cfg.n_heads * 128 * 8192 * 2 // 16
+                                                                       + 3 * 8192 * cfg.hidden_dim // 16)

@@ -168,11 +168,12 @@ class Parallel:
 
     def sync_grads(self) -> None:
         """Wait for the gradient communication; then the pieces' ``.grad`` are the global gradients
-        (tensor-parallel replicas added under SP, averaged without)."""
+        (tensor-parallel replicas added under SP, averaged without; shared kv heads added)."""
         self.sync.finish_grads()
         if self.tp is not None:
-            self.tp.sync_replicated_grads([op.tensor.grad for op in self.sync.optim_params()
-                                           if op.tensor.grad is not None and op.replicas > 1])
+            held = [op for op in self.sync.optim_params() if op.tensor.grad is not None and op.replicas > 1]
+            self.tp.sync_replicated_grads([op.tensor.grad for op in held if op.tp is None])
+            self.tp.sync_shared_kv_grads([op.tensor.grad for op in held if op.tp is not None])
 
     def clip_grads(self, max_norm: float) -> float:
         """The global gradient norm (every logical entry once, whatever holds it); gradients scaled so it is

@@ -79,8 +79,8 @@ def dp_family_bytes(units: list[int], zero: int, dp: int, grad_accum: int = 1, d
 
 def tp_comm_bytes(cfg: ModelConfig, tp: int, sp: bool, tokens: int, grad_accum: int = 1, act_bytes: int = 4,
                   layers: int | None = None, embedding: bool = True, head: bool = True,
-                  norm_elems: int | None = None, recompute: bool = False, mlp_tp: bool = True
-                  ) -> dict[tuple[str, str], int]:
+                  norm_elems: int | None = None, recompute: bool = False, mlp_tp: bool = True,
+                  kv_elems: int | None = None) -> dict[tuple[str, str], int]:
     """Payload bytes per rank per step on the tp axis (meshtrain/parallel/tensor.py).
 
     ``tokens`` is the tokens of one microbatch on this rank (rows x seq_len); S = tokens x d_model x
@@ -104,6 +104,10 @@ def tp_comm_bytes(cfg: ModelConfig, tp: int, sp: bool, tokens: int, grad_accum: 
     them on the tokens it holds), so only the attention's collectives remain (2 per block and
     microbatch instead of 4; under recompute SP repeats 1 all-gather, not 2). The router and the experts
     then count as replicated weights in ``norm_elems``.
+
+    With fewer kv heads than tp, each rank's wk and wv hold one kv head shared by tp / n_kv_heads ranks: their
+    fp32 gradients (``kv_elems`` of them in this rank's optimizer pieces, default 2 x head_dim x d per layer) are
+    all-reduced over that "tp_kv" group once per step.
     """
     if tp == 1:
         return {}
@@ -122,6 +126,9 @@ def tp_comm_bytes(cfg: ModelConfig, tp: int, sp: bool, tokens: int, grad_accum: 
                ("tp", "all_reduce"): grad_accum * loss + norms}
     else:
         out = {("tp", "all_reduce"): grad_accum * ((count + again) * s + loss) + norms}
+    if cfg.kv_heads < tp:
+        out[("tp_kv", "all_reduce")] = 4 * (2 * n_layers * cfg.head_dim * cfg.d_model if kv_elems is None
+                                            else kv_elems)
     return {k: v for k, v in out.items() if v}
 
 
@@ -175,7 +182,7 @@ def cp_comm_bytes(cfg: ModelConfig, cp: int, tp: int, tokens: int, attention: st
     dK/dV (fp32) backward. Recompute reruns the forward's transfers."""
     if cp <= 1:
         return {}
-    kv = 2 * tokens * (cfg.kv_heads // tp) * cfg.head_dim
+    kv = 2 * tokens * max(cfg.kv_heads // tp, 1) * cfg.head_dim  # tp > kv heads: one head per rank
     n = layers * micro
     if attention == "ring":
         b = n * (cp - 1) * kv * ((3 if recompute else 2) * kv_bytes + 4)

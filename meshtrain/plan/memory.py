@@ -82,7 +82,7 @@ def dp_state_bytes(cfg: ModelConfig, zero: int, dp: int, dp_shard: int = 0, opti
 def activation_elems_per_token(cfg: ModelConfig, recompute: str = "none", tp: int = 1, sp: bool = False) -> float:
     """Elements one block keeps for backward per token on one rank (activation memory = this x tokens x
     layers x bytes). Counted from meshtrain's block (RMSNorm, fused QKV, SDPA, wo, SwiGLU) with
-    D = d_model, F = MLP hidden, kv = n_kv_heads x head_dim:
+    D = d_model, F = MLP hidden, kv = max(n_kv_heads, tp) x head_dim (a rank holds whole kv heads):
 
     - ``none``: norm inputs 2D and the column-parallel inputs 2D (normed activations), QKV D + 2kv, attention
       output D, gate/up 2F, SiLU and product 2F. Without SP the D-sized tensors are whole on every tp rank;
@@ -95,7 +95,7 @@ def activation_elems_per_token(cfg: ModelConfig, recompute: str = "none", tp: in
     Flash attention keeps no T x T scores, so there is no quadratic term.
     """
     d, f = cfg.d_model, cfg.hidden_dim
-    kv = cfg.kv_heads * cfg.head_dim
+    kv = max(cfg.kv_heads, tp) * cfg.head_dim  # kv/tp per rank: whole heads (tp > kv heads: one, replicated)
     seq = tp if sp else 1  # what sequence parallelism divides
     if recompute == "full":
         return d / seq

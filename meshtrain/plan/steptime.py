@@ -37,8 +37,11 @@ def layer_compute_time(cfg: ModelConfig, tokens: int, seq_len: int, flops: float
                        tp: int = 1, efficiency: float = 1.0, weight_bytes: int = 2, act_bytes: int = 2) -> float:
     """Forward seconds of one block on one device for ``tokens`` tokens: the roofline max of its FLOPs
     (split tp ways) at ``efficiency`` x peak and of its HBM traffic (weights read once, activations written
-    and read once) when ``hbm_bw`` is given. Small microbatches on wide tensor parallelism turn HBM-bound."""
-    t_flops = tokens * layer_flops(cfg, seq_len) / tp / (flops * efficiency)
+    and read once) when ``hbm_bw`` is given. Small microbatches on wide tensor parallelism turn HBM-bound.
+    With fewer kv heads than tp, each rank also projects its (replicated) kv head: the k and v matmuls
+    cost max(kv heads, tp) / tp heads per rank, not kv heads / tp."""
+    kv_extra = 2 * 2 * cfg.d_model * cfg.head_dim * max(0, tp - cfg.kv_heads) / tp  # forward FLOPs per token
+    t_flops = tokens * (layer_flops(cfg, seq_len) / tp + kv_extra) / (flops * efficiency)
     if hbm_bw <= 0:
         return t_flops
     traffic = block_params(cfg) / tp * weight_bytes + 2 * tokens * activation_elems_per_token(cfg, "none", tp) \
@@ -236,6 +239,29 @@ def data_parallel_time(problem: Problem, lay: Layout, act: StageAction) -> tuple
     return dp_time, DataParallel(units, dp_bytes, dp_link, shard_link, rep_link)
 
 
+def kv_grad_elems(problem: Problem, lay: Layout, layers: int) -> float:
+    """Gradient elements of shared kv heads one rank all-reduces per step (0 unless kv heads < tp): its wk and
+    wv (one head each) in every block it holds (``layers`` per stage chunk), the shard it owns under ZeRO."""
+    cfg = problem.model
+    if cfg.kv_heads >= lay.tp:
+        return 0.0
+    elems = 2.0 * cfg.head_dim * cfg.d_model * layers * lay.virtual
+    return elems / (lay.shard * lay.cp) if lay.zero >= 1 else elems
+
+
+def kv_grad_time(problem: Problem, lay: Layout, act: StageAction) -> float:
+    """Seconds of the shared kv heads' gradient all-reduce over the tp / n_kv_heads consecutive tp ranks that
+    share each head ("tp_kv"), once per step after the last backward: exposed, like the runtime's."""
+    elems = kv_grad_elems(problem, lay, act.layers)
+    if not elems:
+        return 0.0
+    return collective_time("all_reduce", elems * problem.precision.grad, _kv_link(problem, lay))
+
+
+def _kv_link(problem: Problem, lay: Layout) -> Link:
+    return group_link(problem.hw, lay.tp // problem.model.kv_heads, 1)
+
+
 def memory(problem: Problem, lay: Layout, t: int, act: StageAction, units: list[int], inflight: int
            ) -> dict[str, float]:
     """Bytes of the heaviest rank by kind: parameters, gradients and optimizer state (ZeRO-sharded), its experts,
@@ -267,6 +293,7 @@ def evaluate(problem: Problem, layout: Layout, with_collectives: bool = False) -
     step = StepTime()
     p2p_t, peaks = pipeline_time(problem, lay, t, act, step)
     step.dp, dp = data_parallel_time(problem, lay, act)
+    step.tp += kv_grad_time(problem, lay, act)
     psi = sum(dp.units)
     shard, edp = lay.shard * lay.cp, lay.dp * lay.cp // lay.ep
     experts = expert_params_per_rank(cfg, lay.ep, act.layers * lay.virtual)
@@ -300,6 +327,10 @@ def _collectives(problem: Problem, lay: Layout, t: int, layers: int, tp_link: Li
             hidden = sec <= factor * attn_f
             out.append(Collective("cp", "send", f"{phase}: ring K/V ({lay.cp - 1} hops)", lay.cp, ring[phase], sec,
                                   per_step, "overlapped" if hidden else "partly"))
+    if kv := kv_grad_elems(problem, lay, layers):
+        nbytes = kv * prec.grad
+        out.append(Collective("tp_kv", "all_reduce", "step end: shared kv heads' gradients", lay.tp // cfg.kv_heads,
+                              nbytes, collective_time("all_reduce", nbytes, _kv_link(problem, lay)), 1, "exposed"))
     if lay.ep > 1 and cfg.moe_experts:
         rows = t // (lay.tp if lay.sp else 1) * cfg.moe_top_k * cfg.d_model * prec.act
         link = group_link(problem.hw, lay.ep, lay.tp, 1)
