@@ -1,7 +1,8 @@
 """Our data parallelism against torch's, same model, data and seed, on 4 ranks (gloo on CPU, NCCL on GPUs).
 
 - ours DP (bucketed, overlapped all-reduce)   vs  torch ``DistributedDataParallel``
-  (``gradient_as_bucket_view=True``, the same bucket size)
+  (``gradient_as_bucket_view=True``, ``broadcast_buffers=False``: the model's only buffers are constant
+  RoPE tables; the same bucket size)
 - ours ZeRO-3 (per-block units, prefetch)     vs  torch FSDP2 ``fully_shard`` per block + root
 
 Both sides run the same step: forward, backward, global-norm clip at 1.0, AdamW. DDP and FSDP2 average
@@ -95,7 +96,9 @@ def _torch(args, zero, rank, world, trace_dir):
     device = bench_device()
     model = _model(args, device)
     if zero == 0:
-        wrapped = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
+        # Constant RoPE tables are the only buffers: nothing to broadcast each forward.
+        wrapped = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True,
+                                          broadcast_buffers=False)
     else:
         dmesh = init_device_mesh(device.type, (world,))
         for block in model.layers.values():
