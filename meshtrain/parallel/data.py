@@ -2,7 +2,8 @@
 gradients are summed over the data-parallel group.
 
 Gradients live in flat buckets (``parallel.bucket_mb``), filled in the order backward produces
-them (last layer first). A post-accumulate-grad hook counts each bucket's parameters; when the
+them: last layer first at construction, then, after the first step, in the order the gradients
+really arrived (DDP's rebuild). A post-accumulate-grad hook counts each bucket's parameters; when the
 last one is ready the bucket's all-reduce starts asynchronously, so communication runs under the
 rest of backward. ``finish_grads`` waits for all of them before the optimizer step. Inside
 ``no_sync()`` (all microbatches but the last) nothing is sent: gradients just accumulate.
@@ -65,25 +66,48 @@ class DataParallel(GradSync):
                                                     if p.requires_grad and id(p) not in exclude]
         self._optim = [optim_param(n, p, placements) for n, p in named]
         params = [p for _, p in named]
-        device = params[0].device
-        limit = max(int(bucket_mb * 2**20 / 4), 1)
+        self._limit = max(int(bucket_mb * 2**20 / 4), 1)
+        self._make_buckets(list(reversed(params)))  # backward produces the last layers' gradients first
+        # The first synced backward records the order gradients really arrive in; ``finish_grads`` then
+        # rebuilds the buckets in that order once (as DDP does), so no bucket waits on a late parameter.
+        self._arrival: dict[int, nn.Parameter] | None = {} if group.size > 1 else None
+        if group.size > 1:
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _make_buckets(self, ordered: list[nn.Parameter]) -> None:
+        """Fill buckets of about ``bucket_mb`` with ``ordered``, each gradient a view into its bucket."""
+        device = ordered[0].device
         self.buckets: list[_Bucket] = []
         current: list[nn.Parameter] = []
-        for p in reversed(params):  # backward produces the last layers' gradients first
+        for p in ordered:
             current.append(p)
-            if sum(q.numel() for q in current) >= limit:
+            if sum(q.numel() for q in current) >= self._limit:
                 self.buckets.append(_Bucket(current, device))
                 current = []
         if current:
             self.buckets.append(_Bucket(current, device))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        if group.size > 1:
-            for p in params:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _rebuild_in_arrival_order(self, arrived: list[nn.Parameter]) -> None:
+        """Re-bucket in the order of ``arrived`` (then any parameter that got no gradient), keeping the
+        gradients just reduced. Every rank runs the same graph, and the autograd engine orders it the same
+        way on each, so every rank builds the same buckets without a collective (``train.check_collective_order``
+        would name a divergence)."""
+        seen = {id(p) for p in arrived}
+        order = arrived + [p for b in self.buckets for p in b.params if id(p) not in seen]
+        if [id(p) for p in order] == [id(p) for b in self.buckets for p in b.params]:
+            return
+        grads = {id(p): p.grad for p in order}
+        self._make_buckets(order)
+        for p in order:
+            p.grad.copy_(grads[id(p)])
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if not self._sync:
             return
+        if self._arrival is not None:
+            self._arrival.setdefault(id(p), p)
         bucket = self._bucket_of[id(p)]
         bucket.pending -= 1
         if bucket.pending == 0:
@@ -105,6 +129,9 @@ class DataParallel(GradSync):
                 b.buffer.copy_(b.sent)
             b.handle, b.sent = None, None
             b.pending = len(b.params)
+        if self._arrival:
+            arrived, self._arrival = self._arrival, None
+            self._rebuild_in_arrival_order(list(arrived.values()))
 
     def zero_grad(self) -> None:
         for b in self.buckets:
