@@ -41,6 +41,7 @@ from meshtrain.parallel.microsteps import ForwardLoss
 from meshtrain.parallel.pipeline.wgrad import WeightGradStore, defer_weight_grads, immediate_params
 from meshtrain.plan.p2p_order import (
     Message,
+    Op,
     Post,
     Run,
     Wait,
@@ -109,9 +110,11 @@ class _Slot:
 
 @dataclass
 class StepTrace:
-    """Per-action wall-clock intervals of one step on this rank, for the measured bubble."""
+    """Per-action wall-clock intervals of one step on this rank, for the measured bubble, and the batches of
+    point-to-point operations it posted, in order (what tests compare with the program)."""
 
     actions: list[tuple[float, float, Action]] = field(default_factory=list)
+    posts: list[tuple[Op, ...]] = field(default_factory=list)
 
 
 class PipelineEngine:
@@ -159,6 +162,7 @@ class PipelineEngine:
             else:
                 t = torch.empty(self.act_shape, dtype=self.dtype, device=self.mesh.device)
                 ops.append(comm.P2P("recv", t, self._peer(m.src_stage), tag))
+        self.trace.posts.append(step.ops)
         for op, p2p, h in zip(step.ops, ops, comm.batch_p2p(ops, self.group), strict=True):
             if op.op == "send":
                 sends.append(h)
