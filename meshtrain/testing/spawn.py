@@ -32,7 +32,7 @@ class SpawnTimeout(SpawnError):
 
 
 def _worker(fn: Callable, rank: int, world_size: int, store: str, threads: int, args: tuple,
-            kwargs: dict, results: Any) -> None:
+            kwargs: dict, results: Any, backend: str = "gloo") -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
     try:
@@ -40,7 +40,9 @@ def _worker(fn: Callable, rank: int, world_size: int, store: str, threads: int, 
         import torch.distributed as dist
 
         torch.set_num_threads(threads)
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+        if backend == "nccl":  # one GPU per rank (benchmarks on a GPU machine)
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args, **kwargs)
         # By value: torch's queue pickler would share tensors through file descriptors that die with
         # this process, which may exit before the parent reads them.
@@ -103,20 +105,21 @@ def _collect(procs: list, results: Any, world_size: int, timeout: float) -> dict
 
 
 def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: dict | None = None,
-          timeout: float = 120.0, threads: int = 1) -> list[Any]:
+          timeout: float = 120.0, threads: int = 1, backend: str = "gloo") -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo processes.
 
     ``fn`` must be importable (a module-level function). Return values must be picklable;
     return CPU tensors or plain data. ``threads`` sets torch's intra-op threads per rank
-    (1 by default: this machine has 2 cores and tests run up to 8 ranks).
+    (1 by default: this machine has 2 cores and tests run up to 8 ranks). ``backend="nccl"``
+    (benchmarks on a GPU machine) puts rank r on CUDA device r.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="meshtrain-spawn-") as tmp:
         store = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_worker, args=(fn, r, world_size, store, threads, args, kwargs or {}, results),
-                        daemon=True)
+            ctx.Process(target=_worker, args=(fn, r, world_size, store, threads, args, kwargs or {}, results,
+                                              backend), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:
