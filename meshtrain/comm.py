@@ -406,7 +406,9 @@ class P2P:
 
 
 def batch_p2p(ops: list[P2P], group: AxisGroup) -> list[Handle]:
-    """Post sends and receives together (no ordering deadlocks); wait on the returned handles."""
+    """Post sends and receives together as one batch (one NCCL group, in which they progress together); one handle
+    per op, in order. On NCCL a batch completes as a whole (torch returns one work for it), so each handle waits for
+    the whole batch; between batches NCCL keeps posting order (``plan/p2p_order.py`` models both)."""
     if not ops:
         return []
     p2p, entries = [], []
@@ -416,9 +418,16 @@ def batch_p2p(ops: list[P2P], group: AxisGroup) -> list[Handle]:
         entries.append(_issue(group, o.op, o.tensor, peer=o.peer))
         fn = dist.isend if o.op == "send" else dist.irecv
         p2p.append(dist.P2POp(fn, o.tensor, o.peer, group=group.pg, tag=o.tag))
-    stats = METER.stats[(group.name, ops[0].op)]
     works = dist.batch_isend_irecv(p2p)
-    return [Handle(w, stats, e, o.tensor.device.type == "cpu") for w, e, o in zip(works, entries, ops, strict=True)]
+    if len(works) == 1 < len(ops):  # NCCL coalesces the batch into one work
+        works = works * len(ops)
+    return [Handle(w, METER.stats[(group.name, o.op)], e, o.tensor.device.type == "cpu")
+            for w, e, o in zip(works, entries, ops, strict=True)]
+
+
+def backend(group: AxisGroup) -> str:
+    """The torch.distributed backend of ``group`` ("gloo", "nccl", ...): what the pipeline's posting policy follows."""
+    return str(dist.get_backend(group.pg))
 
 
 def send(tensor: torch.Tensor, peer: int, group: AxisGroup) -> None:

@@ -99,6 +99,7 @@ class ParallelConfig:
     schedule: str = "1f1b"  # afab | 1f1b | interleaved | zb-h1 | dualpipev
     microbatches: int = 1  # pipeline microbatches per optimizer step (each rank's rows are split into them)
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved >= 2; dualpipev uses 2)
+    p2p_posting: str = "auto"  # pipeline send/recv order: auto (by backend) | ahead (gloo's) | ordered (NCCL-safe)
 
 
 @dataclass
@@ -399,6 +400,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _need(p.reduce_dtype in REDUCE_DTYPES, f"parallel.reduce_dtype must be fp32 or bf16 (the dtype gradients are "
           f"reduced in), got '{p.reduce_dtype}'.")
     _need(p.bucket_mb > 0, f"parallel.bucket_mb must be positive, got {p.bucket_mb}.")
+    _need(p.p2p_posting in ("auto", "ahead", "ordered"), f"parallel.p2p_posting must be auto, ahead or ordered, "
+          f"got '{p.p2p_posting}': set parallel.p2p_posting=auto (ordered on NCCL, ahead on gloo).")
     _need(p.dp_shard >= 0, f"parallel.dp_shard must be >= 0 (0: shard over all of dp), got {p.dp_shard}.")
     _need(not (p.sp and p.tp == 1), "parallel.sp=true needs parallel.tp > 1 (it shards the sequence over tp).")
     _need(not (p.sp and t.seq_len % p.tp), f"parallel.sp=true splits train.seq_len={t.seq_len} over "

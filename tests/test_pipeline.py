@@ -1,7 +1,8 @@
 """Pipeline parallelism on real gloo processes, against the single-device run.
 
 Every schedule at pp=2 and pp=4 (interleaved with 2 virtual stages per rank, DualPipeV with its V
-of 2 stages per rank), 3-D dp=2 x tp=2 x pp=2 on 8 processes, and the CLI. Same rules as the other
+of 2 stages per rank), every schedule at pp=4 posting in the NCCL order (``plan/p2p_order.py``), 3-D
+dp=2 x tp=2 x pp=2 on 8 processes, and the CLI. Same rules as the other
 equivalence tests: 5 steps of a tiny 8-layer model on real stdlib text, losses within 1e-5 relative,
 every parameter within 1e-5 relative (Frobenius), fp32; every step's grad_norm and the step-1 gradient of
 every tensor within 1e-5 relative, on every rank; each rank executed exactly its schedule's actions and moved
@@ -22,6 +23,8 @@ from meshtrain.testing.equivalence import (
     layouts_worker,
     prepared_stdlib,
     reference_runs,
+    run_dir,
+    run_layout,
 )
 from meshtrain.testing.spawn import spawn
 
@@ -60,6 +63,32 @@ def test_every_schedule_equals_one_device(pp, data, reference):
                                              "parallel.schedule=1f1b", "train.grad_clip=0"]))
     results = spawn(layouts_worker, pp, args=(data, BASE, layouts), timeout=900)
     check_layouts(data, pp, layouts, results, reference)
+
+
+def _posted_worker(rank: int, world: int, data: str, base: list[str], layouts: list[tuple[str, list[str]]]) -> dict:
+    """``layouts_worker``, plus what the engine posted in its last step against the program for its policy."""
+    from meshtrain.plan.p2p_order import Post, p2p_program
+
+    def extra(trainer) -> dict:
+        engine = trainer.parallel.micro
+        want = [st.ops for st in p2p_program(engine.s, engine.rank, engine.posting) if isinstance(st, Post)]
+        return {"posting": engine.posting, "as_program": engine.trace.posts == want, "posts": len(want)}
+
+    return {name: run_layout(data, [*base, *o], run_dir(data, world, name), extra=extra) for name, o in layouts}
+
+
+def test_every_schedule_in_nccl_order_equals_one_device(data, reference):
+    """Issue 14 point 6: the program the engine runs on NCCL (parallel.p2p_posting=auto picks ordered there), run
+    here on gloo at pp=4: the same results as one device, and each rank posted exactly that program's batches."""
+    layouts = [(f"{n} ordered", ["parallel.pp=4", "parallel.microbatches=4", "parallel.p2p_posting=ordered", *o])
+               for n, o in SCHEDULES]
+    results = spawn(_posted_worker, 4, args=(data, BASE, layouts), timeout=900)
+    check_layouts(data, 4, layouts, results, reference)
+    for name, _ in layouts:
+        for rank, res in enumerate(r[name] for r in results):
+            got = res["extra"]
+            assert got["posting"] == "ordered" and got["posts"] > 0, f"{name}: rank {rank} posted {got}"
+            assert got["as_program"], f"{name}: rank {rank} did not post its ordered program's batches in order"
 
 
 def test_pp_with_dp_and_zero1_on_4_ranks(data, reference):

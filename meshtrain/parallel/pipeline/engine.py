@@ -13,9 +13,12 @@ model. ``PipelineEngine.run`` executes one optimizer step's actions:
   the cheap parameters' gradients; the stage's linear layers stash what their weight gradients need,
   and W does those weight matmuls later (``wgrad.py``).
 
-Sends are non-blocking (waited at the end of the step), receives block; every message carries a
-tag from (kind, microbatch, stage), so any schedule the simulator accepts cannot deadlock and
-messages cannot be confused. Only the first stage reads tokens and only the last reads labels.
+When sends and receives are posted and waited is not decided here: the engine walks the rank's program from
+``plan/p2p_order.p2p_program`` (posts, waits, actions), the same one ``check_p2p_order`` replays under the backend's
+semantics. On gloo every receive is posted at the step's start (tags tell messages apart); on NCCL, which runs a
+rank's operations in posting order and matches them by order, every rank posts in one global message order, which
+cannot deadlock. Sends are waited at the end of the step. Only the first stage reads tokens and only the last reads
+labels.
 The loss is each microbatch's token-loss sum over the global token count, so the sum over
 microbatches (and data-parallel ranks) is the single-device mean. Data-parallel gradient
 communication is enabled only for each stage's last backward, so it starts as soon as that
@@ -36,6 +39,18 @@ from meshtrain.mesh import Mesh
 from meshtrain.model.llama import Llama, decoder_forward
 from meshtrain.parallel.microsteps import ForwardLoss
 from meshtrain.parallel.pipeline.wgrad import WeightGradStore, defer_weight_grads, immediate_params
+from meshtrain.plan.p2p_order import (
+    Message,
+    Op,
+    Post,
+    Run,
+    Wait,
+    message_tag,
+    p2p_program,
+    posting_policy,
+    remote_input,
+    remote_output,
+)
 from meshtrain.plan.partition import Partition
 from meshtrain.plan.schedules import Action, PipelineSchedule
 
@@ -86,9 +101,6 @@ def split(model: Llama, mesh: Mesh, schedule: PipelineSchedule, partition: Parti
     return stages
 
 
-_KIND = {"F": 0, "B": 1, "I": 1}
-
-
 @dataclass
 class _Slot:
     inp: torch.Tensor | None = None
@@ -98,73 +110,64 @@ class _Slot:
 
 @dataclass
 class StepTrace:
-    """Per-action wall-clock intervals of one step on this rank, for the measured bubble."""
+    """Per-action wall-clock intervals of one step on this rank, for the measured bubble, and the batches of
+    point-to-point operations it posted, in order (what tests compare with the program)."""
 
     actions: list[tuple[float, float, Action]] = field(default_factory=list)
+    posts: list[tuple[Op, ...]] = field(default_factory=list)
 
 
 class PipelineEngine:
-    """Executes a PipelineSchedule for this rank."""
+    """Executes a PipelineSchedule for this rank, posting its point-to-point operations as ``p2p_program`` says.
+
+    ``posting`` is the policy (``plan/p2p_order.py``): ``None`` picks it from the pp group's backend (``ordered``
+    on NCCL, ``ahead`` on gloo); ``recv_ahead`` tunes ``ahead``.
+    """
 
     def __init__(self, schedule: PipelineSchedule, stages: dict[int, PipelineStage], mesh: Mesh,
                  act_shape: tuple[int, ...], forward: ForwardLoss, wgrad: WeightGradStore | None = None,
-                 recv_ahead: int = 0, act_dtype: torch.dtype = torch.float32) -> None:
+                 recv_ahead: int = 0, act_dtype: torch.dtype = torch.float32, posting: str | None = None) -> None:
         self.s, self.stages, self.mesh = schedule, stages, mesh
-        if recv_ahead < 0:
-            raise ValueError(f"recv_ahead must be >= 0 (0: every receive at the step's start), got {recv_ahead}.")
-        self.recv_ahead = recv_ahead  # receives posted ahead of use (0: all at the step's start)
         self.group = mesh.group("pp")
         self.act_shape, self.dtype = act_shape, act_dtype
         self.forward, self.sync = forward, forward.sync
         self.rank = mesh.coord("pp")
         self.last = schedule.n_stages - 1
+        self.posting = posting if posting is not None else posting_policy(comm.backend(self.group))
+        # The whole step's sends, receives, waits and actions, from the same function the order check replays.
+        self.program = p2p_program(schedule, self.rank, self.posting, recv_ahead)
         # The last backward actions of each stage (B, or I and W): data-parallel sync is enabled for
         # them only, so a stage's gradients are sent as soon as its last microbatch is done.
-        self.final: set[Action] = set()
         last_of: dict[tuple[int, str], Action] = {}
         for a in schedule.actions[self.rank]:
             last_of[(a.stage, a.kind)] = a
-        self.final = {a for (_, kind), a in last_of.items() if kind in ("B", "I", "W")}
+        self.final: set[Action] = {a for (_, kind), a in last_of.items() if kind in ("B", "I", "W")}
         if schedule.split_backward and wgrad is None:
             raise ValueError(f"schedule {schedule.name} splits backward: split() the model with a WeightGradStore.")
         self.wgrad = wgrad
         self.trace = StepTrace()
-        self._posted: dict[tuple[int, int, int], tuple[torch.Tensor, list[comm.Handle]]] = {}
 
     def _peer(self, stage: int) -> int:
         return self.mesh.rank_at(pp=self.s.placement[stage])
 
-    def _tag(self, kind: int, mb: int, stage: int) -> int:
-        return (kind * self.s.microbatches + mb) * self.s.n_stages + stage
-
-    def _post_recv(self, kind: int, mb: int, from_stage: int, to_stage: int) -> None:
-        """Post the receive early: the peer's send can then complete while this rank still computes
-        (gloo and NCCL only move a message once its receive is posted)."""
-        key = (kind, mb, to_stage)
-        if key not in self._posted:
-            t = torch.empty(self.act_shape, dtype=self.dtype, device=self.mesh.device)
-            self._posted[key] = (t, comm.batch_p2p([comm.P2P("recv", t, self._peer(from_stage),
-                                                             self._tag(kind, mb, to_stage))], self.group))
-
-    def _recv(self, kind: int, mb: int, from_stage: int, to_stage: int) -> torch.Tensor:
-        self._post_recv(kind, mb, from_stage, to_stage)
-        t, handles = self._posted.pop((kind, mb, to_stage))
-        for h in handles:
-            h.wait()
-        self._ready = time.perf_counter()  # waiting for a peer is bubble, not work
-        return t
-
-    def _remote_input(self, a: Action) -> tuple[int, int, int, int] | None:
-        """(kind, mb, from_stage, to_stage) of the tensor action ``a`` receives from another rank, if any."""
-        if a.kind == "F" and a.stage > 0 and self.s.placement[a.stage - 1] != self.rank:
-            return 0, a.mb, a.stage - 1, a.stage
-        if a.kind in ("B", "I") and a.stage < self.last and self.s.placement[a.stage + 1] != self.rank:
-            return 1, a.mb, a.stage + 1, a.stage
-        return None
-
-    def _send(self, t: torch.Tensor, kind: int, mb: int, to_stage: int) -> None:
-        self._sends += comm.batch_p2p([comm.P2P("send", t.contiguous(), self._peer(to_stage),
-                                                self._tag(kind, mb, to_stage))], self.group)
+    def _post(self, step: Post, outbox: dict[Message, torch.Tensor],
+              inbox: dict[Message, tuple[torch.Tensor, comm.Handle]], sends: list[comm.Handle]) -> None:
+        """One batch: sends take their tensor from the outbox, receives get a fresh buffer in the inbox."""
+        ops = []
+        for op in step.ops:
+            m = op.msg
+            tag = message_tag(self.s, m.kind, m.mb, m.dst_stage)
+            if op.op == "send":
+                ops.append(comm.P2P("send", outbox.pop(m), self._peer(m.dst_stage), tag))
+            else:
+                t = torch.empty(self.act_shape, dtype=self.dtype, device=self.mesh.device)
+                ops.append(comm.P2P("recv", t, self._peer(m.src_stage), tag))
+        self.trace.posts.append(step.ops)
+        for op, p2p, h in zip(step.ops, ops, comm.batch_p2p(ops, self.group), strict=True):
+            if op.op == "send":
+                sends.append(h)
+            else:
+                inbox[op.msg] = (p2p.tensor, h)
 
     def run(self, inputs: torch.Tensor, targets: torch.Tensor, n_tokens: int) -> float:
         """One step over this rank's rows, cut into the schedule's microbatches; returns this rank's loss sum /
@@ -172,41 +175,55 @@ class PipelineEngine:
         inputs, targets = list(inputs.chunk(self.s.microbatches)), list(targets.chunk(self.s.microbatches))
         slots: dict[tuple[int, int], _Slot] = {}
         local: dict[tuple[int, int, int], torch.Tensor] = {}  # same-rank hand-overs
-        self._sends: list[comm.Handle] = []
-        self._posted: dict[tuple[int, int, int], tuple[torch.Tensor, list[comm.Handle]]] = {}
+        outbox: dict[Message, torch.Tensor] = {}  # produced, not yet posted
+        inbox: dict[Message, tuple[torch.Tensor, comm.Handle]] = {}  # posted receives
+        arrived: dict[Message, torch.Tensor] = {}  # waited receives, for the next action
+        sends: list[comm.Handle] = []
         self.trace = StepTrace()
         loss_total = 0.0
-        actions = self.s.actions[self.rank]
-        # Receives this rank will need, in order: each is posted ``recv_ahead`` remote inputs ahead of its
-        # use (0: all of them at the start of the step, one buffer per remote input held for the whole step).
-        needs = [(i, r) for i, a in enumerate(actions) if (r := self._remote_input(a)) is not None]
-        ahead = 0
-        for i, a in enumerate(actions):
-            while ahead < len(needs) and needs[ahead][0] <= i:
-                ahead += 1
-            for _, need in needs[ahead: ahead + self.recv_ahead if self.recv_ahead else len(needs)]:
-                self._post_recv(*need)
-            t0 = self._ready = time.perf_counter()
-            slot = slots.setdefault((a.mb, a.stage), _Slot())
-            if a.kind == "F":
-                loss_total += self._forward(a, slot, inputs, targets, n_tokens, local)
-            elif a.kind in ("B", "I"):
-                self._backward_input(a, slot, local, with_weights=a.kind == "B")
+        for step in self.program:
+            if isinstance(step, Post):
+                self._post(step, outbox, inbox, sends)
+            elif isinstance(step, Wait):
+                t, h = inbox.pop(step.msg)
+                h.wait()
+                arrived[step.msg] = t
+            elif isinstance(step, Run):
+                a = step.action
+                t0 = time.perf_counter()  # after the wait: waiting for a peer is bubble, not work
+                slot = slots.setdefault((a.mb, a.stage), _Slot())
+                if a.kind == "F":
+                    loss_total += self._forward(a, slot, inputs, targets, n_tokens, local, arrived, outbox)
+                elif a.kind in ("B", "I"):
+                    self._backward_input(a, slot, local, arrived, outbox, with_weights=a.kind == "B")
+                else:
+                    self._backward_weights(a, slot)
+                self.trace.actions.append((t0, time.perf_counter(), a))
             else:
-                self._backward_weights(a, slot)
-            self.trace.actions.append((max(t0, self._ready), time.perf_counter(), a))
-        for h in self._sends:
-            h.wait()
+                for h in sends:
+                    h.wait()
         return loss_total
 
-    def _forward(self, a: Action, slot: _Slot, inputs, targets, n_tokens: int, local) -> float:
+    def _handover(self, t: torch.Tensor, a: Action, to_stage: int, local, outbox) -> None:
+        """Give ``a``'s output (activation or input gradient) to ``to_stage``: in memory on this rank, else to the
+        outbox, which the program's next send posts."""
+        m = remote_output(self.s, a)
+        if m is None:
+            local[(0 if a.kind == "F" else 1, a.mb, to_stage)] = t
+        else:
+            outbox[m] = t.contiguous()
+
+    def _input(self, a: Action, local, arrived) -> torch.Tensor:
+        """``a``'s activation (F) or output gradient (B, I): handed over in memory, or received and waited."""
+        m = remote_input(self.s, a)
+        return local.pop((0 if a.kind == "F" else 1, a.mb, a.stage)) if m is None else arrived.pop(m)
+
+    def _forward(self, a: Action, slot: _Slot, inputs, targets, n_tokens: int, local, arrived, outbox) -> float:
         stage = self.stages[a.stage]
         if a.stage == 0:
             x = inputs[a.mb].to(self.mesh.device)
         else:
-            prev_here = self.s.placement[a.stage - 1] == self.rank
-            x = local.pop((0, a.mb, a.stage)) if prev_here else self._recv(0, a.mb, a.stage - 1, a.stage)
-            x = x.detach().requires_grad_(True)
+            x = self._input(a, local, arrived).detach().requires_grad_(True)
         slot.inp = x
         if a.stage == self.last:
             loss = self.forward(stage, x, targets[a.mb].to(self.mesh.device)) / n_tokens
@@ -214,24 +231,14 @@ class PipelineEngine:
             return float(loss.detach())
         y = self.forward(stage, x)
         slot.out = y
-        if self.s.placement[a.stage + 1] == self.rank:
-            local[(0, a.mb, a.stage + 1)] = y.detach()
-        else:
-            self._send(y.detach(), 0, a.mb, a.stage + 1)
+        self._handover(y.detach(), a, a.stage + 1, local, outbox)
         return 0.0
-
-    def _grad_out(self, a: Action, local) -> torch.Tensor | None:
-        if a.stage == self.last:
-            return None
-        if self.s.placement[a.stage + 1] == self.rank:
-            return local.pop((1, a.mb, a.stage))
-        return self._recv(1, a.mb, a.stage + 1, a.stage)
 
     def _sync_ctx(self, a: Action):
         return contextlib.nullcontext() if a in self.final else self.sync.no_sync()
 
-    def _backward_input(self, a: Action, slot: _Slot, local, with_weights: bool) -> None:
-        g = self._grad_out(a, local)
+    def _backward_input(self, a: Action, slot: _Slot, local, arrived, outbox, with_weights: bool) -> None:
+        g = None if a.stage == self.last else self._input(a, local, arrived)
         slot.grad_out = g
         needs_input = a.stage > 0
         if with_weights:
@@ -252,10 +259,7 @@ class PipelineEngine:
             grad_in = slot.inp.grad if needs_input else None
             slot.out = None
         if needs_input:
-            if self.s.placement[a.stage - 1] == self.rank:
-                local[(1, a.mb, a.stage - 1)] = grad_in
-            else:
-                self._send(grad_in, 1, a.mb, a.stage - 1)
+            self._handover(grad_in, a, a.stage - 1, local, outbox)
         if with_weights:
             slot.inp = None
 
@@ -278,7 +282,10 @@ class PipelineEngine:
                     if s == 0:
                         x = inputs[mb].to(self.mesh.device)
                     elif self.s.placement[s - 1] != self.rank:
-                        x = self._recv(2, mb, s - 1, s)
+                        x = torch.empty(self.act_shape, dtype=self.dtype, device=self.mesh.device)
+                        for h in comm.batch_p2p([comm.P2P("recv", x, self._peer(s - 1),
+                                                          message_tag(self.s, 2, mb, s))], self.group):
+                            h.wait()
                     if s == self.last:
                         y = targets[mb].to(self.mesh.device)
                         total += float(self.forward(self.stages[s], x, y))
@@ -287,6 +294,6 @@ class PipelineEngine:
                     x = self.forward(self.stages[s], x)
                     if self.s.placement[s + 1] != self.rank:
                         for h in comm.batch_p2p([comm.P2P("send", x.contiguous(), self._peer(s + 1),
-                                                          self._tag(2, mb, s + 1))], self.group):
+                                                          message_tag(self.s, 2, mb, s + 1))], self.group):
                             h.wait()
         return total, count
