@@ -92,6 +92,7 @@ class ParallelConfig:
     bucket_mb: float = 25.0  # DP gradient bucket size
     reshard_after_forward: bool = True  # ZeRO-3: free gathered parameters after forward, re-gather for backward
     sp: bool = False
+    sp_regather: bool = True  # SP: column-parallel layers save the sequence shard and all-gather it again in backward
     cp_layout: str = "zigzag"  # zigzag (2*cp chunks, rank i holds i and 2cp-1-i: balanced causal work) | contiguous
     cp_attention: str = "ring"  # ring (K/V passed around the cp ranks) | allgather (K/V all-gathered once)
     schedule: str = "1f1b"  # afab | 1f1b | interleaved | zb-h1 | dualpipev

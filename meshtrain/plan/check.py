@@ -76,7 +76,8 @@ def predict_rank(cfg: Config, world_size: int, coords: dict[str, int]) -> tuple[
             _shard_overlap(u, edp if expert_zero else 1, coords["edp"] if expert_zero else 0) for u in expert_units)
         out.update(tp_comm_bytes(m, p.tp, p.sp, tokens, grad_accum=micro, act_bytes=4, layers=len(layers),
                                  embedding=first, head=last, norm_elems=norms,
-                                 recompute=t.recompute != "none", mlp_tp=not m.moe_experts))
+                                 recompute=t.recompute != "none", mlp_tp=not m.moe_experts,
+                                 sp_regather=p.sp_regather, regather_bytes=compute_bytes))
     _add(out, cp_comm_bytes(m, p.cp, p.tp, tokens, p.cp_attention, len(layers), micro, compute_bytes,
                             t.recompute != "none"))
     if schedule is not None:

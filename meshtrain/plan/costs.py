@@ -59,6 +59,7 @@ from meshtrain.plan.memory import (
     activation_elems_per_token,
     dp_state_bytes,
     state_bytes,
+    tp_forward_saved_bytes,
 )
 from meshtrain.plan.network import (
     Link,
@@ -132,6 +133,7 @@ __all__ = [
     "state_bytes",
     "step_mfu",
     "tp_comm_bytes",
+    "tp_forward_saved_bytes",
     "tp_layer_collectives",
     "tp_limit",
     "tp_min_ffw",
