@@ -1,4 +1,4 @@
-"""Run a function on N real processes with a gloo process group, for tests and benchmarks.
+"""Run a function on N real processes with a process group (gloo; nccl for GPU benchmarks).
 
 ``spawn(fn, 4, args)`` starts 4 processes (spawn start method, so each is a clean
 interpreter), initialises torch.distributed through a file store in a private temp
@@ -31,7 +31,7 @@ class SpawnTimeout(SpawnError):
     """Some ranks did not finish in time (a hang or a deadlock)."""
 
 
-def _worker(fn: Callable, rank: int, world_size: int, store: str, threads: int, args: tuple,
+def _worker(fn: Callable, rank: int, world_size: int, store: str, threads: int, backend: str, args: tuple,
             kwargs: dict, results: Any) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
@@ -40,7 +40,9 @@ def _worker(fn: Callable, rank: int, world_size: int, store: str, threads: int, 
         import torch.distributed as dist
 
         torch.set_num_threads(threads)
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args, **kwargs)
         # By value: torch's queue pickler would share tensors through file descriptors that die with
         # this process, which may exit before the parent reads them.
@@ -103,19 +105,22 @@ def _collect(procs: list, results: Any, world_size: int, timeout: float) -> dict
 
 
 def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: dict | None = None,
-          timeout: float = 120.0, threads: int = 1) -> list[Any]:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo processes.
+          timeout: float = 120.0, threads: int = 1, backend: str = "gloo") -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes.
 
     ``fn`` must be importable (a module-level function). Return values must be picklable;
     return CPU tensors or plain data. ``threads`` sets torch's intra-op threads per rank
-    (1 by default: this machine has 2 cores and tests run up to 8 ranks).
+    (1 by default: this machine has 2 cores and tests run up to 8 ranks). ``backend`` is gloo
+    (tests), or nccl for benchmarks on a machine with a GPU per rank (rank r uses ``cuda:r``).
     """
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"spawn backend must be gloo or nccl, got {backend!r}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="meshtrain-spawn-") as tmp:
         store = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_worker, args=(fn, r, world_size, store, threads, args, kwargs or {}, results),
+            ctx.Process(target=_worker, args=(fn, r, world_size, store, threads, backend, args, kwargs or {}, results),
                         daemon=True)
             for r in range(world_size)
         ]
