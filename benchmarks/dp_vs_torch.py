@@ -1,24 +1,30 @@
-"""Our data parallelism against torch's, on 4 gloo processes, same model, data and seed.
+"""Our data parallelism against torch's, same model, data and seed, on 4 ranks (gloo on CPU, NCCL on GPUs).
 
-- ours DP (bucketed, overlapped all-reduce)   vs  torch DistributedDataParallel
+- ours DP (bucketed, overlapped all-reduce)   vs  torch ``DistributedDataParallel``
+  (``gradient_as_bucket_view=True``, ``broadcast_buffers=False``: the model's only buffers are constant
+  RoPE tables; the same bucket size)
 - ours ZeRO-3 (per-block units, prefetch)     vs  torch FSDP2 ``fully_shard`` per block + root
 
-Each pair alternates in rounds (ours, theirs, ours, theirs, ...) so drift on a shared machine hits
-both; the reported ratio is ours/theirs of the median step time, with the min-max of the per-round
-ratios. It also reports the share of our gradient communication that ran while backward was still
-computing (async-collective start/completion timestamps against the backward interval), and with
+Both sides run the same step: forward, backward, global-norm clip at 1.0, AdamW. DDP and FSDP2 average
+gradients over the ranks while our loss is already divided by the global token count (we sum), so torch's
+loss is scaled by the world size: both then apply the same gradients, and the script asserts that both
+computed the same run (first loss within 1e-5, the whole trajectory within 1e-3 relative). Rounds
+alternate ours/theirs/theirs/ours (benchmarks/harness.py); a barrier precedes every timed step. It also
+reports the share of our gradient communication that ran while backward was still computing, and with
 ``--trace DIR`` writes a chrome-format torch.profiler trace per rank.
 
-    python benchmarks/dp_vs_torch.py [--steps 12] [--rounds 3] [--d-model 256] [--trace DIR]
+    python benchmarks/dp_vs_torch.py [--runs 3] [--rounds 6] [--steps 12] [--d-model 256] [--trace DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
 import torch
+from harness import Comparison, bench_device, order, run_independent, slowest, spread_line, timed_step
 
 from meshtrain import comm
 from meshtrain.config import ModelConfig, ParallelConfig, TrainConfig
@@ -26,30 +32,32 @@ from meshtrain.mesh import Mesh
 from meshtrain.model.llama import build_model, cross_entropy_sum
 from meshtrain.parallel.grad_sync import clip_grads, grad_norm_squared
 from meshtrain.parallel.parallelize import data_parallel, shard_rows
-from meshtrain.testing.spawn import spawn
 from meshtrain.train.data import SyntheticDataset
 from meshtrain.train.optim import build_adamw, model_params
 
 
-def _batches(args, rank, world):
+def _batches(args, rank, world, device):
     data = SyntheticDataset(257)
     out = []
     for step in range(args.steps):
         x, y = data.batch(0, step, args.batch * world, args.seq)
-        out.append((shard_rows(x, rank, world), shard_rows(y, rank, world), y.numel()))
+        out.append((shard_rows(x, rank, world).to(device), shard_rows(y, rank, world).to(device), y.numel()))
     return out
 
 
-def _ours(args, zero, rank, world, trace_dir):
+def _model(args, device):
     cfg = ModelConfig(vocab_size=257, d_model=args.d_model, n_layers=args.layers, n_heads=8, max_seq_len=args.seq)
-    model = build_model(cfg, seed=0)
-    mesh = Mesh(dp=world)
+    return build_model(cfg, seed=0).to(device)
+
+
+def _ours(args, zero, rank, world, trace_dir):
+    device = bench_device()
+    model = _model(args, device)
+    mesh = Mesh(dp=world, device=device)
     sync = data_parallel(model, mesh, ParallelConfig(zero=zero, bucket_mb=args.bucket_mb), {})
     opt = build_adamw(sync.optim_params(), TrainConfig())
-    times, overlap = [], []
-    for i, (x, y, n) in enumerate(_batches(args, rank, world)):
-        prof = _profiler(trace_dir, f"ours_zero{zero}", rank) if (trace_dir and i == args.steps - 1) else None
-        t0 = time.perf_counter()
+
+    def step(x, y, n):
         with sync.forward_context():
             loss = cross_entropy_sum(model(x), y) / n
         b0 = time.perf_counter()
@@ -62,15 +70,22 @@ def _ours(args, zero, rank, world, trace_dir):
         norm_sq = float(grad_norm_squared(grads))
         if sync.norm_group is not None:
             norm_sq = comm.all_reduce_scalars([norm_sq], sync.norm_group)[0]
-        clip_grads(grads, 1.0, torch.tensor(norm_sq).sqrt())
+        clip_grads(grads, 1.0, torch.tensor(norm_sq, device=device).sqrt())
         opt.step()
         sync.after_step()
         sync.zero_grad()
-        times.append(time.perf_counter() - t0)
-        overlap.append(_overlap_share(handles, b0, b1))
+        return float(loss.detach()), _overlap_share(handles, b0, b1)
+
+    times, losses, overlap = [], [], []
+    for i, (x, y, n) in enumerate(_batches(args, rank, world, device)):
+        prof = _profiler(trace_dir, f"ours_zero{zero}", rank) if (trace_dir and i == args.steps - 1) else None
+        (loss, ov), t = timed_step(lambda: step(x, y, n))  # noqa: B023 - called at once
+        times.append(t)
+        losses.append(loss)
+        overlap.append(ov)
         if prof is not None:
             prof.__exit__(None, None, None)
-    return times[args.warmup:], overlap[args.warmup:]
+    return times[args.warmup:], losses, overlap[args.warmup:]
 
 
 def _torch(args, zero, rank, world, trace_dir):
@@ -78,30 +93,38 @@ def _torch(args, zero, rank, world, trace_dir):
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
-    cfg = ModelConfig(vocab_size=257, d_model=args.d_model, n_layers=args.layers, n_heads=8, max_seq_len=args.seq)
-    model = build_model(cfg, seed=0)
+    device = bench_device()
+    model = _model(args, device)
     if zero == 0:
-        wrapped = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
+        # Constant RoPE tables are the only buffers: nothing to broadcast each forward.
+        wrapped = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True,
+                                          broadcast_buffers=False)
     else:
-        dmesh = init_device_mesh("cpu", (world,))
+        dmesh = init_device_mesh(device.type, (world,))
         for block in model.layers.values():
             fully_shard(block, mesh=dmesh)
         fully_shard(model, mesh=dmesh)
         wrapped = model
     opt = build_adamw(model_params(model), TrainConfig())
-    times = []
-    for i, (x, y, n) in enumerate(_batches(args, rank, world)):
-        prof = _profiler(trace_dir, f"torch_zero{zero}", rank) if (trace_dir and i == args.steps - 1) else None
-        t0 = time.perf_counter()
-        loss = cross_entropy_sum(wrapped(x), y) / n
+
+    def step(x, y, n):
+        # DDP / FSDP2 average gradients over the ranks: scale by world so the applied gradient is ours.
+        loss = cross_entropy_sum(wrapped(x), y) / n * world
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
+        return float(loss.detach()) / world
+
+    times, losses = [], []
+    for i, (x, y, n) in enumerate(_batches(args, rank, world, device)):
+        prof = _profiler(trace_dir, f"torch_zero{zero}", rank) if (trace_dir and i == args.steps - 1) else None
+        loss, t = timed_step(lambda: step(x, y, n))  # noqa: B023 - called at once
+        times.append(t)
+        losses.append(loss)
         if prof is not None:
             prof.__exit__(None, None, None)
-    return times[args.warmup:], []
+    return times[args.warmup:], losses, []
 
 
 def _overlap_share(handles: list, b0: float, b1: float) -> float:
@@ -116,8 +139,6 @@ def _overlap_share(handles: list, b0: float, b1: float) -> float:
 
 
 def _profiler(trace_dir, name, rank):
-    import os
-
     from torch.profiler import ProfilerActivity, profile
 
     os.makedirs(trace_dir, exist_ok=True)
@@ -129,23 +150,33 @@ def _profiler(trace_dir, name, rank):
 
 def _worker(rank, world, args):
     comm.METER.timing = True
+    sides = {"ours": _ours, "theirs": _torch}
     out = {}
     for zero in (0, 3):
         rounds = []
         for r in range(args.rounds):
             trace = args.trace if r == args.rounds - 1 else None
-            ours, ov = _ours(args, zero, rank, world, trace)
-            theirs, _ = _torch(args, zero, rank, world, trace)
-            rounds.append((ours, theirs, ov))
+            got = {side: sides[side](args, zero, rank, world, trace) for side in order(r)}
+            rounds.append(got)
         out[zero] = rounds
     return out
 
 
+def _same_run(name: str, ours: list[float], theirs: list[float]) -> None:
+    """Both sides must have trained the same model on the same data, or the timing compares nothing."""
+    if abs(ours[0] - theirs[0]) > 1e-5 * abs(theirs[0]):
+        raise SystemExit(f"{name}: first losses differ ({ours[0]} vs {theirs[0]}): not the same run")
+    worst = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs, strict=True))
+    if worst > 1e-3:
+        raise SystemExit(f"{name}: loss trajectories differ by {worst:.2e} relative: not the same run")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=14)
-    ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--runs", type=int, default=1, help="independent process groups (spread over runs)")
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
@@ -154,28 +185,37 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--trace", default="", help="folder for chrome traces of the last step")
     args = ap.parse_args()
-    results = spawn(_worker, args.world, args=(args,), timeout=3000)
-    print(f"{args.world} gloo ranks, d_model={args.d_model}, layers={args.layers}, seq={args.seq}, "
-          f"batch/rank={args.batch}, {args.steps - args.warmup} timed steps x {args.rounds} rounds\n")
+    runs = run_independent(_worker, args.world, args.runs, (args,))
+    names = {0: ("DP", "DDP (gradient_as_bucket_view)"), 3: ("ZeRO-3", "FSDP2 fully_shard")}
+    device = "cuda/nccl" if torch.cuda.is_available() else "cpu/gloo"
+    print(f"{args.world} ranks ({device}), d_model={args.d_model}, layers={args.layers}, seq={args.seq}, "
+          f"batch/rank={args.batch}, bucket {args.bucket_mb} MB, {args.steps - args.warmup} timed steps after "
+          f"{args.warmup} warm-up, {args.rounds} rounds x {args.runs} runs\n")
     print("| ours vs torch | ours median (ms) | torch median (ms) | ratio ours/torch | per-round min-max | "
           "comm under backward |")
     print("|---|---|---|---|---|---|")
-    names = {0: ("DP", "DDP"), 3: ("ZeRO-3", "FSDP2 fully_shard")}
     for zero in (0, 3):
-        # A step ends when the slowest rank ends: take the max over ranks of each step's time.
-        per_round = []
-        ours_all, theirs_all, ov_all = [], [], []
-        for r in range(args.rounds):
-            ours = [max(res[zero][r][0][i] for res in results) for i in range(args.steps - args.warmup)]
-            theirs = [max(res[zero][r][1][i] for res in results) for i in range(args.steps - args.warmup)]
-            per_round.append(statistics.median(ours) / statistics.median(theirs))
-            ours_all += ours
-            theirs_all += theirs
-            ov_all += [v for res in results for v in res[zero][r][2] if v == v]
-        mo, mt = statistics.median(ours_all), statistics.median(theirs_all)
-        a, b = names[zero]
-        print(f"| {a} vs {b} | {mo * 1e3:.1f} | {mt * 1e3:.1f} | {mo / mt:.3f} | "
-              f"{min(per_round):.3f}-{max(per_round):.3f} | {statistics.median(ov_all):.0%} |")
+        ratios, lines = [], []
+        for results in runs:
+            rows = Comparison(names[zero][0])
+            overlap = []
+            for r in range(args.rounds):
+                for rank_res in results:
+                    _same_run(f"{names[zero][0]} rank round {r}", rank_res[zero][r]["ours"][1],
+                              rank_res[zero][r]["theirs"][1])
+                rows.add_round(slowest([res[zero][r]["ours"][0] for res in results]),
+                               slowest([res[zero][r]["theirs"][0] for res in results]))
+                overlap += [v for res in results for v in res[zero][r]["ours"][2] if v == v]
+            ratios.append(rows.ratio())
+            mo, mt = rows.medians_ms()
+            rr = rows.round_ratios()
+            ov = f"{statistics.median(overlap):.0%}" if overlap else "-"
+            lines.append(f"| {names[zero][0]} vs {names[zero][1]} | {mo:.1f} | {mt:.1f} | {rows.ratio():.3f} | "
+                         f"{min(rr):.3f}-{max(rr):.3f} | {ov} |")
+        print("\n".join(lines))
+        if len(runs) > 1:
+            print(f"| {names[zero][0]}: ratio over independent runs | | | {spread_line(ratios)} | | |")
+    print("\nboth sides computed the same run (losses checked on every rank, every round)")
 
 
 if __name__ == "__main__":

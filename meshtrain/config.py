@@ -26,6 +26,7 @@ SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1", "dualpipev")  # parallel.sc
 RECOMPUTE_MODES = ("none", "full", "selective")  # train.recompute (meshtrain/parallel/recompute.py)
 CP_LAYOUTS = ("zigzag", "contiguous")  # parallel.cp_layout (meshtrain/parallel/context.py)
 CP_ATTENTIONS = ("ring", "allgather")  # parallel.cp_attention
+REDUCE_DTYPES = ("fp32", "bf16")  # parallel.reduce_dtype (meshtrain/parallel/grad_sync.py)
 
 
 class ConfigError(ValueError):
@@ -91,6 +92,7 @@ class ParallelConfig:
     dp_shard: int = 0  # HSDP: shard within groups of this many dp ranks, replicate across them; 0: all of dp
     bucket_mb: float = 25.0  # DP gradient bucket size
     reshard_after_forward: bool = True  # ZeRO-3: free gathered parameters after forward, re-gather for backward
+    reduce_dtype: str = "fp32"  # dtype the DP family's gradient collectives send: fp32 | bf16 (halves their bytes)
     sp: bool = False
     sp_regather: bool = True  # SP: column-parallel layers save the sequence shard and all-gather it again in backward
     cp_layout: str = "zigzag"  # zigzag (2*cp chunks, rank i holds i and 2cp-1-i: balanced causal work) | contiguous
@@ -395,6 +397,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
           "parallel.zero_layout=per_tensor.")
     _need(not (t.optimizer == "muon" and p.zero == 3),
           "train.optimizer=muon needs whole matrices: use parallel.zero=1 or 2 with zero_layout=per_tensor.")
+    _need(p.reduce_dtype in REDUCE_DTYPES, f"parallel.reduce_dtype must be fp32 or bf16 (the dtype gradients are "
+          f"reduced in), got '{p.reduce_dtype}'.")
     _need(p.bucket_mb > 0, f"parallel.bucket_mb must be positive, got {p.bucket_mb}.")
     _need(p.dp_shard >= 0, f"parallel.dp_shard must be >= 0 (0: shard over all of dp), got {p.dp_shard}.")
     _need(not (p.sp and p.tp == 1), "parallel.sp=true needs parallel.tp > 1 (it shards the sequence over tp).")
@@ -406,9 +410,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if p.tp > 1:
         _need(m.n_heads % p.tp == 0, f"parallel.tp={p.tp} must divide model.n_heads={m.n_heads} "
               f"(attention is split by heads).")
-        _need(m.kv_heads % p.tp == 0, f"parallel.tp={p.tp} must divide model.n_kv_heads={m.kv_heads}: each rank "
-              f"keeps whole key/value heads for its query heads (kv heads are not replicated across ranks). "
-              f"Use tp <= n_kv_heads, or more kv heads.")
+        # tp > kv heads: each kv head is replicated on the tp / n_kv_heads ranks whose query heads use it.
+        _need(m.kv_heads % p.tp == 0 or p.tp % m.kv_heads == 0,
+              f"parallel.tp={p.tp} must divide model.n_kv_heads={m.kv_heads} or be a multiple of it (a rank keeps "
+              f"whole key/value heads, or one kv head shared by tp / n_kv_heads ranks): choose such a tp.")
         _need(m.hidden_dim % p.tp == 0, f"parallel.tp={p.tp} must divide the MLP hidden size {m.hidden_dim} "
               f"(model.ffn_hidden).")
     dp = resolve_dp(cfg, world_size)

@@ -5,7 +5,8 @@ consecutive ranks (one node, fast links) and pipeline stages are outermost (slow
 fine for p2p). Expert parallelism is carved out of the dp x cp ranks: ep innermost inside
 that flattened axis, "edp" (the ranks holding the same experts) outside it. For HSDP the dp axis
 splits into dp_replicate (outer) x dp_shard (inner): parameters are sharded over
-"dp_shard_cp" (dp_shard x cp) and replicated over "dp_replicate".
+"dp_shard_cp" (dp_shard x cp) and replicated over "dp_replicate". When a model has fewer key/value heads
+than tp, "tp_kv" is the block of consecutive tp ranks that share one kv head (``kv_share`` of them).
 
 Every parallelism asks the mesh for its group by axis name (``mesh.group("tp")``,
 ``mesh.group("dp", "cp")``); nothing else creates process groups. At world size 1 no
@@ -46,10 +47,12 @@ class Mesh:
     """A (pp, dp, cp, tp) rank grid over torch.distributed, plus the ep/edp split of dp x cp."""
 
     def __init__(self, pp: int = 1, dp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1, dp_shard: int = 0,
-                 *, rank: int | None = None, device: torch.device | None = None,
+                 *, kv_share: int = 1, rank: int | None = None, device: torch.device | None = None,
                  timeout_s: float | None = None) -> None:
         """``timeout_s``: how long a collective on the groups this mesh creates may wait for its peers
-        (``train.collective_timeout_s``); None keeps torch's default. new_group does not inherit the world's."""
+        (``train.collective_timeout_s``); None keeps torch's default. new_group does not inherit the world's.
+        ``kv_share``: how many consecutive tp ranks share one key/value head (tp / n_kv_heads when a model has
+        fewer kv heads than tp, else 1); they form the "tp_kv" group that sums those heads' gradients."""
         self.shape = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
         self.ep = ep
         self.dp_shard = dp_shard or dp
@@ -66,6 +69,9 @@ class Mesh:
             raise ValueError(f"A mesh of {self.world_size} ranks needs an initialised process group.")
         if (dp * cp) % ep:
             raise ValueError(f"parallel.ep={ep} must divide dp*cp = {dp * cp} (experts are sharded over them).")
+        if kv_share < 1 or tp % kv_share:
+            raise ValueError(f"kv_share={kv_share} must divide tp={tp} (tp ranks sharing one key/value head).")
+        self.kv_share = kv_share
         self.rank = rank if rank is not None else (dist.get_rank() if initialized else 0)
         self.coords = self.coords_of(self.rank)
         self.device = device if device is not None else default_device()
@@ -103,6 +109,8 @@ class Mesh:
             return self.dp_shard
         if axis == "dp_replicate":
             return self.shape["dp"] // self.dp_shard
+        if axis == "tp_kv":
+            return self.kv_share
         return self.shape[axis]
 
     def coord(self, axis: str) -> int:
@@ -131,7 +139,7 @@ class Mesh:
 
     @staticmethod
     def _key(axes: tuple[str, ...]) -> str:
-        if axes in (("world",), ("dp_shard", "cp"), ("dp_replicate",)):
+        if axes in (("world",), ("dp_shard", "cp"), ("dp_replicate",), ("tp_kv",)):
             return "world" if axes == ("world",) else "_".join(axes)
         order = list(AXES) + ["edp", "ep"]
         return "_".join(sorted(axes, key=order.index))
@@ -147,6 +155,7 @@ class Mesh:
         fams.append(("edp", self._partition_by(lambda c: (c["pp"], c["tp"], c["ep"]))))
         fams.append(("dp_shard_cp", self._partition_by(lambda c: (c["pp"], c["tp"], c["dp_replicate"]))))
         fams.append(("dp_replicate", self._partition_by(lambda c: (c["pp"], c["tp"], c["dp_shard"], c["cp"]))))
+        fams.append(("tp_kv", self._partition_by(lambda c: (c["pp"], c["dp"], c["cp"], c["tp"] // self.kv_share))))
         return fams
 
     def _partition_by(self, key_fn) -> list[tuple[int, ...]]:

@@ -15,6 +15,7 @@ One spawned group per world size runs every layout in turn (spawning costs secon
 """
 
 import pytest
+import torch
 
 from meshtrain import comm
 from meshtrain.config import ConfigError, load_config, validate
@@ -249,3 +250,56 @@ def test_zero3_unit_buffers_are_mapped_so_freed_ones_go_back_to_the_os():
     env["MALLOC_MMAP_THRESHOLD_"] = "1048576"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["None"] * 7
+
+
+class _Scrambled(torch.nn.Module):
+    """Registers its layers in an order unlike the one forward uses them, as models built from configs can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.late, self.first, self.middle = (torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.late(torch.tanh(self.middle(torch.tanh(self.first(x)))))
+
+
+def _rebuild_worker(rank, world_size):
+    from meshtrain.mesh import Mesh
+    from meshtrain.parallel.data import DataParallel
+
+    model = _Scrambled()
+    arrival: list[str] = []
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: arrival.append(names[id(p)]))
+    sync = DataParallel(model, Mesh(dp=world_size).group("dp", "cp"), {}, bucket_mb=100 / 2**20)  # ~2 params each
+    before = [[names[id(p)] for p in b.params] for b in sync.buckets]
+    x = torch.randn(2 * world_size, 8, generator=torch.Generator().manual_seed(1))
+    steps = []
+    for _ in range(2):
+        arrival.clear()
+        model(x[2 * rank: 2 * rank + 2]).pow(2).sum().backward()
+        sync.finish_grads()
+        steps.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        sync.zero_grad()
+    after = [[names[id(p)] for p in b.params] for b in sync.buckets]
+    return before, after, list(arrival), steps, x
+
+
+@pytest.mark.slow
+def test_dp_buckets_are_rebuilt_in_the_order_gradients_arrive():
+    """After the first step the buckets follow the gradients' real arrival order (not the reverse of
+    registration), on every rank alike, and the summed gradients stay those of one device over the whole batch,
+    in the step that rebuilt and the one after (1e-6: a sum of two fp32 terms in another order)."""
+    res = spawn(_rebuild_worker, 2, timeout=120)
+    before, after, arrival, steps, x = res[0]
+    assert [n for b in after for n in b] == arrival
+    assert [n for b in before for n in b] != arrival  # the rebuild really changed something
+    assert all(r[1] == after for r in res)
+    ref = _Scrambled()
+    ref(x).pow(2).sum().backward()
+    for rank_res in res:
+        for step in rank_res[3]:
+            for n, p in ref.named_parameters():
+                torch.testing.assert_close(step[n], p.grad, rtol=1e-6, atol=1e-7)

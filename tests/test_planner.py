@@ -200,10 +200,10 @@ def test_dp_family_bytes_equals_runtime_model():
     for zero in range(4):
         for dp, shard in ((4, 0), (8, 2), (8, 4)):
             for accum in (1, 3):
-                for cb in (2, 4):
-                    want = dp_comm_bytes(cfg, zero, dp, accum, dp_shard=shard, compute_bytes=cb)
-                    got = dp_family_bytes(units, zero, dp, accum, shard, 4, 4, cb)
-                    assert got == want, (zero, dp, shard, accum, cb)
+                for cb, rb in ((2, 4), (4, 4), (2, 2), (4, 2)):  # train.dtype x parallel.reduce_dtype
+                    want = dp_comm_bytes(cfg, zero, dp, accum, dp_shard=shard, compute_bytes=cb, reduce_bytes=rb)
+                    got = dp_family_bytes(units, zero, dp, accum, shard, rb, 4, cb)
+                    assert got == want, (zero, dp, shard, accum, cb, rb)
 
 
 def test_tp_layer_collectives_sum_to_runtime_model():
@@ -308,6 +308,27 @@ def test_emit_round_trips_through_load_config(llama70b, tmp_path):
         4, "interleaved", 8, 1)
 
 
+def test_bf16_reduce_halves_the_planned_gradient_bytes_only(llama70b, tmp_path):
+    """parallel.reduce_dtype=bf16 as the planner sees it: every gradient collective of the DP family carries half
+    the bytes, ZeRO-1's parameter all-gather and ZeRO-3's (compute-dtype) gathers do not change, the exposed
+    DP time does not grow, and the emitted config asks for the bf16 reduce."""
+    problem, _ = llama70b
+    assert costs.run_precision("bf16", "fp32") == costs.MESHTRAIN_BF16 == problem.precision
+    low = replace(problem, precision=costs.run_precision("bf16", "bf16"))
+    assert costs.run_precision("fp32", "bf16").gather == 4  # an fp32 run gathers fp32 whatever it reduces in
+    for lay in (planner.Layout(dp=128, tp=8, zero=1, microbatches=2),
+                planner.Layout(dp=128, tp=8, zero=3, dp_shard=8, microbatches=2)):
+        full, half = planner.evaluate(problem, lay, True), planner.evaluate(low, lay, True)
+        dp_ops = {(c.axis, c.op): c.bytes for c in full.collectives if c.axis.startswith("dp")}
+        dp_half = {(c.axis, c.op): c.bytes for c in half.collectives if c.axis.startswith("dp")}
+        assert set(dp_half) == set(dp_ops) and len(dp_ops) >= 2
+        for key, b in dp_ops.items():
+            assert dp_half[key] == pytest.approx(b if key[1] == "all_gather" else b / 2, rel=1e-12), (lay, key)
+        assert half.step.dp <= full.step.dp
+        assert load_config(planner.emit_yaml(low, half, tmp_path / "low.yaml")).parallel.reduce_dtype == "bf16"
+        assert load_config(planner.emit_yaml(problem, full, tmp_path / "full.yaml")).parallel.reduce_dtype == "fp32"
+
+
 def test_context_parallel_layouts_are_searched_and_emitted(llama70b, tmp_path):
     problem, _ = llama70b
     with_cp = planner.Layout(dp=128, tp=4, cp=2, zero=3, microbatches=4)
@@ -329,10 +350,12 @@ def test_cli_plan_json_emit_and_plot(tmp_path, capsys):
     out = tmp_path / "run.yaml"
     png = tmp_path / "fig.png"
     rc = cli.main(["plan", "--model", "llama3-8b", "--hardware", "h100", "--nodes", "2", "--batch-tokens", "1M",
-                   "--top", "3", "--json", "--emit", str(out), "--plot", str(png), "--max-pp", "4"])
+                   "--top", "3", "--json", "--emit", str(out), "--plot", str(png), "--max-pp", "4",
+                   "--reduce-dtype", "bf16"])
     assert rc == 0
     data = json.loads(capsys.readouterr().out)
     assert data["problem"]["devices"] == 16 and len(data["top"]) == 3
+    assert data["problem"]["reduce_bytes"] == 2 and load_config(out).parallel.reduce_dtype == "bf16"
     assert data["top"][0]["fits"] and data["top"][0]["step_s"] <= data["top"][1]["step_s"]
     assert data["emitted"] == str(out) and "Sharding" in data["explanation"]
     cfg = load_config(out)
@@ -408,3 +431,23 @@ def test_plan_units_are_the_runtime_units():
     assert experts and sum(u.numel for u in model_units(model, frozenset(experts))) == sum(unit_numels(cfg, ep=2))
     assert sum(p.numel() for p in model.parameters() if id(p) in experts) == 2 * expert_params_per_rank(
         cfg, 2, cfg.n_layers)
+
+
+def test_kv_heads_fewer_than_tp_are_planned():
+    """Llama-3 70B (8 kv heads) on TPU v5p (tensor parallelism up to 16): the search offers tp=16, the layout
+    validates as a config, and its step time and bytes count the shared kv heads' gradient all-reduce."""
+    cfg = load_config("llama3-70b").model
+    problem = planner.Problem(cfg, 8192, 512, get_hardware("v5p"), 256, model_name="llama3-70b")
+    tps = {lay.tp for lay in planner.candidate_layouts(problem)}
+    assert 16 in tps and max(tps) > cfg.kv_heads
+    lay = planner.Layout(dp=64, tp=16, zero=3, sp=True, microbatches=4)
+    est = planner.check_runnable(problem, planner.evaluate(problem, lay, with_collectives=True))
+    assert est.runnable, est.not_runnable_reason
+    kv = [c for c in est.collectives if c.axis == "tp_kv"]
+    # one kv head's wk and wv per layer, fp32, ZeRO-3-sharded over dp 64, once per step over 16 / 8 = 2 ranks
+    assert [(c.group, c.bytes, c.calls) for c in kv] == [(2, 2 * 128 * 8192 * 80 * 4 / 64, 1)]
+    assert tp_comm_bytes(cfg, 16, True, 8192)[("tp_kv", "all_reduce")] == 2 * 128 * 8192 * 80 * 4
+    assert ("tp_kv", "all_reduce") not in tp_comm_bytes(cfg, 8, True, 8192)
+    # per-rank weights and activations hold one whole kv head, not half of one
+    assert unit_numels(cfg, tp=16)[1] == unit_numels(cfg, tp=8)[1] - (cfg.n_heads * 128 * 8192 * 2 // 16
+                                                                       + 3 * 8192 * cfg.hidden_dim // 16)

@@ -69,3 +69,32 @@ def test_rules_the_runtime_cannot_execute_are_refused():
         check_executable({**rules, "expert_mlp": ("tp",)})
     with pytest.raises(ValueError, match="unknown logical axis 'hidden'"):
         check_executable({**rules, "hidden": ()})
+
+
+@pytest.mark.parametrize("kv", [2, 1])
+def test_kv_heads_fewer_than_tp_are_replicated_on_the_ranks_that_share_them(kv):
+    """tp=4 with 2 kv heads (or 1): each rank holds the whole kv head its query heads use, rows
+    [head x head_dim, +head_dim) of wk and wv, with replicas = tp / kv; its units are the planner's; the mesh's
+    "tp_kv" group is exactly the consecutive tp ranks sharing that head."""
+    from meshtrain.parallel.units import model_units
+    from meshtrain.plan.units import unit_layouts
+
+    cfg = load_config("tiny", ["model.vocab_size=257", f"model.n_kv_heads={kv}"]).model
+    rules, share, hd = rules_for(ParallelConfig(tp=4)), 4 // kv, cfg.head_dim
+    for index in range(4):
+        model = build_model(cfg, 0)
+        full = {n: p.detach().clone() for n, p in model.named_parameters()}
+        mesh = Mesh(tp=4, kv_share=share, rank=index)
+        assert mesh.group("tp_kv").ranks == tuple(range(index // share * share, (index // share + 1) * share))
+        tp = apply_tensor_parallel(model, mesh, rules)
+        local = dict(model.named_parameters())
+        head = index // share  # query heads 4/tp per rank; 4/kv query heads per kv head
+        assert head == index * (cfg.n_heads // 4) // (cfg.n_heads // kv)
+        for name in (n for n in full if n.endswith(("wk.weight", "wv.weight"))):
+            place = tp.placements[name]
+            assert (place.tp.dim, place.tp.start, place.tp.length, place.replicas) == (0, head * hd, hd, share)
+            assert local[name].equal(full[name][head * hd:(head + 1) * hd]), name
+        assert [(u.name, u.numel) for u in model_units(model)] == \
+               [(name, sum(n for n, _ in params)) for name, params in unit_layouts(cfg, tp=4)]
+    with pytest.raises(ValueError, match=f"needs the mesh built with kv_share={share}"):
+        apply_tensor_parallel(build_model(cfg, 0), Mesh(tp=4, rank=0), rules)

@@ -2,7 +2,8 @@
 gradients are summed over the data-parallel group.
 
 Gradients live in flat buckets (``parallel.bucket_mb``), filled in the order backward produces
-them (last layer first). A post-accumulate-grad hook counts each bucket's parameters; when the
+them: last layer first at construction, then, after the first step, in the order the gradients
+really arrived (DDP's rebuild). A post-accumulate-grad hook counts each bucket's parameters; when the
 last one is ready the bucket's all-reduce starts asynchronously, so communication runs under the
 rest of backward. ``finish_grads`` waits for all of them before the optimizer step. Inside
 ``no_sync()`` (all microbatches but the last) nothing is sent: gradients just accumulate.
@@ -28,7 +29,7 @@ from torch import nn
 
 from meshtrain import comm
 from meshtrain.mesh import AxisGroup
-from meshtrain.parallel.grad_sync import GradSync, replica_weighted_norm_sq
+from meshtrain.parallel.grad_sync import GradSync, reduce_as, replica_weighted_norm_sq
 from meshtrain.parallel.pieces import OptimParam, Placements, optim_param
 
 
@@ -38,6 +39,7 @@ class _Bucket:
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=device)
         self.pending = len(params)
         self.handle: comm.Handle | None = None
+        self.sent: torch.Tensor | None = None  # what the all-reduce in flight sends: the buffer or its bf16 copy
         offset = 0
         for p in params:
             # The gradient is a view into the bucket: backward accumulates straight into what is sent.
@@ -49,44 +51,71 @@ class DataParallel(GradSync):
     """Plain data parallelism (``parallel.zero=0``) over ``group`` with bucketed, overlapped all-reduce.
 
     ``params`` (named) restricts it to some of the model's parameters (the experts over edp); ``exclude``
-    leaves some out (the experts, for the dense member).
+    leaves some out (the experts, for the dense member). ``reduce_dtype`` is what the all-reduce sends
+    (``parallel.reduce_dtype``): bf16 sends a bf16 copy of each fp32 bucket and writes the sum back into it.
     """
 
     def __init__(self, model: nn.Module, group: AxisGroup, placements: Placements, bucket_mb: float = 25.0,
-                 params: list[tuple[str, nn.Parameter]] | None = None, exclude: frozenset[int] = frozenset()) -> None:
+                 params: list[tuple[str, nn.Parameter]] | None = None, exclude: frozenset[int] = frozenset(),
+                 reduce_dtype: torch.dtype = torch.float32) -> None:
         self.model = model
         self.group = group
+        self.reduce_dtype = reduce_dtype
         self.handles = []
         named = params if params is not None else [(n, p) for n, p in model.named_parameters()
                                                     if p.requires_grad and id(p) not in exclude]
         self._optim = [optim_param(n, p, placements) for n, p in named]
         params = [p for _, p in named]
-        device = params[0].device
-        limit = max(int(bucket_mb * 2**20 / 4), 1)
+        self._limit = max(int(bucket_mb * 2**20 / 4), 1)
+        self._make_buckets(list(reversed(params)))  # backward produces the last layers' gradients first
+        # The first synced backward records the order gradients really arrive in; ``finish_grads`` then
+        # rebuilds the buckets in that order once (as DDP does), so no bucket waits on a late parameter.
+        self._arrival: dict[int, nn.Parameter] | None = {} if group.size > 1 else None
+        if group.size > 1:
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _make_buckets(self, ordered: list[nn.Parameter]) -> None:
+        """Fill buckets of about ``bucket_mb`` with ``ordered``, each gradient a view into its bucket."""
+        device = ordered[0].device
         self.buckets: list[_Bucket] = []
         current: list[nn.Parameter] = []
-        for p in reversed(params):  # backward produces the last layers' gradients first
+        for p in ordered:
             current.append(p)
-            if sum(q.numel() for q in current) >= limit:
+            if sum(q.numel() for q in current) >= self._limit:
                 self.buckets.append(_Bucket(current, device))
                 current = []
         if current:
             self.buckets.append(_Bucket(current, device))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        if group.size > 1:
-            for p in params:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _rebuild_in_arrival_order(self, arrived: list[nn.Parameter]) -> None:
+        """Re-bucket in the order of ``arrived`` (then any parameter that got no gradient), keeping the
+        gradients just reduced. Every rank runs the same graph, and the autograd engine orders it the same
+        way on each, so every rank builds the same buckets without a collective (``train.check_collective_order``
+        would name a divergence)."""
+        seen = {id(p) for p in arrived}
+        order = arrived + [p for b in self.buckets for p in b.params if id(p) not in seen]
+        if [id(p) for p in order] == [id(p) for b in self.buckets for p in b.params]:
+            return
+        grads = {id(p): p.grad for p in order}
+        self._make_buckets(order)
+        for p in order:
+            p.grad.copy_(grads[id(p)])
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if not self._sync:
             return
+        if self._arrival is not None:
+            self._arrival.setdefault(id(p), p)
         bucket = self._bucket_of[id(p)]
         bucket.pending -= 1
         if bucket.pending == 0:
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        bucket.handle = comm.all_reduce(bucket.buffer, self.group, async_op=True)
+        bucket.sent = reduce_as(bucket.buffer, self.reduce_dtype)
+        bucket.handle = comm.all_reduce(bucket.sent, self.group, async_op=True)
         self.handles.append(bucket.handle)
 
     def finish_grads(self) -> None:
@@ -96,8 +125,13 @@ class DataParallel(GradSync):
             if b.handle is None:  # some parameter got no gradient this step: send the bucket anyway
                 self._launch(b)
             b.handle.wait()
-            b.handle = None
+            if b.sent is not b.buffer:  # reduced in bf16: the sum back into the fp32 gradients
+                b.buffer.copy_(b.sent)
+            b.handle, b.sent = None, None
             b.pending = len(b.params)
+        if self._arrival:
+            arrived, self._arrival = self._arrival, None
+            self._rebuild_in_arrival_order(list(arrived.values()))
 
     def zero_grad(self) -> None:
         for b in self.buckets:

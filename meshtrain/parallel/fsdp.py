@@ -6,7 +6,8 @@ compute dtype) into a full flat buffer and the modules' weights become views of 
 unit's gather is started at the same time (prefetch), so it travels under this unit's compute.
 After forward the buffer's storage is freed (``reshard_after_forward``) and gathered again when
 backward reaches the unit. When all of the unit's gradients are in, they are reduce-scattered
-(in fp32) into the shard's gradient and the buffer is freed again.
+(in ``parallel.reduce_dtype``: fp32, or bf16 for half the bytes) and added into the shard's fp32
+gradient, and the buffer is freed again. Master shard, gradient and optimizer state stay fp32.
 
 Two mechanisms make the free-and-regather work with autograd:
 
@@ -17,7 +18,7 @@ Two mechanisms make the free-and-regather work with autograd:
   re-gather), so autograd never pins the full weights between forward and backward.
 
 With HSDP the shard group is dp_shard x cp; the shard gradients are then all-reduced over
-dp_replicate.
+dp_replicate (in the reduce dtype too).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from torch import nn
 
 from meshtrain import comm, host_memory
 from meshtrain.mesh import AxisGroup, Mesh
-from meshtrain.parallel.grad_sync import GradSync
+from meshtrain.parallel.grad_sync import GradSync, all_reduce_as
 from meshtrain.parallel.pieces import OptimParam, Placements, optim_param
 from meshtrain.parallel.units import Unit, model_units
 
@@ -74,8 +75,9 @@ class _Gathered(torch.autograd.Function):
 
 class _ShardedUnit:
     def __init__(self, unit: Unit, model: nn.Module, group: AxisGroup, rank: int, dtype: torch.dtype,
-                 reshard_after_forward: bool, device: torch.device, inflight: deque[_ShardedUnit]) -> None:
-        self.unit, self.group, self.dtype = unit, group, dtype
+                 reshard_after_forward: bool, device: torch.device, inflight: deque[_ShardedUnit],
+                 reduce_dtype: torch.dtype = torch.float32) -> None:
+        self.unit, self.group, self.dtype, self.reduce_dtype = unit, group, dtype, reduce_dtype
         self.inflight = inflight  # every unit's reduce-scatters in launch order (shared by the units)
         self.reshard_after_forward = reshard_after_forward
         n = group.size
@@ -162,8 +164,8 @@ class _ShardedUnit:
     # ------------------------------------------------------------------ gradients
 
     def reduce_grad(self, grads: tuple[torch.Tensor | None, ...]) -> None:
-        """Pack the parameters' gradients into one flat fp32 buffer and start its reduce-scatter."""
-        flat = torch.empty(self.padded, dtype=torch.float32, device=self.shard.device)
+        """Pack the parameters' gradients into one flat buffer of the reduce dtype and start its reduce-scatter."""
+        flat = torch.empty(self.padded, dtype=self.reduce_dtype, device=self.shard.device)
         end = 0
         for (_, off, shape), g in zip(self.offsets, grads, strict=True):
             piece = flat[off: off + _numel(shape)]
@@ -173,7 +175,7 @@ class _ShardedUnit:
                 piece.view(shape).copy_(g)
             end = off + _numel(shape)
         flat[end:].zero_()
-        out = torch.empty(self.shard_numel, dtype=torch.float32, device=flat.device)
+        out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=flat.device)
         h = comm.reduce_scatter(out, flat, self.group, async_op=True)
         self.pending.append((h, out))
         self.inflight.append(self)
@@ -186,7 +188,7 @@ class _ShardedUnit:
 
     def land(self) -> None:
         """Wait for this unit's oldest reduce-scatter and add it to the shard's gradient (in launch order, so
-        accumulated microbatches add up in the same order as ever)."""
+        accumulated microbatches add up in the same order as ever), in fp32 whatever the reduce dtype."""
         h, out = self.pending.pop(0)
         h.wait()
         self.grad += out
@@ -218,8 +220,10 @@ class FullyShardedDataParallel(GradSync):
     """ZeRO-3 over dp x cp (HSDP: sharded over dp_shard x cp, replicated over dp_replicate)."""
 
     def __init__(self, model: nn.Module, mesh: Mesh, placements: Placements, reshard_after_forward: bool = True,
-                 compute_dtype: torch.dtype = torch.float32, exclude: frozenset[int] = frozenset()) -> None:
+                 compute_dtype: torch.dtype = torch.float32, exclude: frozenset[int] = frozenset(),
+                 reduce_dtype: torch.dtype = torch.float32) -> None:
         self.model = model
+        self.reduce_dtype = reduce_dtype
         self.group = mesh.group("dp_shard", "cp")
         self.replicas = mesh.group("dp_replicate")
         self.norm_group = self.group
@@ -228,7 +232,7 @@ class FullyShardedDataParallel(GradSync):
         me = self.group.index(mesh.rank)
         self._inflight: deque[_ShardedUnit] = deque()
         self.units = [_ShardedUnit(u, model, self.group, me, compute_dtype, reshard_after_forward, mesh.device,
-                                   self._inflight) for u in model_units(model, exclude)]
+                                   self._inflight, reduce_dtype) for u in model_units(model, exclude)]
         # Unit buffers are freed and remade every unit: have the host allocator return them (host_memory.py).
         itemsize = torch.empty(0, dtype=compute_dtype).element_size()
         host_memory.map_unit_buffers([su.padded * itemsize for su in self.units], mesh.device)
@@ -306,7 +310,7 @@ class FullyShardedDataParallel(GradSync):
         self._inflight.clear()  # all landed
         if self.replicas.size > 1:
             for su in self.units:
-                comm.all_reduce(su.grad, self.replicas)
+                all_reduce_as(su.grad, self.replicas, self.reduce_dtype)
 
     def zero_grad(self) -> None:
         self.handles = []

@@ -76,6 +76,20 @@ class GradSync(abc.ABC):
         return self.grads()
 
 
+def reduce_as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What a gradient collective sends for the fp32 gradient ``t`` under ``parallel.reduce_dtype``: ``t`` itself
+    (fp32, reduced in place) or a ``dtype`` copy (bf16: half the bytes), whose result the caller writes back."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def all_reduce_as(t: torch.Tensor, group: AxisGroup, dtype: torch.dtype) -> None:
+    """Sum the fp32 gradient ``t`` over ``group`` in place, sent as ``dtype`` (``reduce_as``)."""
+    send = reduce_as(t, dtype)
+    comm.all_reduce(send, group)
+    if send is not t:
+        t.copy_(send)
+
+
 def replica_weighted_norm_sq(ops: list[OptimParam], groups: list[AxisGroup | None], device: torch.device) -> float:
     """Sum of squared gradient entries of ``ops`` (a piece held by r tensor-parallel ranks counts 1/r, so
     the later sum over tp counts it once), added over ``groups``."""

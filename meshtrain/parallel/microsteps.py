@@ -54,14 +54,15 @@ class Accumulation:
     def run(self, inputs: torch.Tensor, targets: torch.Tensor, n_tokens: int) -> float:
         """Forward and backward of every microbatch; returns this rank's loss sum / ``n_tokens``."""
         sync, device = self.forward.sync, self.forward.device
-        total = torch.zeros((), dtype=torch.float64)
+        # Summed on the device and read once: a host read per microbatch would stall a GPU between them.
+        total = torch.zeros((), dtype=torch.float64, device=device)
         micro = list(zip(inputs.chunk(self.n), targets.chunk(self.n), strict=True))
         for i, (x, y) in enumerate(micro):
             # Gradients are communicated only with the last microbatch (ZeRO-2/3 reduce every one).
             with sync.no_sync() if i < len(micro) - 1 else contextlib.nullcontext():
                 loss = self.forward(self.model, x.to(device), y.to(device)) / n_tokens
                 loss.backward()
-            total += loss.detach().double().cpu()
+            total += loss.detach().double()
         return float(total)
 
     @torch.no_grad()

@@ -96,7 +96,8 @@ def data_parallel(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, placements:
     """The data-parallel member chosen by ``parallel.zero``, over dp x cp (context-parallel ranks hold the
     same weights too).
 
-    ZeRO-3 gathers parameters in ``compute_dtype``; everything else stays fp32. Under expert parallelism
+    ZeRO-3 gathers parameters in ``compute_dtype``; gradients are reduced in ``cfg.reduce_dtype`` (fp32 or bf16),
+    experts' too; parameters, gradients and optimizer state stay fp32. Under expert parallelism
     the experts are synced over edp instead, beside the chosen member (``WithExperts``): all-reduced with
     ZeRO-0, sharded with ZeRO-1/2 (stage 2 also for ZeRO-3: experts are not gathered per forward).
     """
@@ -108,25 +109,28 @@ def data_parallel(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, placements:
     experts = [(n, p) for n, p in model.named_parameters() if expert_index(n) is not None] \
         if mesh.size("ep") > 1 else []
     skip = frozenset(id(p) for _, p in experts)
+    rd = DTYPES[cfg.reduce_dtype]
     if cfg.zero == 0:
-        dense: GradSync = DataParallel(model, mesh.group("dp", "cp"), placements, cfg.bucket_mb, exclude=skip)
+        dense: GradSync = DataParallel(model, mesh.group("dp", "cp"), placements, cfg.bucket_mb, exclude=skip,
+                                       reduce_dtype=rd)
     elif cfg.zero in (1, 2):
-        dense = ZeroGradSync(model, mesh, placements, stage=cfg.zero, layout=cfg.zero_layout, exclude=skip)
+        dense = ZeroGradSync(model, mesh, placements, stage=cfg.zero, layout=cfg.zero_layout, exclude=skip,
+                             reduce_dtype=rd)
     else:
         dense = FullyShardedDataParallel(model, mesh, placements, reshard_after_forward=cfg.reshard_after_forward,
-                                         compute_dtype=compute_dtype, exclude=skip)
+                                         compute_dtype=compute_dtype, exclude=skip, reduce_dtype=rd)
     if not experts:
         return dense
     edp = mesh.group("edp")
     if cfg.zero == 0 or edp.size == 1:
-        sync: GradSync = DataParallel(model, edp, placements, cfg.bucket_mb, params=experts)
+        sync: GradSync = DataParallel(model, edp, placements, cfg.bucket_mb, params=experts, reduce_dtype=rd)
     else:  # ZeRO over the ranks holding the same experts: stage 1 or 2 (ZeRO-3 keeps experts at stage 2)
         by_layer: dict[str, list] = {}
         for name, p in experts:
             by_layer.setdefault(name.split(".feed_forward.")[0], []).append((name, p))
         units = [Unit(f"{layer}.experts", [], params) for layer, params in by_layer.items()]
         sync = ZeroGradSync(model, mesh, placements, stage=min(cfg.zero, 2), layout=cfg.zero_layout, units=units,
-                            group=edp)
+                            group=edp, reduce_dtype=rd)
     return WithExperts(dense, sync, mesh.group("ep"))
 
 
@@ -164,11 +168,12 @@ class Parallel:
 
     def sync_grads(self) -> None:
         """Wait for the gradient communication; then the pieces' ``.grad`` are the global gradients
-        (tensor-parallel replicas added under SP, averaged without)."""
+        (tensor-parallel replicas added under SP, averaged without; shared kv heads added)."""
         self.sync.finish_grads()
         if self.tp is not None:
-            self.tp.sync_replicated_grads([op.tensor.grad for op in self.sync.optim_params()
-                                           if op.tensor.grad is not None and op.replicas > 1])
+            held = [op for op in self.sync.optim_params() if op.tensor.grad is not None and op.replicas > 1]
+            self.tp.sync_replicated_grads([op.tensor.grad for op in held if op.tp is None])
+            self.tp.sync_shared_kv_grads([op.tensor.grad for op in held if op.tp is not None])
 
     def clip_grads(self, max_norm: float) -> float:
         """The global gradient norm (every logical entry once, whatever holds it); gradients scaled so it is

@@ -181,15 +181,24 @@ class Sharder:
         self.rules, self.group, self.index = rules, group, index
         self.placements: Placements = {}
 
-    def shard(self, name: str, w: torch.Tensor) -> tuple[torch.Tensor, TPSlice | None]:
+    def shard(self, name: str, w: torch.Tensor, units: int | None = None) -> tuple[torch.Tensor, TPSlice | None]:
         """(this rank's slice of ``w``, padded to ceil(n / tp) along the sliced dimension; its TPSlice), or
-        (``w`` itself, None) when no dimension is split over tp."""
+        (``w`` itself, None) when no dimension is split over tp. ``units``: the indivisible pieces (heads) along
+        that dimension; when there are fewer than tp, each rank takes the one its query heads use, so
+        tp / units consecutive ranks hold the same slice (``Placement.replicas``; grads summed over "tp_kv")."""
         shape = tuple(w.shape)
         dim = tp_dim(param_axes(name), self.rules)
         if dim is None:
             self.placements[name] = Placement(shape, None, self.group.size)
             return w, None
         n = shape[dim]
+        if units is not None and units < self.group.size:
+            if self.group.size % units or n % units:
+                raise ValueError(f"{name}: tp={self.group.size} must be a multiple of its {units} heads.")
+            share, per = self.group.size // units, n // units
+            tp = TPSlice(dim, self.index // share * per, per)
+            self.placements[name] = Placement(shape, tp, share)
+            return w.detach().narrow(dim, tp.start, per).clone(), tp
         per = math.ceil(n / self.group.size)
         start = self.index * per
         length = max(0, min(n, start + per) - start)
@@ -243,9 +252,11 @@ class RowParallelLinear(nn.Module):
         return scatter_seq(y, self.group) if self.sp else reduce_from_tp(y, self.group)
 
 
-def _linear(sharder: Sharder, name: str, lin: nn.Linear, sp: bool, regather: bool = False) -> nn.Module:
-    """The sharded twin of ``lin`` the rules ask for: column-parallel (dim 0 split) or row-parallel (dim 1)."""
-    local, tp = sharder.shard(name, lin.weight)
+def _linear(sharder: Sharder, name: str, lin: nn.Linear, sp: bool, units: int | None = None, *,
+            regather: bool = False) -> nn.Module:
+    """The sharded twin of ``lin`` the rules ask for: column-parallel (dim 0 split) or row-parallel (dim 1);
+    ``units`` as in ``Sharder.shard``."""
+    local, tp = sharder.shard(name, lin.weight, units)
     if tp is None or tp.dim not in (0, 1):
         raise ValueError(f"{name}: the rules must split a linear weight along dim 0 or 1 over tp.")
     if tp.dim == 0:
@@ -255,13 +266,15 @@ def _linear(sharder: Sharder, name: str, lin: nn.Linear, sp: bool, regather: boo
 
 class ParallelAttention(nn.Module):
     """GQA attention on this rank's heads: fused QKV (one matmul over the concatenated column shards
-    of wq, wk, wv, one entry collective), RoPE, the attention core, row-parallel output projection."""
+    of wq, wk, wv, one entry collective), RoPE, the attention core, row-parallel output projection.
+    With fewer kv heads than tp, wk and wv are the one kv head this rank's query heads use (replicated)."""
 
     def __init__(self, attn: Attention, sharder: Sharder, prefix: str, sp: bool, regather: bool = False) -> None:
         super().__init__()
         self.head_dim = attn.head_dim
-        self.wq, self.wk, self.wv, self.wo = (_linear(sharder, f"{prefix}.{n}.weight", getattr(attn, n), sp, regather)
-                                              for n in ("wq", "wk", "wv", "wo"))
+        self.wq, self.wk, self.wv, self.wo = (
+            _linear(sharder, f"{prefix}.{n}.weight", getattr(attn, n), sp, attn.n_kv_heads if n in ("wk", "wv")
+                    else None, regather=regather) for n in ("wq", "wk", "wv", "wo"))
         if not all(isinstance(m, ColumnParallelLinear) for m in (self.wq, self.wk, self.wv)) or \
                 not isinstance(self.wo, RowParallelLinear):
             raise ValueError("the rules must split attention by heads (wq, wk, wv by rows, wo by columns).")
@@ -286,7 +299,7 @@ class ParallelFeedForward(nn.Module):
 
     def __init__(self, ff: FeedForward, sharder: Sharder, prefix: str, sp: bool, regather: bool = False) -> None:
         super().__init__()
-        self.w1, self.w3, self.w2 = (_linear(sharder, f"{prefix}.{n}.weight", getattr(ff, n), sp, regather)
+        self.w1, self.w3, self.w2 = (_linear(sharder, f"{prefix}.{n}.weight", getattr(ff, n), sp, regather=regather)
                                      for n in ("w1", "w3", "w2"))
         if not isinstance(self.w1, ColumnParallelLinear) or not isinstance(self.w2, RowParallelLinear):
             raise ValueError("the rules must split the MLP by its hidden units (w1, w3 by rows, w2 by columns).")
@@ -388,28 +401,40 @@ class VocabParallelLoss:
 
 class TensorParallel:
     """What ``apply_tensor_parallel`` returns: the loss to use, where each local parameter sits in its
-    logical tensor, and the replicated-gradient sync."""
+    logical tensor, and the replicated-gradient sync (``kv_group``: the ranks sharing a kv head, or None)."""
 
-    def __init__(self, group: AxisGroup, sp: bool, loss_fn, placements: Placements, head: VocabParallelHead) -> None:
+    def __init__(self, group: AxisGroup, sp: bool, loss_fn, placements: Placements, head: VocabParallelHead,
+                 kv_group: AxisGroup | None = None) -> None:
         self.group, self.sp, self.loss_fn, self.placements, self.head = group, sp, loss_fn, placements, head
+        self.kv_group = kv_group
 
     def sync_replicated_grads(self, grads: list[torch.Tensor]) -> None:
         """Norm weights are replicated over tp. With SP each rank saw a different part of the
         sequence, so their gradients are partial sums and must be added. Without SP they are equal
         in exact arithmetic; averaging them anyway keeps the replicas bit-identical, since
         nondeterministic kernels would otherwise let them drift apart (seed 001)."""
-        if self.group.size == 1 or not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        comm.all_reduce(flat, self.group, op="sum" if self.sp else "avg")
-        off = 0
-        for g in grads:
-            g.copy_(flat[off: off + g.numel()].view_as(g))
-            off += g.numel()
+        if self.group.size > 1 and grads:
+            _all_reduce_flat(grads, self.group, "sum" if self.sp else "avg")
+
+    def sync_shared_kv_grads(self, grads: list[torch.Tensor]) -> None:
+        """A kv head shared by several tp ranks (fewer kv heads than tp) got from each rank only its own query
+        heads' part of the gradient: summed over the ranks that share it ("tp_kv"), with or without SP."""
+        if self.kv_group is not None and grads:
+            _all_reduce_flat(grads, self.kv_group, "sum")
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Every vocabulary column of a few positions' local logits (generation)."""
         return gather_vocab(logits, self.head)
+
+
+def _all_reduce_flat(grads: list[torch.Tensor], group: AxisGroup, op: str) -> None:
+    """One all-reduce of ``grads`` concatenated, copied back in place."""
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    comm.all_reduce(flat, group, op=op)
+    off = 0
+    for g in grads:
+        g.copy_(flat[off: off + g.numel()].view_as(g))
+        off += g.numel()
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: Mesh, rules: Rules, sp: bool = False,
@@ -417,11 +442,18 @@ def apply_tensor_parallel(model: nn.Module, mesh: Mesh, rules: Rules, sp: bool =
     """Swap the plain model's layers for tensor-parallel twins holding this rank's slices (in place), as the
     logical-axis ``rules`` say. With ``sp``, ``sp_regather`` makes the column-parallel layers (fused QKV,
     gate/up, the head) keep their sequence shard for backward and gather it again there. Shape checks (tp
-    divides heads, kv heads, hidden) are the config's (``config.validate``), before any process starts."""
+    divides heads and hidden; divides kv heads or is a multiple of them) are the config's
+    (``config.validate``), before any process starts."""
     check_executable(rules)
     group = mesh.group("tp")
     sharder = Sharder(rules, group, mesh.coord("tp"))
     cfg: ModelConfig = model.cfg
+    kv_group = None
+    if cfg.kv_heads < group.size:  # each kv head on tp / kv_heads consecutive ranks: they sum its gradient
+        kv_group = mesh.group("tp_kv")
+        if kv_group.size * cfg.kv_heads != group.size:
+            raise ValueError(f"tp={group.size} with {cfg.kv_heads} kv heads needs the mesh built with "
+                             f"kv_share={group.size // cfg.kv_heads}, not {kv_group.size}.")
     for key, block in model.layers.items():
         block: Block
         prefix = f"layers.{key}"
@@ -448,4 +480,4 @@ def apply_tensor_parallel(model: nn.Module, mesh: Mesh, rules: Rules, sp: bool =
         head = VocabParallelHead(head_w, head_tp, cfg.vocab_size, group, sp, sp_regather)
     model.output = head
     sharder.replicate("norm.weight", model.norm.weight)
-    return TensorParallel(group, sp, VocabParallelLoss(head), sharder.placements, head)
+    return TensorParallel(group, sp, VocabParallelLoss(head), sharder.placements, head, kv_group)

@@ -26,7 +26,7 @@ from torch import nn
 
 from meshtrain import comm
 from meshtrain.mesh import AxisGroup, Mesh
-from meshtrain.parallel.grad_sync import GradSync
+from meshtrain.parallel.grad_sync import GradSync, all_reduce_as, reduce_as
 from meshtrain.parallel.pieces import OptimParam, Placements, optim_param
 from meshtrain.parallel.units import Unit, model_units
 
@@ -89,15 +89,16 @@ class ZeroGradSync(GradSync):
 
     ``units`` and ``group`` shard something else over another group: expert parallelism passes each
     layer's local experts as a unit and the edp group (the ranks holding the same experts), with no
-    replicas."""
+    replicas. ``reduce_dtype`` is what the gradient collectives send (``parallel.reduce_dtype``): bf16 sends
+    bf16 copies and adds the results into the fp32 gradient shards; the parameters' all-gather stays fp32."""
 
     def __init__(self, model: nn.Module, mesh: Mesh, placements: Placements, stage: int, layout: str = "flat",
                  exclude: frozenset[int] = frozenset(), units: list[Unit] | None = None,
-                 group: AxisGroup | None = None) -> None:
+                 group: AxisGroup | None = None, reduce_dtype: torch.dtype = torch.float32) -> None:
         if stage not in (1, 2) or layout not in ("flat", "per_tensor"):
             raise ValueError(f"ZeroGradSync: stage must be 1 or 2 and layout flat or per_tensor, "
                              f"got {stage}, {layout}.")
-        self.model, self.stage, self.layout = model, stage, layout
+        self.model, self.stage, self.layout, self.reduce_dtype = model, stage, layout, reduce_dtype
         self.group = group if group is not None else mesh.group("dp_shard", "cp")
         self.replicas = mesh.group("dp_replicate") if group is None else None
         self.norm_group = self.group
@@ -135,39 +136,51 @@ class ZeroGradSync(GradSync):
 
     def _launch(self, i: int) -> None:
         self._drain(i)  # stage 2: the previous microbatch's reduction of this unit must land first
-        unit = self.units[i]
+        unit, rd = self.units[i], self.reduce_dtype
+        # In flight: (handle, where the result lands, what was sent); _drain adds or copies it into the fp32 grads.
         if self.layout == "flat":
             f = self.flat[i]
-            if self.stage == 1:
-                h = comm.reduce_scatter(f.grad_shard, f.grad_buf, self.group, async_op=True)
-                self._inflight[i].append((h, None, None))
+            if self.stage == 1:  # fp32: in place into the shard (a view of grad_buf); bf16: a bf16 shard
+                out = f.grad_shard if rd == torch.float32 else f.grad_shard.new_empty(f.shard, dtype=rd)
+                h = comm.reduce_scatter(out, reduce_as(f.grad_buf, rd), self.group, async_op=True)
+                self._inflight[i].append((h, out, None))
             else:
-                grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device)
-                         for _, p in unit.params]
-                pad = f.param_buf.numel() - unit.numel
-                full = torch.cat(grads + [grads[0].new_zeros(pad)])
-                for _, p in unit.params:
+                full = f.param_buf.new_empty(f.param_buf.numel(), dtype=rd)
+                for (_, p), o in zip(unit.params, f.offsets, strict=True):
+                    piece = full[o: o + p.numel()]
+                    if p.grad is None:
+                        piece.zero_()
+                    else:
+                        piece.copy_(p.grad.reshape(-1))
                     p.grad = None  # the full gradient lives only until it has been sent
-                out = torch.empty_like(f.grad_shard)
+                full[unit.numel:].zero_()
+                out = full.new_empty(f.shard)
                 h = comm.reduce_scatter(out, full, self.group, async_op=True)
                 self._inflight[i].append((h, out, full))
         else:
             for _, p in unit.params:
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
-                owner = self.owner[id(p)]
-                h = comm.reduce(g, self.group, owner, async_op=True)
+                sent = reduce_as(g, rd)
+                h = comm.reduce(sent, self.group, self.owner[id(p)], async_op=True)
                 if self.stage == 2:
                     p.grad = None
-                self._inflight[i].append((h, p, g))
+                self._inflight[i].append((h, p, sent))
         self.handles.extend(x[0] for x in self._inflight[i])
 
     def _drain(self, i: int) -> None:
         for h, a, b in self._inflight[i]:
             h.wait()
-            if self.stage == 2 and self.layout == "flat":
-                self.flat[i].grad_shard += a
-            elif self.stage == 2 and self.owner[id(a)] == self.me:
-                self._acc[id(a)] += b
+            if self.layout == "flat":
+                f = self.flat[i]
+                if self.stage == 2:
+                    f.grad_shard += a
+                elif a is not f.grad_shard:  # stage 1 reduced in bf16
+                    f.grad_shard.copy_(a)
+            elif self.owner[id(a)] == self.me:
+                if self.stage == 2:
+                    self._acc[id(a)] += b
+                elif a.grad is not None and b is not a.grad:  # stage 1 reduced in bf16
+                    a.grad.copy_(b)
         self._inflight[i] = []
 
     def finish_grads(self) -> None:
@@ -182,7 +195,7 @@ class ZeroGradSync(GradSync):
         grads = self.grads()
         if self.replicas is not None and self.replicas.size > 1:  # HSDP: shards replicated; sum across replicas
             for g in grads:
-                comm.all_reduce(g, self.replicas)
+                all_reduce_as(g, self.replicas, self.reduce_dtype)
 
     # ------------------------------------------------------------------ step
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from meshtrain.config import Config, resolve_dp, update_from_dict
 from meshtrain.plan.comm_bytes import cp_comm_bytes, dp_comm_bytes, ep_comm_bytes, pp_p2p_bytes, tp_comm_bytes
-from meshtrain.plan.memory import dp_state_bytes
+from meshtrain.plan.memory import DTYPE_BYTES, dp_state_bytes
 from meshtrain.plan.partition import partition_model
 from meshtrain.plan.schedules import build_schedule
 from meshtrain.plan.units import expert_params_per_rank, norm_elems_held, unit_numels
@@ -43,7 +43,7 @@ def predict_rank(cfg: Config, world_size: int, coords: dict[str, int]) -> tuple[
     """(bytes per (axis, op) of one training step, live state bytes) predicted for one rank."""
     p, t, m = cfg.parallel, cfg.train, cfg.model
     dp = resolve_dp(cfg, world_size)
-    compute_bytes = 2 if t.dtype == "bf16" else 4
+    compute_bytes, reduce_bytes = DTYPE_BYTES[t.dtype], DTYPE_BYTES[p.reduce_dtype]
     layers, first, last, schedule = None, True, True, None
     if p.pp > 1:
         schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
@@ -58,7 +58,7 @@ def predict_rank(cfg: Config, world_size: int, coords: dict[str, int]) -> tuple[
     out: dict[tuple[str, str], int] = {}
     out.update(dp_comm_bytes(m, p.zero, ndp, grad_accum=t.grad_accum, layout=p.zero_layout, dp_shard=shard,
                              compute_bytes=compute_bytes, reshard_after_forward=p.reshard_after_forward,
-                             units=units))
+                             units=units, reduce_bytes=reduce_bytes))
     rows = t.global_batch // dp
     micro = p.microbatches if p.pp > 1 else t.grad_accum
     tokens = rows // micro * t.seq_len // p.cp  # this rank's tokens of one microbatch
@@ -77,6 +77,8 @@ def predict_rank(cfg: Config, world_size: int, coords: dict[str, int]) -> tuple[
         out.update(tp_comm_bytes(m, p.tp, p.sp, tokens, grad_accum=micro, act_bytes=4, layers=len(layers),
                                  embedding=first, head=last, norm_elems=norms,
                                  recompute=t.recompute != "none", mlp_tp=not m.moe_experts,
+                                 kv_elems=norm_elems_held(m, p.tp, layers, first, last, p.zero, n, k, p.ep,
+                                                          over="tp_kv"),
                                  sp_regather=p.sp_regather, regather_bytes=compute_bytes))
     _add(out, cp_comm_bytes(m, p.cp, p.tp, tokens, p.cp_attention, len(layers), micro, compute_bytes,
                             t.recompute != "none"))
@@ -86,7 +88,7 @@ def predict_rank(cfg: Config, world_size: int, coords: dict[str, int]) -> tuple[
         _add(out, _moe_bytes(cfg, dp, tokens, micro, moe_layers, compute_bytes))
     if experts and edp > 1:  # the experts' own data-parallel sync over edp: all-reduce, or ZeRO-1/2
         for (_, op), v in dp_comm_bytes(m, expert_zero, edp, grad_accum=t.grad_accum, layout=p.zero_layout,
-                                        units=expert_units).items():
+                                        units=expert_units, reduce_bytes=reduce_bytes).items():
             _add(out, {("edp", op): v})
     state = dp_state_bytes(m, p.zero, ndp, dp_shard=shard, units=units)
     if experts:  # fp32 parameters and gradients, AdamW's two moments: whole, or ZeRO-sharded over edp

@@ -10,16 +10,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
-from meshtrain.config import ConfigError, load_config
+from meshtrain.config import REDUCE_DTYPES, ConfigError, load_config
 from meshtrain.plan.book import DEFAULT_REVISION, MIXED_REVISIONS
 from meshtrain.plan.explain import explain, format_table
 from meshtrain.plan.figure import plot_comm_vs_compute
 from meshtrain.plan.flops import param_count
 from meshtrain.plan.hardware import HARDWARE, get_hardware, hardware_cache_dir
-from meshtrain.plan.memory import PRECISIONS
+from meshtrain.plan.memory import DTYPE_BYTES, PRECISIONS
 from meshtrain.plan.problem import Problem
 from meshtrain.plan.search import DEFAULT_SCHEDULES, SearchOptions, check_runnable, emit_yaml, parse_tokens, search
 
@@ -49,8 +50,11 @@ def build_problem(args: argparse.Namespace) -> Problem:
         raise ValueError(f"--nodes must be >= 1, got {nodes}")
     if args.revision not in MIXED_REVISIONS:
         raise ValueError(f"--revision must be one of {', '.join(MIXED_REVISIONS)}, got {args.revision}")
+    precision = PRECISIONS[args.precision]
+    if args.reduce_dtype:  # the DP family's gradient collectives in another dtype (parallel.reduce_dtype)
+        precision = dataclasses.replace(precision, reduce=DTYPE_BYTES[args.reduce_dtype])
     return Problem(cfg.model, seq_len, sequences, hw, nodes, model_name=str(args.model),
-                   precision=PRECISIONS[args.precision], efficiency=args.efficiency,
+                   precision=precision, efficiency=args.efficiency,
                    memory_fraction=args.memory_fraction, revision=args.revision, train_tokens=args.train_tokens)
 
 
@@ -68,6 +72,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--precision", default="meshtrain", choices=sorted(PRECISIONS),
                     help="meshtrain: fp32 params/grads/Adam + bf16 compute (what meshtrain runs); mixed: "
                          "16-bit params/grads + fp32 master and Adam")
+    ap.add_argument("--reduce-dtype", default=None, choices=REDUCE_DTYPES,
+                    help="dtype of the data-parallel gradient collectives (parallel.reduce_dtype; default: the "
+                         "precision's: fp32 for meshtrain, bf16 for mixed); bf16 halves their bytes")
     ap.add_argument("--efficiency", type=float, default=0.75, help="fraction of peak FLOP/s a large matmul reaches")
     ap.add_argument("--memory-fraction", type=float, default=0.9, help="usable fraction of device memory")
     ap.add_argument("--revision", default=DEFAULT_REVISION,
@@ -139,6 +146,7 @@ def main(argv: list[str]) -> int:
             "problem": {"model": problem.model_name, "hardware": problem.hw.to_dict(), "nodes": problem.nodes,
                         "devices": problem.devices, "seq_len": problem.seq_len, "sequences": problem.sequences,
                         "batch_tokens": problem.batch_tokens, "precision": args.precision,
+                        "reduce_bytes": problem.precision.reduce,
                         "efficiency": problem.efficiency, "memory_fraction": problem.memory_fraction,
                         "revision": problem.revision},
             "tried": result.tried, "fitting": len(result.ranked),
@@ -151,7 +159,9 @@ def main(argv: list[str]) -> int:
     print(f"{problem.model_name}: {param_count(problem.model).total:,} parameters, "
           f"{problem.batch_tokens:,} tokens per step ({problem.sequences} x {problem.seq_len}) on "
           f"{problem.nodes} x {problem.hw.devices_per_node} {problem.hw.name} = {problem.devices} devices")
-    print(f"assumptions: {args.precision} precision, matmuls at {problem.efficiency:.0%} of peak, "
+    reduced = "bf16" if problem.precision.reduce == 2 else "fp32"
+    print(f"assumptions: {args.precision} precision (gradients reduced in {reduced}), matmuls at "
+          f"{problem.efficiency:.0%} of peak, "
           f"{problem.memory_fraction:.0%} of device memory usable, mixed FSDP+TP revision {problem.revision}")
     print(f"{result.tried:,} layouts tried, {len(result.ranked):,} fit in "
           f"{problem.memory_budget / 1e9:.1f} GB per device\n")

@@ -12,15 +12,17 @@ from meshtrain.plan.units import padded_numel, unit_numels
 
 def dp_comm_bytes(cfg: ModelConfig, zero: int, dp: int, grad_accum: int = 1, layout: str = "flat",
                   dp_shard: int = 0, compute_bytes: int = 4, reshard_after_forward: bool = True,
-                  units: list[int] | None = None) -> dict[tuple[str, str], int]:
-    """Payload bytes per rank per step of each (group, collective) of the data-parallel family.
+                  units: list[int] | None = None, reduce_bytes: int = 4) -> dict[tuple[str, str], int]:
+    """Payload bytes per rank per step of each (group, collective) of the data-parallel family. Gradients
+    travel in ``reduce_bytes`` per element (``parallel.reduce_dtype``: 4 fp32, 2 bf16), ZeRO-1/2's updated
+    parameters in fp32, ZeRO-3's gathers in ``compute_bytes`` (``train.dtype``).
 
-    - DP: one all-reduce of the fp32 gradients, once per step (accumulation communicates last).
+    - DP: one all-reduce of the gradients, once per step (accumulation communicates last).
     - ZeRO-1: reduce-scatter of the gradients + all-gather of the updated parameters, per unit,
       each padded to a multiple of the shard group; ZeRO-2 reduce-scatters every microbatch.
       The per-tensor layout reduces each tensor to its owner and broadcasts it back instead.
     - ZeRO-3: all-gather of each unit in forward and again in backward (if resharded after
-      forward), in the compute dtype, and a reduce-scatter of its fp32 gradient, every microbatch.
+      forward), in the compute dtype, and a reduce-scatter of its gradient, every microbatch.
     - HSDP (dp_shard < dp): the above within a shard group, plus an all-reduce of the gradient
       shards over the replicas.
 
@@ -36,9 +38,9 @@ def dp_comm_bytes(cfg: ModelConfig, zero: int, dp: int, grad_accum: int = 1, lay
             raise ValueError("per-tensor HSDP bytes depend on the ownership; not modelled")
         if n == 1:
             return {}
-        return {("dp_shard_cp", "reduce"): (grad_accum if zero == 2 else 1) * 4 * psi,
+        return {("dp_shard_cp", "reduce"): (grad_accum if zero == 2 else 1) * reduce_bytes * psi,
                 ("dp_shard_cp", "broadcast"): 4 * psi}
-    return dp_family_bytes(units, zero, dp, grad_accum, dp_shard, gather_bytes=compute_bytes,
+    return dp_family_bytes(units, zero, dp, grad_accum, dp_shard, grad_bytes=reduce_bytes, gather_bytes=compute_bytes,
                            reshard_after_forward=reshard_after_forward)
 
 
@@ -47,8 +49,10 @@ def dp_family_bytes(units: list[int], zero: int, dp: int, grad_accum: int = 1, d
                     reshard_after_forward: bool = True) -> dict[tuple[str, str], int]:
     """Payload bytes per rank per step of the data-parallel family (flat layout) for a rank holding
     ``units`` (parameters per sharding unit, e.g. a tensor-parallel shard of each block, or one pipeline
-    stage's blocks). With ``unit_numels(cfg)``, grad/param bytes 4 and ``gather_bytes = compute_bytes`` it
-    equals ``dp_comm_bytes`` (tests hold them equal); the planner passes its precision and each rank's units.
+    stage's blocks). ``grad_bytes`` is what the gradient collectives send per element (the precision's
+    ``reduce``). With ``unit_numels(cfg)``, param bytes 4, ``grad_bytes = reduce_bytes`` and
+    ``gather_bytes = compute_bytes`` it equals ``dp_comm_bytes`` (tests hold them equal); the planner passes its
+    precision and each rank's units.
 
     DP: all-reduce of the gradients once per step. ZeRO-1: reduce-scatter of the gradients and all-gather of
     the updated parameters, each unit padded to the shard group; ZeRO-2 reduce-scatters every microbatch.
@@ -76,7 +80,8 @@ def dp_family_bytes(units: list[int], zero: int, dp: int, grad_accum: int = 1, d
 def tp_comm_bytes(cfg: ModelConfig, tp: int, sp: bool, tokens: int, grad_accum: int = 1, act_bytes: int = 4,
                   layers: int | None = None, embedding: bool = True, head: bool = True,
                   norm_elems: int | None = None, recompute: bool = False, mlp_tp: bool = True,
-                  sp_regather: bool = True, regather_bytes: int | None = None) -> dict[tuple[str, str], int]:
+                  kv_elems: int | None = None, sp_regather: bool = True, regather_bytes: int | None = None
+                  ) -> dict[tuple[str, str], int]:
     """Payload bytes per rank per step on the tp axis (meshtrain/parallel/tensor.py).
 
     ``tokens`` is the tokens of one microbatch on this rank (rows x seq_len); S = tokens x d_model x
@@ -100,6 +105,10 @@ def tp_comm_bytes(cfg: ModelConfig, tp: int, sp: bool, tokens: int, grad_accum: 
     them on the tokens it holds), so only the attention's collectives remain (2 per block and
     microbatch instead of 4; under recompute SP repeats 1 all-gather, not 2). The router and the experts
     then count as replicated weights in ``norm_elems``.
+
+    With fewer kv heads than tp, each rank's wk and wv hold one kv head shared by tp / n_kv_heads ranks: their
+    fp32 gradients (``kv_elems`` of them in this rank's optimizer pieces, default 2 x head_dim x d per layer) are
+    all-reduced over that "tp_kv" group once per step.
 
     ``sp_regather`` (SP only, ``parallel.sp_regather``): each column-parallel layer (fused QKV, fused gate/up,
     the head) saves its sequence shard and all-gathers it again in backward: one more all-gather of S per
@@ -125,6 +134,9 @@ def tp_comm_bytes(cfg: ModelConfig, tp: int, sp: bool, tokens: int, grad_accum: 
                ("tp", "all_reduce"): grad_accum * loss + norms}
     else:
         out = {("tp", "all_reduce"): grad_accum * ((count + again) * s + loss) + norms}
+    if cfg.kv_heads < tp:
+        out[("tp_kv", "all_reduce")] = 4 * (2 * n_layers * cfg.head_dim * cfg.d_model if kv_elems is None
+                                            else kv_elems)
     return {k: v for k, v in out.items() if v}
 
 
@@ -183,7 +195,7 @@ def cp_comm_bytes(cfg: ModelConfig, cp: int, tp: int, tokens: int, attention: st
     dK/dV (fp32) backward. Recompute reruns the forward's transfers."""
     if cp <= 1:
         return {}
-    kv = 2 * tokens * (cfg.kv_heads // tp) * cfg.head_dim
+    kv = 2 * tokens * max(cfg.kv_heads // tp, 1) * cfg.head_dim  # tp > kv heads: one head per rank
     n = layers * micro
     if attention == "ring":
         b = n * (cp - 1) * kv * ((3 if recompute else 2) * kv_bytes + 4)

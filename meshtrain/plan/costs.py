@@ -51,6 +51,7 @@ from meshtrain.plan.flops import (
     step_mfu,
 )
 from meshtrain.plan.memory import (
+    DTYPE_BYTES,
     MESHTRAIN_BF16,
     MIXED_16BIT,
     PRECISIONS,
@@ -58,6 +59,7 @@ from meshtrain.plan.memory import (
     activation_bytes,
     activation_elems_per_token,
     dp_state_bytes,
+    run_precision,
     state_bytes,
     tp_forward_saved_bytes,
 )
@@ -85,6 +87,7 @@ from meshtrain.plan.units import (
 
 __all__ = [
     "DEFAULT_REVISION",
+    "DTYPE_BYTES",
     "Link",
     "MESHTRAIN_BF16",
     "MIXED_16BIT",
@@ -128,6 +131,7 @@ __all__ = [
     "param_count",
     "pipeline_sim",
     "pp_p2p_bytes",
+    "run_precision",
     "split_fsdp_tp",
     "stage_part_flops",
     "state_bytes",

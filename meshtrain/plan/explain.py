@@ -56,7 +56,9 @@ def sharding(layout: Layout, model: ModelConfig, seq_len: int) -> list[str]:
         f"axes: X = dp {layout.dp}{hsdp}, Y = tp {layout.tp}, Z = pp {layout.pp}, S = cp {layout.cp}",
         f"activations between blocks  In{w('batch seq embed', acts)}   (B = sequences, T = {seq_len} tokens)",
         f"attention                   Wq{w('layers embed heads head_dim')}  Wk,Wv{w('layers embed kv_heads head_dim')}"
-        f"  Wo{w('layers heads head_dim embed')}",
+        f"  Wo{w('layers heads head_dim embed')}"
+        + (f"  (K = {model.kv_heads} < Y: each kv head replicated on {layout.tp // model.kv_heads} ranks)"
+           if model.kv_heads < layout.tp else ""),
         f"gated MLP                   Win,Wgate{w('layers embed mlp')}  Wout{w('layers mlp embed')}",
         f"inside the MLP              Tmp{w('batch seq mlp', inside)}",
         f"embedding / head            E{w('vocab embed')}  Head{w('embed vocab')}",

@@ -27,18 +27,25 @@ class Chip:
 
 CHIPS: dict[str, Chip] = {
     "h100": Chip("H100 SXM", 989e12, 80e9, 3.35e12, "NVIDIA H100 datasheet (SXM5, dense BF16)"),
+    "h100 pcie": Chip("H100 PCIe", 756e12, 80e9, 2.0e12, "NVIDIA H100 datasheet (PCIe: 1,513 TFLOP/s BF16 with "
+                      "sparsity, 756 dense)"),
+    "h100 nvl": Chip("H100 NVL", 835e12, 94e9, 3.9e12, "NVIDIA H100 datasheet (NVL: 1,671 TFLOP/s BF16 with "
+                     "sparsity, 835 dense)"),
     "h200": Chip("H200 SXM", 989e12, 141e9, 4.8e12, "NVIDIA H200 datasheet (dense BF16)"),
+    "h200 nvl": Chip("H200 NVL", 835e12, 141e9, 4.8e12, "NVIDIA H200 datasheet (NVL: 1,671 TFLOP/s BF16 with "
+                     "sparsity, 835 dense)"),
     "a100": Chip("A100 SXM", 312e12, 80e9, 2.039e12, "NVIDIA A100 datasheet (80GB SXM, dense BF16)"),
     "b200": Chip("B200", 2.25e15, 192e9, 8e12, "NVIDIA B200 datasheet (dense BF16)"),
 }
 
 
 def chip_for_cuda_device(name: str) -> Chip | None:
-    """Match torch.cuda.get_device_name() to a table entry."""
+    """Match torch.cuda.get_device_name() to a table entry, the most specific key first: "NVIDIA H100 PCIe" is
+    the PCIe part (756 TFLOP/s), "NVIDIA H100 80GB HBM3" the SXM one (989)."""
     lowered = name.lower()
-    for key, chip in CHIPS.items():
+    for key in sorted(CHIPS, key=len, reverse=True):
         if key in lowered:
-            return chip
+            return CHIPS[key]
     return None
 
 

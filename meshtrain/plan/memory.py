@@ -15,8 +15,9 @@ class Precision:
     ``optim`` counts every optimizer byte per parameter (AdamW: two fp32 moments = 8; with 16-bit
     parameters an fp32 master copy joins them: K = 12 in the ZeRO paper). ``act`` is what is saved for
     backward and what TP/SP/CP move (the compute dtype); ``hidden`` the residual stream that pipeline
-    stages send; ``gather`` what ZeRO-3 all-gathers; DP reduces gradients in ``grad`` and ZeRO-1/2
-    all-gather updated parameters in ``param``.
+    stages send; ``gather`` what ZeRO-3 all-gathers (the compute dtype); ``reduce`` what the gradient
+    collectives of the DP family send (``parallel.reduce_dtype``); ZeRO-1/2 all-gather updated parameters in
+    ``param``.
     """
 
     param: int = 4
@@ -25,17 +26,27 @@ class Precision:
     act: int = 2
     hidden: int = 4
     gather: int = 2
+    reduce: int = 4
 
 
 # meshtrain itself: fp32 parameters, gradients and AdamW moments, bf16 autocast (docs/ARCHITECTURE.md).
-MESHTRAIN_BF16 = Precision(param=4, grad=4, optim=8, act=2, hidden=4, gather=2)
+MESHTRAIN_BF16 = Precision(param=4, grad=4, optim=8, act=2, hidden=4, gather=2, reduce=4)
 
 
 # The ZeRO paper's / Megatron's mixed precision: 16-bit params and grads, fp32 master + Adam (K = 12).
-MIXED_16BIT = Precision(param=2, grad=2, optim=12, act=2, hidden=2, gather=2)
+MIXED_16BIT = Precision(param=2, grad=2, optim=12, act=2, hidden=2, gather=2, reduce=2)
 
 
 PRECISIONS = {"meshtrain": MESHTRAIN_BF16, "mixed": MIXED_16BIT}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}  # train.dtype, parallel.reduce_dtype
+
+
+def run_precision(dtype: str = "bf16", reduce_dtype: str = "fp32") -> Precision:
+    """meshtrain's precision for a run's ``train.dtype`` (what activations, TP/CP/EP traffic and ZeRO-3's gathers
+    use) and ``parallel.reduce_dtype`` (what the DP family's gradient collectives send); parameters,
+    gradients and AdamW moments stay fp32."""
+    b = DTYPE_BYTES[dtype]
+    return Precision(param=4, grad=4, optim=8, act=b, hidden=4, gather=b, reduce=DTYPE_BYTES[reduce_dtype])
 
 
 def state_bytes(n_params: float, zero: int, n_shard: int, param_bytes: float = 4, grad_bytes: float = 4,
@@ -72,7 +83,7 @@ def activation_elems_per_token(cfg: ModelConfig, recompute: str = "none", tp: in
                                sp_regather: bool = True) -> float:
     """Elements one block keeps for backward per token on one rank (activation memory = this x tokens x
     layers x bytes). Counted from meshtrain's block (RMSNorm, fused QKV, SDPA, wo, SwiGLU) with
-    D = d_model, F = MLP hidden, kv = n_kv_heads x head_dim, H = n_heads:
+    D = d_model, F = MLP hidden, H = n_heads, kv = max(n_kv_heads, tp) x head_dim (a rank holds whole kv heads):
 
     - ``none`` (exact for fp32, ``tests/test_tensor_parallel.py`` measures it): each RMSNorm keeps its input,
       its normalised copy and one rsqrt per token (2D + 1, twice); each column-parallel layer (fused QKV,
@@ -90,7 +101,7 @@ def activation_elems_per_token(cfg: ModelConfig, recompute: str = "none", tp: in
     estimate: the norms and RoPE compute in fp32, and the matmuls keep compute-dtype copies of their inputs.
     """
     d, f = cfg.d_model, cfg.hidden_dim
-    kv = cfg.kv_heads * cfg.head_dim
+    kv = max(cfg.kv_heads, tp) * cfg.head_dim  # kv/tp per rank: whole heads (tp > kv heads: one, replicated)
     seq = tp if sp else 1  # what sequence parallelism divides
     if recompute == "full":
         return d / seq
@@ -98,7 +109,8 @@ def activation_elems_per_token(cfg: ModelConfig, recompute: str = "none", tp: in
         return d / seq + 2 * d + (d + 2 * kv + d + 2 * f) / tp
     if recompute == "none":
         column = d / seq if sp and sp_regather else d
-        attn_in = (d + 2 * kv) + (d + kv) if cfg.kv_heads == cfg.n_heads else 3 * d
+        # as many kv heads as query heads on a rank: no repeat (MHA); else k and v are repeated (GQA)
+        attn_in = (d + 2 * kv) + (d + kv) if kv == d else 3 * d
         wo_in = d if cfg.n_heads // tp > 1 else 0  # one head's transpose back is a view, not a copy
         return 2 * (2 * d + 1) / seq + 2 * column + (attn_in + d + cfg.n_heads + wo_in + 4 * f) / tp
     raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
@@ -113,7 +125,7 @@ def tp_forward_saved_bytes(cfg: ModelConfig, tokens: int, tp: int, sp: bool = Fa
     with SP) and the head's input (as a column-parallel layer's); and each block's fused weights (the
     concatenated QKV and gate/up shards, a copy per forward). Exact for fp32, which the test measures."""
     d = cfg.d_model
-    kv = cfg.kv_heads * cfg.head_dim
+    kv = max(cfg.kv_heads, tp) * cfg.head_dim
     seq = tp if sp else 1
     blocks = activation_elems_per_token(cfg, "none", tp, sp, sp_regather) * tokens * cfg.n_layers
     column = d / seq if sp and sp_regather else d

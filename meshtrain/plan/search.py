@@ -65,13 +65,15 @@ def runtime_supports(axis: str) -> bool:
 
 def candidate_layouts(problem: Problem, opts: SearchOptions | None = None) -> list[Layout]:
     """Every layout the runtime's shape rules allow for this problem (see ``config.validate``): tp divides
-    heads, kv heads and the MLP hidden size and stays on the fast fabric; SP needs tp > 1 and seq_len % tp;
+    heads and the MLP hidden size, divides the kv heads or is a multiple of them (kv heads replicated), and stays
+    on the fast fabric; SP needs tp > 1 and seq_len % tp;
     pp needs ZeRO 0/1, microbatches dividing each dp rank's rows (multiples of pp for interleaved) and enough
     layers; the global batch splits evenly over dp x accumulation."""
     opts = opts or SearchOptions()
     cfg, hw, n, T = problem.model, problem.hw, problem.devices, problem.seq_len
     tps = opts.tps or tuple(x for x in _pow2_divisors(n, 1, hw.tp_max)
-                            if cfg.n_heads % x == 0 and cfg.kv_heads % x == 0 and cfg.hidden_dim % x == 0)
+                            if cfg.n_heads % x == 0 and (cfg.kv_heads % x == 0 or x % cfg.kv_heads == 0)
+                            and cfg.hidden_dim % x == 0)
     pps = opts.pps or tuple(x for x in _pow2_divisors(n, 1, opts.max_pp) if cfg.n_layers >= x)
     if cfg.tie_embeddings:  # the runtime refuses pp > 1 with a weight shared by the first and last stage
         pps = tuple(x for x in pps if x == 1)
@@ -138,12 +140,14 @@ def search(problem: Problem, opts: SearchOptions | None = None) -> SearchResult:
 
 def to_config(problem: Problem, layout: Layout) -> Config:
     """The run config of a layout: the model, seq_len, global batch (sequences), bf16 autocast, recompute,
-    accumulation and every parallel setting, as ``meshtrain train --config`` reads it."""
+    accumulation, the gradients' reduce dtype (the precision's) and every parallel setting, as
+    ``meshtrain train --config`` reads it."""
     cfg = Config()
     cfg.model = copy.deepcopy(problem.model)
     cfg.model.max_seq_len = max(cfg.model.max_seq_len, problem.seq_len)
     t, p = cfg.train, cfg.parallel
     t.seq_len, t.global_batch, t.dtype, t.recompute = problem.seq_len, problem.sequences, "bf16", layout.recompute
+    p.reduce_dtype = "bf16" if problem.precision.reduce == 2 else "fp32"
     t.grad_accum = layout.microbatches if layout.pp == 1 else 1
     p.dp, p.tp, p.pp, p.cp, p.ep = layout.dp, layout.tp, layout.pp, layout.cp, layout.ep
     p.zero, p.dp_shard, p.sp = layout.zero, layout.dp_shard, layout.sp

@@ -37,8 +37,11 @@ def layer_compute_time(cfg: ModelConfig, tokens: int, seq_len: int, flops: float
                        tp: int = 1, efficiency: float = 1.0, weight_bytes: int = 2, act_bytes: int = 2) -> float:
     """Forward seconds of one block on one device for ``tokens`` tokens: the roofline max of its FLOPs
     (split tp ways) at ``efficiency`` x peak and of its HBM traffic (weights read once, activations written
-    and read once) when ``hbm_bw`` is given. Small microbatches on wide tensor parallelism turn HBM-bound."""
-    t_flops = tokens * layer_flops(cfg, seq_len) / tp / (flops * efficiency)
+    and read once) when ``hbm_bw`` is given. Small microbatches on wide tensor parallelism turn HBM-bound.
+    With fewer kv heads than tp, each rank also projects its (replicated) kv head: the k and v matmuls
+    cost max(kv heads, tp) / tp heads per rank, not kv heads / tp."""
+    kv_extra = 2 * 2 * cfg.d_model * cfg.head_dim * max(0, tp - cfg.kv_heads) / tp  # forward FLOPs per token
+    t_flops = tokens * (layer_flops(cfg, seq_len) / tp + kv_extra) / (flops * efficiency)
     if hbm_bw <= 0:
         return t_flops
     traffic = block_params(cfg) / tp * weight_bytes + 2 * tokens * activation_elems_per_token(cfg, "none", tp) \
@@ -197,7 +200,7 @@ def data_parallel_time(problem: Problem, lay: Layout, act: StageAction) -> tuple
     ndp = lay.dp * cp
     shard = lay.shard * cp
     accum = mc if pp == 1 else 1
-    dp_bytes = dp_family_bytes(units, lay.zero, ndp, accum, shard if lay.dp_shard else 0, prec.grad, prec.param,
+    dp_bytes = dp_family_bytes(units, lay.zero, ndp, accum, shard if lay.dp_shard else 0, prec.reduce, prec.param,
                                prec.gather)
     axes = dp_axes(hw, lay.tp, lay.cp, lay.pp)
     dp_link = group_link(hw, ndp, tp, axes)
@@ -232,8 +235,31 @@ def data_parallel_time(problem: Problem, lay: Layout, act: StageAction) -> tuple
     edp = ndp // lay.ep
     if experts and edp > 1:
         edp_link = group_link(hw, edp, tp * lay.ep, axes)
-        dp_time += exposed(collective_time("all_reduce", experts * prec.grad, edp_link), B)
+        dp_time += exposed(collective_time("all_reduce", experts * prec.reduce, edp_link), B)
     return dp_time, DataParallel(units, dp_bytes, dp_link, shard_link, rep_link)
+
+
+def kv_grad_elems(problem: Problem, lay: Layout, layers: int) -> float:
+    """Gradient elements of shared kv heads one rank all-reduces per step (0 unless kv heads < tp): its wk and
+    wv (one head each) in every block it holds (``layers`` per stage chunk), the shard it owns under ZeRO."""
+    cfg = problem.model
+    if cfg.kv_heads >= lay.tp:
+        return 0.0
+    elems = 2.0 * cfg.head_dim * cfg.d_model * layers * lay.virtual
+    return elems / (lay.shard * lay.cp) if lay.zero >= 1 else elems
+
+
+def kv_grad_time(problem: Problem, lay: Layout, act: StageAction) -> float:
+    """Seconds of the shared kv heads' gradient all-reduce over the tp / n_kv_heads consecutive tp ranks that
+    share each head ("tp_kv"), once per step after the last backward: exposed, like the runtime's."""
+    elems = kv_grad_elems(problem, lay, act.layers)
+    if not elems:
+        return 0.0
+    return collective_time("all_reduce", elems * problem.precision.grad, _kv_link(problem, lay))
+
+
+def _kv_link(problem: Problem, lay: Layout) -> Link:
+    return group_link(problem.hw, lay.tp // problem.model.kv_heads, 1)
 
 
 def memory(problem: Problem, lay: Layout, t: int, act: StageAction, units: list[int], inflight: int
@@ -251,7 +277,8 @@ def memory(problem: Problem, lay: Layout, t: int, act: StageAction, units: list[
         mem["experts"] = experts * (prec.param + prec.grad / (edp if ez >= 2 else 1)
                                     + prec.optim / (edp if ez >= 1 else 1))
     if lay.zero == 3:
-        mem["zero3_gathered"] = max(units) * (2 * prec.gather + prec.grad)  # current + prefetched unit, its grad
+        # current + prefetched unit, and its gradient packed for the reduce-scatter
+        mem["zero3_gathered"] = max(units) * (2 * prec.gather + prec.reduce)
     mem["activations"] = activation_bytes(cfg, t, act.layers, lay.recompute, tp, lay.sp, prec.act, inflight) \
         + t * cfg.d_model * prec.hidden * inflight  # each stage's input hidden state
     mem["logits"] = t * -(-cfg.vocab_size // tp) * 12  # fp32 logits, softmax and their gradient on the last stage
@@ -266,6 +293,7 @@ def evaluate(problem: Problem, layout: Layout, with_collectives: bool = False) -
     step = StepTime()
     p2p_t, peaks = pipeline_time(problem, lay, t, act, step)
     step.dp, dp = data_parallel_time(problem, lay, act)
+    step.tp += kv_grad_time(problem, lay, act)
     psi = sum(dp.units)
     shard, edp = lay.shard * lay.cp, lay.dp * lay.cp // lay.ep
     experts = expert_params_per_rank(cfg, lay.ep, act.layers * lay.virtual)
@@ -299,6 +327,10 @@ def _collectives(problem: Problem, lay: Layout, t: int, layers: int, tp_link: Li
             hidden = sec <= factor * attn_f
             out.append(Collective("cp", "send", f"{phase}: ring K/V ({lay.cp - 1} hops)", lay.cp, ring[phase], sec,
                                   per_step, "overlapped" if hidden else "partly"))
+    if kv := kv_grad_elems(problem, lay, layers):
+        nbytes = kv * prec.grad
+        out.append(Collective("tp_kv", "all_reduce", "step end: shared kv heads' gradients", lay.tp // cfg.kv_heads,
+                              nbytes, collective_time("all_reduce", nbytes, _kv_link(problem, lay)), 1, "exposed"))
     if lay.ep > 1 and cfg.moe_experts:
         rows = t // (lay.tp if lay.sp else 1) * cfg.moe_top_k * cfg.d_model * prec.act
         link = group_link(problem.hw, lay.ep, lay.tp, 1)

@@ -13,7 +13,7 @@ import math
 
 from meshtrain.config import ModelConfig
 
-Param = tuple[int, bool]  # (elements on this tp rank, replicated over tp)
+Param = tuple[int, str]  # (elements on this tp rank, the group holding copies: "tp", "tp_kv", or "" if sliced)
 
 
 def expert_numel(cfg: ModelConfig) -> int:
@@ -25,17 +25,19 @@ def block_layout(cfg: ModelConfig, tp: int = 1, ep: int = 1) -> list[Param]:
     """One block's parameters in order on one tensor-parallel rank: attention norm, wq, wk, wv, wo, MLP norm,
     then the gated MLP split tp ways, or a mixture of experts' router and experts kept whole (replicated over tp;
     under expert parallelism, ep > 1, the routed experts belong to no unit: they are synchronised over edp on
-    their own) and the shared experts."""
+    their own) and the shared experts. With fewer kv heads than tp, wk and wv hold one kv head, shared by the
+    tp / n_kv_heads ranks of a "tp_kv" group."""
     d, hd = cfg.d_model, cfg.head_dim
-    q, kv, hidden = cfg.n_heads * hd // tp, cfg.kv_heads * hd // tp, cfg.hidden_dim // tp
-    block = [(d, True), (q * d, False), (kv * d, False), (kv * d, False), (d * q, False), (d, True)]
+    q, kv, hidden = cfg.n_heads * hd // tp, max(cfg.kv_heads // tp, 1) * hd, cfg.hidden_dim // tp
+    kv_copies = "tp_kv" if cfg.kv_heads < tp else ""
+    block = [(d, "tp"), (q * d, ""), (kv * d, kv_copies), (kv * d, kv_copies), (d * q, ""), (d, "tp")]
     if cfg.moe_experts:
-        expert = [(cfg.expert_hidden * d, True)] * 3
-        block += [(cfg.moe_experts * d, True)] + (expert * cfg.moe_experts if ep == 1 else [])
+        expert = [(cfg.expert_hidden * d, "tp")] * 3
+        block += [(cfg.moe_experts * d, "tp")] + (expert * cfg.moe_experts if ep == 1 else [])
         if cfg.moe_shared_experts:
-            block += [(cfg.moe_shared_experts * cfg.expert_hidden * d, True)] * 3
+            block += [(cfg.moe_shared_experts * cfg.expert_hidden * d, "tp")] * 3
     else:
-        block += [(hidden * d, False), (hidden * d, False), (d * hidden, False)]
+        block += [(hidden * d, ""), (hidden * d, ""), (d * hidden, "")]
     return block
 
 
@@ -51,9 +53,9 @@ def unit_layouts(cfg: ModelConfig, tp: int = 1, layers: list[int] | range | None
     block = block_layout(cfg, tp, ep)
     blocks = [(f"layers.{i}", block) for i in layers]
     if cfg.tie_embeddings:
-        return blocks + ([("embedding+head", [(emb, False), (d, True)])] if first or last else [])
-    return ([("embedding", [(emb, False)])] if first else []) + blocks + (
-        [("head", [(d, True), (emb, False)])] if last else [])
+        return blocks + ([("embedding+head", [(emb, ""), (d, "tp")])] if first or last else [])
+    return ([("embedding", [(emb, "")])] if first else []) + blocks + (
+        [("head", [(d, "tp"), (emb, "")])] if last else [])
 
 
 def unit_numels(cfg: ModelConfig, tp: int = 1, layers: list[int] | range | None = None, first: bool = True,
@@ -80,16 +82,17 @@ def padded_numel(numel: int, n: int) -> int:
 
 
 def norm_elems_held(cfg: ModelConfig, tp: int, layers: list[int], first: bool, last: bool, zero: int,
-                    n: int, k: int, ep: int = 1) -> int:
+                    n: int, k: int, ep: int = 1, over: str = "tp") -> int:
     """Replicated (over tp) elements in this rank's optimizer pieces: all of them without ZeRO, else
-    those inside shard k of n of each flat unit (the tensor-parallel all-reduce covers exactly these)."""
+    those inside shard k of n of each flat unit (the tensor-parallel all-reduce covers exactly these).
+    ``over="tp_kv"``: the shared kv heads' elements instead (their gradients are summed over "tp_kv")."""
     total = 0
     for _, unit in unit_layouts(cfg, tp, layers, first, last, ep):
         size = sum(numel for numel, _ in unit)
         lo, hi = (0, size) if zero == 0 else (k * -(-size // n), (k + 1) * -(-size // n))
         off = 0
-        for numel, is_norm in unit:
-            if is_norm:
+        for numel, copies in unit:
+            if copies == over:
                 total += max(0, min(off + numel, hi) - max(off, lo))
             off += numel
     return total

@@ -63,6 +63,16 @@ def state_bytes(trainer) -> dict[str, int]:
     return trainer.parallel.state_bytes(trainer.optimizer)
 
 
+def state_dtypes(trainer) -> dict[str, set[str]]:
+    """The dtypes of what this rank's optimizer updates: its parameters (pieces), their gradients and the
+    optimizer's state tensors (step counters excluded)."""
+    ops = trainer.parallel.optim_params()
+    state = [v for st in trainer.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
+    return {"params": {str(op.tensor.dtype) for op in ops},
+            "grads": {str(op.tensor.grad.dtype) for op in ops if op.tensor.grad is not None},
+            "optim": {str(v.dtype) for v in state}}
+
+
 def attention_flops(trainer) -> dict[str, float] | None:
     """The context-parallel attention FLOP counters of this rank (None without context parallelism)."""
     return vars(trainer.parallel.cp.flops).copy() if trainer.parallel.cp is not None else None
@@ -77,17 +87,24 @@ def forward_saved_bytes(trainer) -> int:
     return saved_activation_bytes(lambda: trainer.model(x), exclude=list(trainer.model.buffers()))
 
 
+def op_bytes(run: str | Path) -> dict[int, dict[str, int]]:
+    """Every rank's collective bytes per ``axis/op`` of the steady step the run metered, read from its
+    ``comm.json``: {rank: {"dp_cp/all_reduce": bytes, ...}}."""
+    import json
+
+    return {int(r["rank"]): {key: int(b) for key, b in r["bytes"].items()}
+            for r in json.loads((Path(run) / "comm.json").read_text())["ranks"]}
+
+
 def axis_bytes(run: str | Path) -> dict[int, dict[str, int]]:
     """Every rank's collective bytes per mesh axis (summed over ops) of the steady step the run metered,
     read from its ``comm.json``: {rank: {axis: bytes}}."""
-    import json
-
     out: dict[int, dict[str, int]] = {}
-    for r in json.loads((Path(run) / "comm.json").read_text())["ranks"]:
-        mine = out.setdefault(int(r["rank"]), {})
-        for key, b in r["bytes"].items():
+    for rank, ops in op_bytes(run).items():
+        mine = out.setdefault(rank, {})
+        for key, b in ops.items():
             axis = key.split("/")[0]
-            mine[axis] = mine.get(axis, 0) + int(b)
+            mine[axis] = mine.get(axis, 0) + b
     return out
 
 
@@ -110,6 +127,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     if base == 0.0:
         return 0.0 if diff == 0.0 else float("inf")
     return diff / base
+
+
+def worst_rel(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """The largest relative Frobenius difference over the tensors of ``ref`` (for reporting a measured margin)."""
+    return max(_rel(got[k], want) for k, want in ref.items())
 
 
 def assert_same_tensors(name: str, what: str, got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],

@@ -218,7 +218,8 @@ class Trainer:
         comm.configure(t.collective_timeout_s, t.check_collective_order)
         p = cfg.parallel
         self.mesh = Mesh(pp=p.pp, dp=world_size // (p.pp * p.cp * p.tp), cp=p.cp, tp=p.tp, ep=p.ep,
-                         dp_shard=p.dp_shard, device=self.device, timeout_s=t.collective_timeout_s)
+                         dp_shard=p.dp_shard, kv_share=max(1, p.tp // cfg.model.kv_heads), device=self.device,
+                         timeout_s=t.collective_timeout_s)
         self.is_logger = self.mesh.rank == 0
         self.dtype = DTYPES[t.dtype]
 

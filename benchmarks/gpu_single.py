@@ -1,0 +1,369 @@
+"""One CUDA device: our trainer against HuggingFace transformers' ``LlamaForCausalLM``, eager and compiled.
+
+The model is a ~1B Llama: d_model 2048, 16 layers, 32 query / 8 key-value heads (GQA, head_dim 64), SwiGLU
+hidden 5632 (Llama's rule 2/3 x 4d rounded up to 256), vocabulary 32000 (Llama 2's; ``--vocab 128256`` for
+Llama 3's), untied head, seq 2048, bf16 autocast over fp32 master weights. Rows:
+
+- ours eager: ``meshtrain.train.trainer.Trainer`` built from the same overrides ``meshtrain train`` takes
+  (printed), synthetic data, each step ``Trainer.train_step`` (batch, forward/backward, clip, AdamW);
+- ours compiled: the same with ``train.compile=true`` (skipped, with a note, where the option does not exist);
+- HF eager: ``LlamaForCausalLM`` built from a config in code (no hub), ``attn_implementation="sdpa"``, fp32
+  weights under ``torch.autocast(bf16)`` as ours, its own loss (``labels`` with ``shift_labels``), clipping
+  with ``clip_grad_norm_(foreach=True)``, AdamW (fused on CUDA, foreach on CPU) with our hyperparameters,
+  decay groups and learning-rate schedule;
+- HF compiled: the same model wrapped in ``torch.compile``.
+
+Every row starts from the same weights (ours, copied into HF's layout with the RoPE row permutation of
+``model/hf.py``) and trains on the same batches, so the four loss trajectories are the same run: the script
+asserts it (fp32: first step 1e-5, every step 1e-3 relative; bf16: 5e-3 and 2e-2, since bf16 rounding differs
+between the implementations and grows over steps). The fp32 dry run is what pins the weight mapping exactly.
+At init a Llama's loss is near ln(vocab) whatever its weights, so the first step alone proves little in bf16;
+the trajectory, as the model learns the synthetic rule, is the check.
+
+Rows alternate ours/theirs/theirs/ours, reversed each round; warm-up steps (compilation included) come before
+the rounds; each timed step sits between two ``torch.cuda.synchronize()``. Ours includes building its batch
+(``SyntheticDataset``, on the CPU, as ``meshtrain train`` does); HF's batch is on the device before its step,
+as a prefetching loader would have it. MFU uses one FLOP count for every row, ``plan/flops.flops_per_token``
+(the trainer's own), over the device's dense bf16 peak (``plan/hardware.py``, by the device's name). Peak
+memory is ``torch.cuda.max_memory_allocated`` over a row's timed steps (reset before each) less what the other
+rows keep resident (their weights and optimizer state, measured as each was built): what the row needs alone.
+
+    PYTHONPATH=. python benchmarks/gpu_single.py [--steps 10] [--warmup 3] [--rounds 5] [--batch 4] [--seq 2048]
+    PYTHONPATH=. python benchmarks/gpu_single.py --dry-run-cpu   # tiny model on CPU: checks the script itself
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+NO_CUDA = ("gpu_single.py needs a CUDA device; none is visible (torch.cuda.is_available() is False): run it on a "
+           "GPU machine, or pass --dry-run-cpu to check the script on a tiny model on CPU.")
+GPU_DEFAULTS = {"steps": 10, "warmup": 3, "rounds": 5, "batch": 4, "seq": 2048, "vocab": 32000}
+DRY_DEFAULTS = {"steps": 3, "warmup": 1, "rounds": 2, "batch": 2, "seq": 64, "vocab": 512}
+ROWS = ("ours eager", "HF eager", "HF compiled", "ours compiled")  # round 0's order; odd rounds reverse it
+# Same-run tolerances (relative loss difference to ours eager): (first step, every step).
+TOLERANCE = {"fp32": (1e-5, 1e-3), "bf16": (5e-3, 2e-2)}
+
+
+@dataclass
+class Row:
+    name: str
+    step: Callable[[int], float] | None = None  # step index -> loss; None: skipped (see note)
+    note: str = ""
+    resident: int = 0  # bytes this row keeps between steps (weights, optimizer state)
+    losses: list[float] = field(default_factory=list)
+    times: list[list[float]] = field(default_factory=list)  # per round, seconds per timed step
+    peak: int = 0  # bytes, the row alone (see the module docstring)
+
+
+def model_overrides(args: argparse.Namespace) -> list[str]:
+    """The model section: ~1B Llama on a GPU, a tiny one for the dry run."""
+    if args.dry_run_cpu:
+        shape = {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 32}
+    else:
+        shape = {"d_model": 2048, "n_layers": 16, "n_heads": 32, "n_kv_heads": 8, "multiple_of": 256}
+    shape.update(vocab_size=args.vocab, max_seq_len=args.seq)
+    return [f"model.{k}={v}" for k, v in shape.items()]
+
+
+def train_overrides(args: argparse.Namespace, total_steps: int) -> list[str]:
+    return [f"train.seq_len={args.seq}", f"train.global_batch={args.batch}", f"train.dtype={args.dtype}",
+            f"train.device={'cpu' if args.dry_run_cpu else 'cuda'}", f"train.steps={total_steps}",
+            f"train.warmup_steps={args.warmup}", "train.lr=3e-4", "train.sample_tokens=0", "train.progress=false",
+            "train.tensorboard=false", "data.source=synthetic"]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_ours(overrides: list[str]):
+    """A Trainer exactly as ``meshtrain train OVERRIDES`` builds it (world of one process)."""
+    from meshtrain.config import load_config
+    from meshtrain.train.trainer import Trainer
+
+    trainer = Trainer(load_config(None, overrides))
+    return trainer, lambda s: trainer.train_step(s)["loss"]
+
+
+def hf_weights(trainer) -> dict[str, torch.Tensor]:
+    """Our initial weights in HF's names and RoPE layout (``model/hf.py``), on CPU. One process: nothing is sent."""
+    from meshtrain.model.hf import hf_names, interleaved_to_halves
+
+    ours = trainer.parallel.logical_tensors()
+    out = {}
+    for name, t in hf_names(trainer.cfg.model).items():
+        w = ours[name]
+        out[t.hf_name] = interleaved_to_halves(w, t.rope_heads) if t.rope_heads is not None else w
+    return out
+
+
+def build_hf(cfg, weights: dict[str, torch.Tensor], device: torch.device, compiled: bool):
+    """LlamaForCausalLM of our shape (config in code, sdpa), fp32 weights, AdamW as ours: returns a step fn."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from meshtrain.model.hf import hf_config_dict
+    from meshtrain.parallel.parallelize import DTYPES
+    from meshtrain.train.optim import lr_at
+
+    t = cfg.train
+    hf_cfg = LlamaConfig(**{k: v for k, v in hf_config_dict(cfg.model).items() if k != "architectures"},
+                         attn_implementation="sdpa")
+    hf_cfg.use_cache = False
+    with torch.device(device):  # random init on the device (fast), then our weights over it
+        model = LlamaForCausalLM(hf_cfg).float()
+    assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
+    model.load_state_dict(weights, strict=True)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    on_cuda = device.type == "cuda"
+    opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=on_cuda,
+                            foreach=not on_cuda)
+    forward = torch.compile(model) if compiled else model
+    dtype = DTYPES[t.dtype]
+    from meshtrain.train.data import SyntheticDataset
+
+    data = SyntheticDataset(cfg.model.vocab_size, "train")
+    batches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def prefetch(s: int) -> None:  # a competent user's loader has the batch on the device before the step
+        if s not in batches:
+            x, y = data.batch(t.seed, s, t.global_batch, t.seq_len)
+            batches[s] = (x.to(device), y.to(device))
+
+    def step(s: int) -> torch.Tensor:
+        x, y = batches.pop(s)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(s, t)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss = forward(input_ids=x, labels=y, shift_labels=y).loss
+        loss.backward()
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, t.grad_clip, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()  # read after the step's closing sync: no sync inside the timed step
+
+    return step, prefetch
+
+
+def timed(row: Row, s: int, device: torch.device, prefetch: Callable[[int], None] | None) -> float:
+    if prefetch is not None:
+        prefetch(s)
+    sync(device)
+    t0 = time.perf_counter()
+    loss = row.step(s)
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    row.losses.append(float(loss))
+    return elapsed
+
+
+def compile_option_exists() -> bool:
+    from meshtrain.config import TrainConfig
+
+    return "compile" in {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, help="timed steps per row per round (default 10; dry run 3)")
+    ap.add_argument("--warmup", type=int, help="untimed steps per row before the rounds (default 3; dry run 1)")
+    ap.add_argument("--rounds", type=int, help="rounds, order reversed each round (default 5; dry run 2)")
+    ap.add_argument("--batch", type=int, help="sequences per step (default 4; dry run 2)")
+    ap.add_argument("--seq", type=int, help="tokens per sequence (default 2048; dry run 64)")
+    ap.add_argument("--vocab", type=int, help="vocabulary (default 32000, Llama 2's; dry run 512)")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"rows to run, comma-separated from {', '.join(ROWS)}")
+    ap.add_argument("--dry-run-cpu", action="store_true",
+                    help="tiny model (d_model 64, 2 layers) on CPU, fp32, no compile: checks the script")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), help="compute dtype (default bf16; dry run fp32)")
+    args = ap.parse_args(argv)
+    defaults = DRY_DEFAULTS if args.dry_run_cpu else GPU_DEFAULTS
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.dtype = args.dtype or ("fp32" if args.dry_run_cpu else "bf16")
+    args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = [r for r in args.rows if r not in ROWS]
+    if unknown or "ours eager" not in args.rows:
+        ap.error(f"--rows: {', '.join(unknown) or 'ours eager is missing'}; choose from {', '.join(ROWS)} "
+                 f"(ours eager is the reference every row's losses are checked against)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.dry_run_cpu and not torch.cuda.is_available():
+        print(NO_CUDA, file=sys.stderr)
+        return 2
+    device = torch.device("cpu") if args.dry_run_cpu else torch.device("cuda", torch.cuda.current_device())
+    total = args.warmup + args.rounds * args.steps
+    overrides = model_overrides(args) + train_overrides(args, total)
+    compile_ok = compile_option_exists()
+    rows = {name: Row(name) for name in ROWS}
+    prefetchers: dict[str, Callable[[int], None] | None] = {}
+
+    def build(name: str, make: Callable[[], tuple]) -> None:
+        """Build a row and run its warm-up; a compiled row that fails is skipped with its one-line reason."""
+        row = rows[name]
+        sync(device)
+        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        try:
+            row.step, prefetchers[name] = make()
+            for s in range(args.warmup):
+                timed(row, s, device, prefetchers[name])
+        except Exception as e:  # noqa: BLE001 - reported per row; the eager rows re-raise
+            if "compiled" not in name:
+                raise
+            row.step, row.note = None, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            prefetchers[name] = None  # drop the failed row's model and optimizer
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            return
+        sync(device)
+        row.resident = (torch.cuda.memory_allocated(device) if device.type == "cuda" else 0) - before
+
+    # Ours eager first: its initial weights, taken before its warm-up, are every other row's.
+    trainer = None
+    weights: dict[str, torch.Tensor] = {}
+
+    def make_ours_eager():
+        nonlocal trainer
+        trainer, step = build_ours(overrides)
+        weights.update(hf_weights(trainer))
+        return step, None
+
+    def make_hf(compiled: bool):
+        return lambda: build_hf(trainer.cfg, weights, device, compiled)
+
+    build("ours eager", make_ours_eager)
+    cfg = trainer.cfg
+    for name in ("HF eager", "HF compiled"):
+        if name not in args.rows:
+            rows[name].note = "not asked for (--rows)"
+        elif name == "HF compiled" and args.dry_run_cpu:
+            rows[name].note = "skipped: --dry-run-cpu runs no torch.compile"
+        else:
+            build(name, make_hf(name == "HF compiled"))
+    weights.clear()
+    name = "ours compiled"
+    if name not in args.rows:
+        rows[name].note = "not asked for (--rows)"
+    elif args.dry_run_cpu:
+        rows[name].note = "skipped: --dry-run-cpu runs no torch.compile"
+    elif not compile_ok:
+        rows[name].note = "skipped: this meshtrain has no train.compile option yet (issue 14 point 4)"
+    else:
+        build(name, lambda: (build_ours(overrides + ["train.compile=true"])[1], None))
+
+    live = [rows[n] for n in ROWS if rows[n].step is not None]
+    for r in range(args.rounds):
+        for row in (live if r % 2 == 0 else live[::-1]):
+            s0 = args.warmup + r * args.steps
+            if device.type == "cuda":
+                others = torch.cuda.memory_allocated(device) - row.resident
+                torch.cuda.reset_peak_memory_stats(device)
+            row.times.append([timed(row, s, device, prefetchers[row.name]) for s in range(s0, s0 + args.steps)])
+            if device.type == "cuda":
+                row.peak = max(row.peak, torch.cuda.max_memory_allocated(device) - others)
+
+    report(args, cfg, device, rows, overrides)
+    return check_same_run(args, rows)
+
+
+def report(args: argparse.Namespace, cfg, device: torch.device, rows: dict[str, Row], overrides: list[str]) -> None:
+    """The table: tokens/s (median of per-round medians, min-max), MFU, peak memory; then ours/HF ratios."""
+    import transformers
+
+    from meshtrain.parallel.parallelize import DTYPES
+    from meshtrain.plan.flops import flops_per_token, mfu, param_count
+    from meshtrain.plan.hardware import chip_for_cuda_device, peak_flops
+
+    tokens = args.batch * args.seq
+    fpt = flops_per_token(cfg.model, args.seq)
+    dtype = DTYPES[args.dtype]
+    peak = peak_flops(device, dtype)
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device)
+        chip = chip_for_cuda_device(gpu)
+        where = f"{gpu} ({chip.name + ', datasheet' if chip else 'not in plan/hardware.py: measured matmul'} " \
+                f"peak {peak / 1e12:.0f} TFLOP/s {args.dtype})"
+    else:
+        where = f"CPU (dry run; measured matmul peak {peak / 1e9:.1f} GFLOP/s {args.dtype})"
+    n = param_count(cfg.model)
+    print(f"\n{where}; torch {torch.__version__}, transformers {transformers.__version__}")
+    print(f"model: {n.total / 1e6:.1f}M parameters (d_model {cfg.model.d_model}, {cfg.model.n_layers} layers, "
+          f"{cfg.model.n_heads}/{cfg.model.kv_heads} heads, hidden {cfg.model.hidden_dim}, vocab "
+          f"{cfg.model.vocab_size}), {args.batch} x {args.seq} tokens/step, {fpt:.4g} FLOP/token "
+          f"(plan/flops.py); {args.warmup} warm-up + {args.steps} timed steps x {args.rounds} rounds")
+    print(f"ours = meshtrain train {' '.join(overrides)}\n")
+    print("| row | tokens/s (median) | per-round min-max | MFU | peak memory (GiB) | step (ms) |")
+    print("|---|---|---|---|---|---|")
+    medians: dict[str, list[float]] = {}
+    for name in ROWS:
+        row = rows[name]
+        if not row.times:
+            print(f"| {name} | {row.note or 'no timed steps'} | | | | |")
+            continue
+        medians[name] = [statistics.median(ts) for ts in row.times]
+        tps = [tokens / m for m in medians[name]]
+        mid = statistics.median(tps)
+        mem = f"{row.peak / 2**30:.2f}" if device.type == "cuda" else "n/a (CPU)"
+        print(f"| {name} | {mid:,.0f} | {min(tps):,.0f}-{max(tps):,.0f} | {mfu(mid, cfg.model, args.seq, peak):.1%} "
+              f"| {mem} | {statistics.median(medians[name]) * 1e3:.1f} |")
+    print("\n| ours / HF (step time, lower is better) | median ratio | per-round min-max |")
+    print("|---|---|---|")
+    for ours, theirs in (("ours eager", "HF eager"), ("ours compiled", "HF compiled"), ("ours compiled", "HF eager")):
+        if ours in medians and theirs in medians:
+            ratios = [a / b for a, b in zip(medians[ours], medians[theirs], strict=True)]
+            print(f"| {ours} / {theirs} | {statistics.median(ratios):.3f} | {min(ratios):.3f}-{max(ratios):.3f} |")
+        else:
+            print(f"| {ours} / {theirs} | n/a ({ours if ours not in medians else theirs} did not run) | |")
+
+
+def check_same_run(args: argparse.Namespace, rows: dict[str, Row]) -> int:
+    """Every row's loss at every step against ours eager's (same weights, same batches); returns the exit code."""
+    first_tol, all_tol = TOLERANCE[args.dtype]
+    ref = rows["ours eager"].losses
+    print(f"\nsame run: first-step loss {ref[0]:.4f} (ln vocab = {math.log(args.vocab):.4f}); each row's relative "
+          f"difference to ours eager, first step (tolerance {first_tol:g}) and largest over {len(ref)} steps "
+          f"(tolerance {all_tol:g}), {args.dtype}:")
+    bad = []
+    for name in ROWS[1:]:
+        losses = rows[name].losses
+        if rows[name].step is None or not losses:
+            continue
+        rel = [abs(a - b) / abs(b) for a, b in zip(losses, ref, strict=True)]
+        ok = rel[0] <= first_tol and max(rel) <= all_tol
+        print(f"  {name}: first {rel[0]:.2e}, largest {max(rel):.2e} (step {rel.index(max(rel))}) "
+              f"{'ok' if ok else 'NOT THE SAME RUN'}")
+        bad += [] if ok else [name]
+    if bad:
+        print(f"error: {', '.join(bad)} did not compute the same run as ours eager: the timings above do not "
+              f"compare like with like.", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except torch.cuda.OutOfMemoryError:
+        # Every row stays resident (weights, AdamW state) so rounds can alternate: four ~1B rows and one row's
+        # activations must fit together.
+        print("gpu_single.py: out of GPU memory with every asked row resident: run fewer rows at once (e.g. --rows "
+              "'ours eager,HF eager', then --rows 'ours eager,ours compiled,HF compiled') or a smaller --batch.",
+              file=sys.stderr)
+        sys.exit(3)

@@ -1,0 +1,51 @@
+"""benchmarks/gpu_single.py without a GPU: the one-line refusal, and its whole path on a tiny CPU model.
+Also the chip table's match of CUDA device names, which decides the MFU denominator."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshtrain.plan.hardware import chip_for_cuda_device
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_single.py"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=ROOT)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+def test_refuses_without_cuda_in_one_line():
+    out = _run("--steps", "1")
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu_single.py needs a CUDA device;"), out.stderr
+    assert "--dry-run-cpu" in lines[0] and out.stdout == ""
+
+
+@pytest.mark.slow
+def test_dry_run_prints_every_row_and_checks_the_same_run():
+    out = _run("--dry-run-cpu", "--steps", "1", "--warmup", "1", "--rounds", "1")
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = [ln for ln in out.stdout.splitlines() if ln.startswith("| ")]
+    for name in ("ours eager", "HF eager", "HF compiled", "ours compiled"):
+        assert any(ln.startswith(f"| {name} |") for ln in rows), out.stdout
+    assert "| ours eager / HF eager | " in out.stdout
+    # Same weights and batches in fp32: HF's losses are ours within 1e-5 at the first step, 1e-3 at every step.
+    assert "HF eager: first" in out.stdout and "NOT THE SAME RUN" not in out.stdout
+
+
+@pytest.mark.parametrize("name, key", [
+    ("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA H100 NVL", "H100 NVL"),
+    ("NVIDIA H200", "H200 SXM"), ("NVIDIA H200 NVL", "H200 NVL"), ("NVIDIA A100-SXM4-80GB", "A100 SXM"),
+])
+def test_cuda_device_names_find_their_chip(name, key):
+    assert chip_for_cuda_device(name).name == key
+    assert chip_for_cuda_device("NVIDIA GeForce GTX 1080") is None
