@@ -1,30 +1,51 @@
-"""Our tensor (+ sequence) parallelism against torch's DTensor tensor parallelism, on 4 gloo ranks.
+"""Our tensor (+ sequence) parallelism against torch's DTensor tensor parallelism, tp = every rank.
 
-Same plain model, data and seed. Theirs is ``parallelize_module`` with ColwiseParallel (wq, wk, wv,
-w1, w3, output), RowwiseParallel (wo, w2, the embedding), SequenceParallel (norms) with SP, and
-``loss_parallel`` for the vocabulary-sharded loss. Both clip the gradient norm and step AdamW.
-Ratios are ours/theirs of the median step time (the slowest rank's), alternating rounds.
+Same plain model, data and seed on both sides; both clip the global gradient norm and step AdamW.
+Theirs is what a user tuning DTensor TP would write (``parallelize_module``):
 
-    python benchmarks/tp_vs_torch.py [--steps 12] [--rounds 3] [--d-model 256]
+- TP: ColwiseParallel (wq, wk, wv, w1, w3, output), RowwiseParallel (wo, w2, the embedding), and
+  ``PrepareModuleInput`` on attention and feed-forward, so each block's input becomes a replicated
+  DTensor once: one input-gradient all-reduce per attention and per MLP, as ours (without it every
+  ColwiseParallel converts its own input and backward all-reduces three times per attention).
+- TP + SP: the same with SequenceParallel on the norms and PrepareModuleInput gathering the sequence
+  (Shard(1) -> Replicate) before attention and feed-forward; ``loss_parallel`` on both rows.
+
+Ours runs with ``parallel.sp_regather`` as configured by default (column-parallel inputs gathered again in
+backward); the third row compares that with keeping the gathered inputs (ours against ours), which is
+what re-gathering costs in time. The script first counts the DTensor side's collectives in one step and
+asserts its input collectives are one per block entry, like ours; in every round it asserts both sides
+computed the same run (first-step loss within 1e-5 relative, every step within 1e-3: fp32 summation order
+differs, so trajectories drift apart slowly). Rounds alternate ours/theirs/theirs/ours, a barrier precedes
+every timed step (and a device sync on CUDA); the device is the machine's (CUDA + NCCL with a GPU per
+rank, else CPU + gloo). Reported: the median over rounds of ours/theirs (median step over median step,
+the slowest rank's), and the per-round min-max; ``--runs`` repeats it in fresh process groups.
+
+    python benchmarks/tp_vs_torch.py [--steps 14] [--warmup 4] [--rounds 5] [--runs 1] [--d-model 256]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from harness import Comparison, bench_device, order, run_independent, slowest, spread_line, timed_step
 
+from meshtrain import comm
 from meshtrain.config import ModelConfig, ParallelConfig, TrainConfig
 from meshtrain.mesh import Mesh
 from meshtrain.model.llama import build_model
 from meshtrain.parallel.tensor import apply_tensor_parallel
 from meshtrain.rules import rules_for
-from meshtrain.testing.spawn import spawn
 from meshtrain.train.data import SyntheticDataset
 from meshtrain.train.optim import build_adamw, model_params
+
+ROWS = {
+    "tp": "TP vs DTensor TP + PrepareModuleInput",
+    "sp": "TP + SP (re-gather) vs DTensor TP + SequenceParallel",
+    "regather": "TP + SP re-gather vs TP + SP kept inputs (ours vs ours)",
+}
 
 
 def _cfg(args) -> ModelConfig:
@@ -32,39 +53,39 @@ def _cfg(args) -> ModelConfig:
                        max_seq_len=args.seq)
 
 
-def _batches(args):
+def _batches(args, device: torch.device):
     data = SyntheticDataset(args.vocab)
-    return [data.batch(0, s, args.batch, args.seq) for s in range(args.steps)]
+    return [tuple(t.to(device) for t in data.batch(0, s, args.batch, args.seq)) for s in range(args.steps)]
 
 
-def _ours(args, sp, world):
-    model = build_model(_cfg(args), seed=0)
-    tp = apply_tensor_parallel(model, Mesh(tp=world), rules_for(ParallelConfig(tp=world, sp=sp)), sp=sp)
+def _ours(args, sp: bool, regather: bool, world: int):
+    """Build our TP model; returns one training step (-> loss) per batch."""
+    device = bench_device()
+    model = build_model(_cfg(args), seed=0).to(device)
+    tp = apply_tensor_parallel(model, Mesh(tp=world, device=device), rules_for(ParallelConfig(tp=world, sp=sp)),
+                               sp=sp, sp_regather=regather)
     params = model_params(model, tp.placements)
     opt = build_adamw(params, TrainConfig())
     replicated = [op.tensor for op in params if op.replicas > 1]
-    times, losses = [], []
-    for x, y in _batches(args):
-        t0 = time.perf_counter()
+
+    def step(x, y) -> float:
         loss = tp.loss_fn(model(x), y) / y.numel()
-        losses.append(float(loss))
         loss.backward()
         tp.sync_replicated_grads([p.grad for p in replicated])
         plain = [op.tensor.grad for op in params if op.replicas == 1]
-        rep = [p.grad for p in replicated]
-        local = sum(float(g.float().pow(2).sum()) for g in plain) + sum(float(g.float().pow(2).sum())
-                                                                        for g in rep) / world
-        from meshtrain import comm
+        local = sum(float(g.float().pow(2).sum()) for g in plain) + \
+            sum(float(p.grad.float().pow(2).sum()) for p in replicated) / world
         norm = comm.all_reduce_scalars([local], tp.group)[0] ** 0.5
-        coef = min(1.0, 1.0 / (norm + 1e-6))
-        torch._foreach_mul_([op.tensor.grad for op in params], coef)
+        torch._foreach_mul_([op.tensor.grad for op in params], min(1.0, 1.0 / (norm + 1e-6)))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-    return times[args.warmup:], losses
+        return float(loss.detach())
+
+    return step
 
 
-def _torch(args, sp, world):
+def _torch(args, sp: bool, world: int):
+    """Build DTensor TP on the same plain model; returns one training step (-> loss)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -76,9 +97,10 @@ def _torch(args, sp, world):
         parallelize_module,
     )
 
-    model = build_model(_cfg(args), seed=0)
-    mesh = init_device_mesh("cpu", (world,))
-    seq = Shard(1) if sp else Replicate()
+    device = bench_device()
+    model = build_model(_cfg(args), seed=0).to(device)
+    mesh = init_device_mesh(device.type, (world,))
+    seq = Shard(1) if sp else Replicate()  # the layout between blocks
     plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
         "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
@@ -88,33 +110,33 @@ def _torch(args, sp, world):
     parallelize_module(model, mesh, plan)
     for block in model.layers.values():
         bplan = {
+            # The block's input arrives as a plain tensor (seq layout); converting it once per module makes
+            # the column-parallel matmuls share one input collective (forward gather / backward reduction).
+            "attention": PrepareModuleInput(input_layouts=(seq, None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
             "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=seq),
             "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=seq),
         }
         if sp:
-            bplan.update({
-                "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                desired_input_layouts=(Replicate(), None, None)),
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            })
+            bplan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
         parallelize_module(block, mesh, bplan)
     opt = build_adamw(model_params(model), TrainConfig())
-    times, losses = [], []
-    for x, y in _batches(args):
-        t0 = time.perf_counter()
+
+    def step(x, y) -> float:
         with loss_parallel():
             logits = model(x)
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum") / y.numel()
             loss.backward()
-        losses.append(float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss))
         _clip_mixed(model, world)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-    return times[args.warmup:], losses
+        loss = loss.detach()
+        return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+
+    return step
 
 
 def _clip_mixed(model, world: int) -> None:
@@ -131,7 +153,7 @@ def _clip_mixed(model, world: int) -> None:
             local += float(g.to_local().float().pow(2).sum()) / (1 if sharded else world)
         else:
             local += float(g.float().pow(2).sum()) / world
-    t = torch.tensor([local], dtype=torch.float64)
+    t = torch.tensor([local], dtype=torch.float64, device=bench_device())
     dist.all_reduce(t)
     coef = min(1.0, 1.0 / (float(t) ** 0.5 + 1e-6))
     for p in model.parameters():
@@ -139,18 +161,62 @@ def _clip_mixed(model, world: int) -> None:
         (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
 
 
+def _their_input_collectives(args, sp: bool, world: int) -> dict[str, int]:
+    """Collectives of one DTensor step by kind (CommDebugMode), on a throwaway model."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    step = _torch(args, sp, world)
+    x, y = _batches(args, bench_device())[0]
+    mode = CommDebugMode()
+    with mode:
+        step(x, y)
+    return {str(k).split(".")[-1]: v for k, v in mode.get_comm_counts().items()}
+
+
+def _run(args, side: str, row: str, world: int) -> tuple[list[float], list[float]]:
+    """One side of one row: (step seconds after warm-up, every step's loss)."""
+    if side == "theirs" and row != "regather":
+        step = _torch(args, row == "sp", world)
+    else:
+        step = _ours(args, sp=row != "tp", regather=not (row == "regather" and side == "theirs"), world=world)
+    times, losses = [], []
+    for x, y in _batches(args, bench_device()):
+        loss, sec = timed_step(lambda x=x, y=y: step(x, y))
+        times.append(sec)
+        losses.append(loss)
+    return times[args.warmup:], losses
+
+
 def _worker(rank, world, args):
-    out = {}
-    for sp in (False, True):
-        out[sp] = [(_ours(args, sp, world), _torch(args, sp, world)) for _ in range(args.rounds)]
-    return out
+    counts = {sp: _their_input_collectives(args, sp, world) for sp in (False, True)}
+    out: dict[str, list[dict[str, tuple[list[float], list[float]]]]] = {}
+    for row in args.rows:
+        out[row] = []
+        for r in range(args.rounds):
+            out[row].append({side: _run(args, side, row, world) for side in order(r)})
+    return out, counts
+
+
+def _check_their_collectives(counts: dict[bool, dict[str, int]], args) -> str:
+    """DTensor's activation collectives are one per block entry and exit, like ours (asserted exactly)."""
+    entries = 2 * args.layers + 1  # the embedding's output, and each block's attention and MLP (TP: their inputs)
+    tp, sp = counts[False], counts[True]
+    # TP: forward all-reduces the embedding's and each row-parallel output, backward each column-parallel
+    # entry's input gradient and the head's; loss_parallel adds three (max, sum of exp, target logit).
+    # Without PrepareModuleInput backward would all-reduce once per ColwiseParallel (5 per block).
+    assert tp.get("all_reduce", 0) == 2 * entries + 3, f"not one input collective per block entry: {tp}"
+    # TP + SP: an all-gather into each entry (and the head) forward, and of each exit's gradient backward.
+    assert sp.get("all_gather_into_tensor", 0) == 2 * entries, sp
+    return f"DTensor collectives of one step: TP {tp}; TP + SP {sp}"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=14)
     ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--runs", type=int, default=1, help="independent process groups (the spread across them)")
+    ap.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
@@ -158,28 +224,36 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=257)
     ap.add_argument("--world", type=int, default=4)
     args = ap.parse_args()
-    results = spawn(_worker, args.world, args=(args,), timeout=3000)
+    if args.steps <= args.warmup:
+        ap.error("--steps must exceed --warmup")
+    runs = run_independent(_worker, args.world, args.runs, (args,))
     n = args.steps - args.warmup
-    print(f"{args.world} gloo ranks (tp={args.world}), d_model={args.d_model}, layers={args.layers}, seq={args.seq}, "
-          f"batch={args.batch}, vocab={args.vocab}, {n} timed steps x {args.rounds} rounds\n")
-    print("| ours vs torch | ours median (ms) | torch median (ms) | ratio ours/torch | per-round min-max |")
+    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.world else "gloo"
+    print(f"{args.world} {backend} ranks (tp={args.world}), d_model={args.d_model}, layers={args.layers}, "
+          f"seq={args.seq}, batch={args.batch}, vocab={args.vocab}, {n} timed steps x {args.rounds} rounds x "
+          f"{args.runs} run(s)")
+    print(_check_their_collectives(runs[0][0][1], args) + "\n")
+    print("| comparison | ours median (ms) | theirs median (ms) | ratio ours/theirs | per-round min-max |")
     print("|---|---|---|---|---|")
-    for sp in (False, True):
-        ratios, ours_all, theirs_all = [], [], []
-        for r in range(args.rounds):
-            ours = [max(res[sp][r][0][0][i] for res in results) for i in range(n)]
-            theirs = [max(res[sp][r][1][0][i] for res in results) for i in range(n)]
-            # Both must compute the same training run, or the timing means nothing.
-            a, b = results[0][sp][r][0][1], results[0][sp][r][1][1]
-            # (fp32 rounding differs, so the trajectories drift apart slowly: tight at first, loose later.)
-            assert abs(a[0] - b[0]) / abs(b[0]) < 1e-5, (a, b)
-            assert max(abs(u - v) / abs(v) for u, v in zip(a, b, strict=True)) < 1e-3, (a, b)
-            ratios.append(statistics.median(ours) / statistics.median(theirs))
-            ours_all += ours
-            theirs_all += theirs
-        mo, mt = statistics.median(ours_all), statistics.median(theirs_all)
-        name = "TP + SP vs DTensor TP + SequenceParallel" if sp else "TP vs DTensor TP"
-        print(f"| {name} | {mo * 1e3:.1f} | {mt * 1e3:.1f} | {mo / mt:.3f} | {min(ratios):.3f}-{max(ratios):.3f} |")
+    for row in args.rows:
+        run_ratios, every = [], Comparison(ROWS[row])  # every: all runs' rounds together
+        for results in runs:
+            cmp = Comparison(ROWS[row])
+            for r in range(args.rounds):
+                per_rank = [res[0][row][r] for res in results]
+                # Both must compute the same training run, or the timing means nothing.
+                a, b = per_rank[0]["ours"][1], per_rank[0]["theirs"][1]
+                assert abs(a[0] - b[0]) / abs(b[0]) < 1e-5, (row, a, b)
+                assert max(abs(u - v) / abs(v) for u, v in zip(a, b, strict=True)) < 1e-3, (row, a, b)
+                ours, theirs = slowest([p["ours"][0] for p in per_rank]), slowest([p["theirs"][0] for p in per_rank])
+                cmp.add_round(ours, theirs)
+                every.add_round(ours, theirs)
+            run_ratios.append(cmp.ratio())
+        mo, mt = every.medians_ms()
+        ratios = every.round_ratios()
+        spread = f"{min(ratios):.3f}-{max(ratios):.3f}"
+        ratio = spread_line(run_ratios) if args.runs > 1 else f"{statistics.median(ratios):.3f}"
+        print(f"| {ROWS[row]} | {mo:.1f} | {mt:.1f} | {ratio} | {spread} |")
 
 
 if __name__ == "__main__":

@@ -94,6 +94,7 @@ class ParallelConfig:
     reshard_after_forward: bool = True  # ZeRO-3: free gathered parameters after forward, re-gather for backward
     reduce_dtype: str = "fp32"  # dtype the DP family's gradient collectives send: fp32 | bf16 (halves their bytes)
     sp: bool = False
+    sp_regather: bool = True  # SP: column-parallel layers save the sequence shard and all-gather it again in backward
     cp_layout: str = "zigzag"  # zigzag (2*cp chunks, rank i holds i and 2cp-1-i: balanced causal work) | contiguous
     cp_attention: str = "ring"  # ring (K/V passed around the cp ranks) | allgather (K/V all-gathered once)
     schedule: str = "1f1b"  # afab | 1f1b | interleaved | zb-h1 | dualpipev

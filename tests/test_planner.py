@@ -211,15 +211,16 @@ def test_tp_layer_collectives_sum_to_runtime_model():
     tokens, tp, accum, act = 512, 4, 2, 2
     s = tokens * cfg.d_model * act
     extra = accum * (2 * s)  # the embedding output and the head input gradient
-    for sp in (False, True):
+    for sp, regather in ((False, True), (True, False), (True, True)):
         per_layer: dict[str, int] = {}
-        for _, op, nbytes, _ in tp_layer_collectives(tokens, cfg.d_model, tp, sp, act):
+        for _, op, nbytes, _ in tp_layer_collectives(tokens, cfg.d_model, tp, sp, act, regather):
             per_layer[op] = per_layer.get(op, 0) + nbytes
-        runtime = tp_comm_bytes(cfg, tp, sp, tokens, accum, act)
+        runtime = tp_comm_bytes(cfg, tp, sp, tokens, accum, act, sp_regather=regather)
         loss_norms = accum * 12 * tokens + (2 * cfg.n_layers + 1) * cfg.d_model * 4
         if sp:
-            for op in ("all_gather", "reduce_scatter"):
-                assert runtime[("tp", op)] == accum * cfg.n_layers * per_layer[op] + extra
+            head = accum * s if regather else 0  # the head's input is gathered again in backward too
+            assert runtime[("tp", "all_gather")] == accum * cfg.n_layers * per_layer["all_gather"] + extra + head
+            assert runtime[("tp", "reduce_scatter")] == accum * cfg.n_layers * per_layer["reduce_scatter"] + extra
         else:
             assert runtime[("tp", "all_reduce")] == accum * cfg.n_layers * per_layer["all_reduce"] + extra + loss_norms
 
@@ -250,6 +251,9 @@ def test_activation_memory_by_recompute_and_sp():
     none, sel, full = (costs.activation_elems_per_token(cfg, r, 8) for r in ("none", "selective", "full"))
     assert none > sel > full == cfg.d_model
     assert costs.activation_elems_per_token(cfg, "none", 8, sp=True) < none
+    # Re-gathering the column-parallel inputs in backward keeps D/8 of each instead of D (two per block).
+    kept = costs.activation_elems_per_token(cfg, "none", 8, sp=True, sp_regather=False)
+    assert kept - costs.activation_elems_per_token(cfg, "none", 8, sp=True) == 2 * cfg.d_model * (1 - 1 / 8)
     assert costs.activation_elems_per_token(cfg, "full", 8, sp=True) == cfg.d_model / 8
 
 
@@ -355,7 +359,7 @@ def test_cli_plan_json_emit_and_plot(tmp_path, capsys):
     assert data["top"][0]["fits"] and data["top"][0]["step_s"] <= data["top"][1]["step_s"]
     assert data["emitted"] == str(out) and "Sharding" in data["explanation"]
     cfg = load_config(out)
-    assert cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp == 16
+    assert cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp == 16
     assert png.stat().st_size > 10_000
 
 

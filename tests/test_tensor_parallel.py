@@ -5,15 +5,20 @@ vocabulary of 257 ids, which tp=2 and tp=4 must pad), losses within 1e-5 relativ
 parameter within 1e-5 relative (Frobenius), fp32; every step's grad_norm and the step-1 gradient of every
 tensor within 1e-5 relative, on every rank; each layout built the mesh it asked for and moved bytes on tp (and
 dp). TP and TP+SP also run with clipping off (train.grad_clip=0), where a constant factor on a replicated
-norm's gradient is not hidden by clipping.
+norm's gradient is not hidden by clipping. SP runs with the column-parallel inputs gathered again in backward
+(parallel.sp_regather, the default) and once without.
 """
 
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from meshtrain import comm
 from meshtrain.config import ConfigError, load_config
-from meshtrain.plan.costs import tp_comm_bytes
+from meshtrain.mesh import Mesh
+from meshtrain.parallel.tensor import ColumnParallelLinear
+from meshtrain.plan.costs import tp_comm_bytes, tp_forward_saved_bytes
 from meshtrain.testing.equivalence import (
     assert_planner_predicts_runs,
     assert_same_cli_run,
@@ -47,17 +52,22 @@ LAYOUTS_4 = [
     ("tp2 x dp2 dp accum full", ["parallel.tp=2", "parallel.zero=0", "train.grad_accum=2", "train.recompute=full"]),
     ("tp4 no clipping", ["parallel.tp=4", "train.grad_clip=0", *MHA]),
     ("tp4 sp no clipping", ["parallel.tp=4", "parallel.sp=true", "train.grad_clip=0", *MHA]),
+    ("tp4 sp kept inputs", ["parallel.tp=4", "parallel.sp=true", "parallel.sp_regather=false", *MHA]),
 ]
 LAYOUTS_2 = [
     ("tp2 gqa", ["parallel.tp=2"]),
     ("tp2 sp gqa", ["parallel.tp=2", "parallel.sp=true"]),
     ("tp2 sp accum", ["parallel.tp=2", "parallel.sp=true", "train.grad_accum=2"]),
+    ("tp2 sp full", ["parallel.tp=2", "parallel.sp=true", "train.recompute=full"]),
 ]
+# (tp, sp, sp_regather) of the byte and activation-memory measurements on 4 ranks.
+MEASURED = [(4, False, True), (4, True, True), (4, True, False)]
 
 
-def _measure(data, tp, sp):
+def _measure(data, tp, sp, regather):
     """tp-axis bytes of one steady-state step, and activation bytes saved for backward by one forward."""
     cfg = load_config("tiny", [f"data.path={data}", *BASE, f"parallel.tp={tp}", f"parallel.sp={sp}",
+                               f"parallel.sp_regather={regather}",
                                "train.global_batch=4", "train.seq_len=64", "model.max_seq_len=64", *MHA])
     trainer = Trainer(cfg)
     trainer.train_step(0)
@@ -71,7 +81,7 @@ def _measure(data, tp, sp):
 def _worker(rank, world_size, data, layouts, measure):
     out = {name: run_layout(data, [*BASE, *overrides], run_dir(data, world_size, name))
            for name, overrides in layouts}
-    meas = {(tp, sp): _measure(data, tp, sp) for tp, sp in measure}
+    meas = {key: _measure(data, *key) for key in measure}
     return out, meas
 
 
@@ -82,7 +92,7 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world4(data):
-    return spawn(_worker, 4, args=(data, LAYOUTS_4, [(4, False), (4, True)]), timeout=900)
+    return spawn(_worker, 4, args=(data, LAYOUTS_4, MEASURED), timeout=900)
 
 
 @pytest.fixture(scope="module")
@@ -102,18 +112,70 @@ def test_tp2_with_gqa_on_2_ranks_equals_one_device(data, reference):
 def test_tp_bytes_per_step_equal_the_formula(world4):
     cfg = load_config("tiny", MHA).model
     cfg.vocab_size = 257
+    s = 4 * 64 * cfg.d_model * 4  # one fp32 activation of the 4 x 64 tokens
     for rank, (_, meas) in enumerate(world4):
-        for sp in (False, True):
-            measured, _ = meas[(4, sp)]
+        for tp, sp, regather in MEASURED:
+            measured, _ = meas[(tp, sp, regather)]
             # 4 sequences x 64 tokens; tp ranks share the data-parallel rows (dp = 1 here).
-            want = tp_comm_bytes(cfg, tp=4, sp=sp, tokens=4 * 64)
-            assert measured == want, (rank, sp, measured, want)
+            want = tp_comm_bytes(cfg, tp=tp, sp=sp, tokens=4 * 64, sp_regather=regather)
+            assert measured == want, (rank, sp, regather, measured, want)
+        # Re-gathering costs one all-gather per column-parallel layer in backward: QKV and gate/up of 2 blocks, head.
+        extra = meas[(4, True, True)][0][("tp", "all_gather")] - meas[(4, True, False)][0][("tp", "all_gather")]
+        assert extra == 5 * s, (rank, extra)
 
 
 def test_sequence_parallel_cuts_activation_memory(world4):
-    without, with_sp = world4[0][1][(4, False)][1], world4[0][1][(4, True)][1]
-    # Norm inputs, residuals and the embedding output are held as 1/4 of the sequence with SP.
-    assert with_sp < 0.8 * without, (with_sp, without)
+    """Activation bytes one forward leaves for backward on each rank equal the planner's model exactly."""
+    cfg = load_config("tiny", MHA).model
+    cfg.vocab_size, cfg.max_seq_len = 257, 64
+    for rank, (_, meas) in enumerate(world4):
+        saved = {key: meas[key][1] for key in MEASURED}
+        for tp, sp, regather in MEASURED:
+            assert saved[(tp, sp, regather)] == tp_forward_saved_bytes(cfg, 4 * 64, tp, sp, regather), \
+                (rank, sp, regather, saved)
+        # SP holds the norms and residuals as 1/4 of the sequence; re-gathering also the column-parallel inputs
+        # (2 per block and the head's: 5 x 3/4 of 4 x 64 x 32 fp32).
+        assert saved[(4, True, False)] - saved[(4, True, True)] == 5 * 4 * 64 * 32 * 4 * 3 // 4, saved
+        assert saved[(4, True, True)] < saved[(4, True, False)] < saved[(4, False, True)], saved
+
+
+def _gather_linear_worker(rank, world_size):
+    """One column-parallel layer under SP against the single-device matmul, fp32 and bf16 autocast, with and
+    without re-gathering: output rows, input-gradient shard, weight-gradient rows, and the all-gather bytes."""
+    gen = torch.Generator().manual_seed(0)
+    x, w, c = (torch.randn(*shape, generator=gen) for shape in ((2, 8, 16), (12, 16), (2, 8, 12)))
+    group = Mesh(tp=world_size).group("tp")
+    rows, seq = slice(rank * 6, rank * 6 + 6), slice(rank * 4, rank * 4 + 4)
+    out = {}
+    for bf16 in (False, True):
+        ref_x, ref_w = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            ref = F.linear(ref_x, ref_w)
+        (ref.float() * c).sum().backward()
+        for regather in (False, True):
+            xs = x[:, seq].clone().requires_grad_()
+            layer = ColumnParallelLinear(w[rows].clone(), group, sp=True, regather=regather)
+            comm.METER.reset()
+            with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+                y = layer(xs)
+            (y.float() * c[:, :, rows]).sum().backward()
+            gathered = comm.METER.snapshot()["tp"]["all_gather"]["bytes"]
+            out[(bf16, regather)] = ((y, ref[..., rows]), (xs.grad, ref_x.grad[:, seq]),
+                                     (layer.weight.grad, ref_w.grad[rows]), gathered)
+    return out
+
+
+def test_column_parallel_regather_equals_one_device():
+    results = spawn(_gather_linear_worker, 2, timeout=120)
+    full = 2 * 8 * 16  # the gathered input's elements
+    for rank, out in enumerate(results):
+        for (bf16, regather), (*pairs, gathered) in out.items():
+            rtol = 2e-2 if bf16 else 1e-5  # bf16 keeps 8 mantissa bits; fp32 differs by summation order only
+            for what, (got, want) in zip(("output", "input grad", "weight grad"), pairs, strict=True):
+                err = (got.float() - want.float()).norm() / want.float().norm()
+                assert got.dtype == want.dtype and err <= rtol, (rank, bf16, regather, what, float(err))
+            # Forward gathers the fp32 input; the re-gather in backward moves the shard saved in the compute dtype.
+            assert gathered == full * 4 + (full * (2 if bf16 else 4) if regather else 0), (rank, bf16, regather)
 
 
 def test_tp_refuses_shapes_it_cannot_split():

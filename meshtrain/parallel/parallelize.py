@@ -272,7 +272,8 @@ def parallelize(model: Llama, mesh: Mesh, cfg: Config) -> Parallel:
     rules = rules_for(p)
     check_executable(rules)
     dtype = DTYPES[t.dtype]
-    tp = apply_tensor_parallel(model, mesh, rules, sp=p.sp) if mesh.size("tp") > 1 else None
+    tp = apply_tensor_parallel(model, mesh, rules, sp=p.sp, sp_regather=p.sp_regather) \
+        if mesh.size("tp") > 1 else None
     cp = apply_context_parallel(model, mesh, t.seq_len, p.cp_layout, p.cp_attention) if mesh.size("cp") > 1 \
         else None
     moe = apply_expert_parallel(model, mesh, sp=p.sp, global_sequences=t.global_batch) \

@@ -122,6 +122,38 @@ class _ScatterSeq(torch.autograd.Function):
         return _all_gather_seq(g, ctx.group), None
 
 
+class _GatherLinear(torch.autograd.Function):
+    """SP entry and column-parallel matmul in one, keeping only the sequence shard for backward (Megatron).
+
+    Forward all-gathers the sequence and multiplies, like ``F.linear(gather_seq(x), w)``, but saves the
+    [B, T/tp, D] shard instead of the gathered [B, T, D] input the weight gradient needs: backward
+    gathers it again, started before the input-gradient matmul so the two overlap, then computes the
+    weight gradient and reduce-scatters the input gradient. Under autocast the shard is saved (and
+    re-gathered) in the compute dtype, which is all the matmuls read of it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+        dev = x.device.type
+        cast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        w = weight if cast is None else weight.to(cast)
+        ctx.group, ctx.x_dtype, ctx.w_dtype = group, x.dtype, weight.dtype
+        ctx.save_for_backward(x if cast is None else x.to(cast), w)
+        full = _all_gather_seq(x, group)
+        return F.linear(full if cast is None else full.to(cast), w)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        shard, w = ctx.saved_tensors
+        xt = shard.transpose(0, 1).contiguous()
+        full = xt.new_empty((xt.shape[0] * ctx.group.size, *xt.shape[1:]))
+        gathering = comm.all_gather(full, xt, ctx.group, async_op=True)
+        grad_in = g.matmul(w.to(g.dtype))  # under the all-gather
+        gathering.wait()
+        full = full.transpose(0, 1)
+        grad_w = g.reshape(-1, g.shape[-1]).t().matmul(full.reshape(-1, full.shape[-1]).to(g.dtype))
+        return _reduce_scatter_seq(grad_in.to(ctx.x_dtype), ctx.group), grad_w.to(ctx.w_dtype), None
+
+
 def copy_to_tp(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     return x if group.size == 1 else _CopyToTP.apply(x, group)
 
@@ -185,18 +217,26 @@ class Sharder:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y[..., out/tp] = enter(x) @ W[rows of this rank]^T. ``enter`` is f (or the SP all-gather)."""
+    """y[..., out/tp] = enter(x) @ W[rows of this rank]^T. ``enter`` is f (or the SP all-gather); with SP and
+    ``regather`` (``parallel.sp_regather``) backward gathers the sequence shard again instead of keeping the
+    gathered input (``_GatherLinear``)."""
 
-    def __init__(self, weight: torch.Tensor, group: AxisGroup, sp: bool) -> None:
+    def __init__(self, weight: torch.Tensor, group: AxisGroup, sp: bool, regather: bool = False) -> None:
         super().__init__()
-        self.group, self.sp = group, sp
+        self.group, self.sp, self.regather = group, sp, sp and regather
         self.weight = nn.Parameter(weight)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         return gather_seq(x, self.group) if self.sp else copy_to_tp(x, self.group)
 
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """enter(x) @ weight^T, for this layer's weight or a fused one (QKV, gate/up) sharing its entry."""
+        if self.regather and self.group.size > 1:
+            return _GatherLinear.apply(x, weight, self.group)
+        return F.linear(self.enter(x), weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.enter(x), self.weight)
+        return self.matmul(x, self.weight)
 
 
 class RowParallelLinear(nn.Module):
@@ -212,14 +252,16 @@ class RowParallelLinear(nn.Module):
         return scatter_seq(y, self.group) if self.sp else reduce_from_tp(y, self.group)
 
 
-def _linear(sharder: Sharder, name: str, lin: nn.Linear, sp: bool, units: int | None = None) -> nn.Module:
+def _linear(sharder: Sharder, name: str, lin: nn.Linear, sp: bool, units: int | None = None, *,
+            regather: bool = False) -> nn.Module:
     """The sharded twin of ``lin`` the rules ask for: column-parallel (dim 0 split) or row-parallel (dim 1);
     ``units`` as in ``Sharder.shard``."""
     local, tp = sharder.shard(name, lin.weight, units)
     if tp is None or tp.dim not in (0, 1):
         raise ValueError(f"{name}: the rules must split a linear weight along dim 0 or 1 over tp.")
-    cls = ColumnParallelLinear if tp.dim == 0 else RowParallelLinear
-    return cls(local, sharder.group, sp)
+    if tp.dim == 0:
+        return ColumnParallelLinear(local, sharder.group, sp, regather)
+    return RowParallelLinear(local, sharder.group, sp)
 
 
 class ParallelAttention(nn.Module):
@@ -227,12 +269,12 @@ class ParallelAttention(nn.Module):
     of wq, wk, wv, one entry collective), RoPE, the attention core, row-parallel output projection.
     With fewer kv heads than tp, wk and wv are the one kv head this rank's query heads use (replicated)."""
 
-    def __init__(self, attn: Attention, sharder: Sharder, prefix: str, sp: bool) -> None:
+    def __init__(self, attn: Attention, sharder: Sharder, prefix: str, sp: bool, regather: bool = False) -> None:
         super().__init__()
         self.head_dim = attn.head_dim
         self.wq, self.wk, self.wv, self.wo = (
             _linear(sharder, f"{prefix}.{n}.weight", getattr(attn, n), sp, attn.n_kv_heads if n in ("wk", "wv")
-                    else None) for n in ("wq", "wk", "wv", "wo"))
+                    else None, regather=regather) for n in ("wq", "wk", "wv", "wo"))
         if not all(isinstance(m, ColumnParallelLinear) for m in (self.wq, self.wk, self.wv)) or \
                 not isinstance(self.wo, RowParallelLinear):
             raise ValueError("the rules must split attention by heads (wq, wk, wv by rows, wo by columns).")
@@ -240,8 +282,8 @@ class ParallelAttention(nn.Module):
         self.core = attn.core  # causal SDPA, or context parallelism's ring
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = self.wq.enter(x)  # one collective serves q, k and v
-        qkv = F.linear(x, torch.cat([self.wq.weight, self.wk.weight, self.wv.weight]))
+        # one entry collective serves q, k and v
+        qkv = self.wq.matmul(x, torch.cat([self.wq.weight, self.wk.weight, self.wv.weight]))
         b, t, _ = qkv.shape
         q, k, v = qkv.split([self.q_rows, self.kv_rows, self.kv_rows], dim=-1)
         q = q.view(b, t, -1, self.head_dim).transpose(1, 2)
@@ -255,17 +297,16 @@ class ParallelAttention(nn.Module):
 class ParallelFeedForward(nn.Module):
     """SwiGLU with fused gate/up (one matmul over the column shards of w1 and w3) and a row-parallel w2."""
 
-    def __init__(self, ff: FeedForward, sharder: Sharder, prefix: str, sp: bool) -> None:
+    def __init__(self, ff: FeedForward, sharder: Sharder, prefix: str, sp: bool, regather: bool = False) -> None:
         super().__init__()
-        self.w1, self.w3, self.w2 = (_linear(sharder, f"{prefix}.{n}.weight", getattr(ff, n), sp)
+        self.w1, self.w3, self.w2 = (_linear(sharder, f"{prefix}.{n}.weight", getattr(ff, n), sp, regather=regather)
                                      for n in ("w1", "w3", "w2"))
         if not isinstance(self.w1, ColumnParallelLinear) or not isinstance(self.w2, RowParallelLinear):
             raise ValueError("the rules must split the MLP by its hidden units (w1, w3 by rows, w2 by columns).")
         self.hidden = self.w1.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.w1.enter(x)
-        gate, up = F.linear(x, torch.cat([self.w1.weight, self.w3.weight])).split(self.hidden, dim=-1)
+        gate, up = self.w1.matmul(x, torch.cat([self.w1.weight, self.w3.weight])).split(self.hidden, dim=-1)
         return self.w2(F.silu(gate) * up)
 
 
@@ -289,9 +330,10 @@ class VocabParallelEmbedding(nn.Module):
 class VocabParallelHead(ColumnParallelLinear):
     """LM head over this rank's vocabulary rows [start, end) of ``vocab``; returns local logits [B, T, V/tp]."""
 
-    def __init__(self, weight: nn.Parameter, tp: TPSlice, vocab: int, group: AxisGroup, sp: bool) -> None:
+    def __init__(self, weight: nn.Parameter, tp: TPSlice, vocab: int, group: AxisGroup, sp: bool,
+                 regather: bool = False) -> None:
         nn.Module.__init__(self)
-        self.group, self.sp, self.vocab = group, sp, vocab
+        self.group, self.sp, self.regather, self.vocab = group, sp, sp and regather, vocab
         self.start, self.end = tp.start, tp.start + tp.length
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
 
@@ -395,10 +437,13 @@ def _all_reduce_flat(grads: list[torch.Tensor], group: AxisGroup, op: str) -> No
         off += g.numel()
 
 
-def apply_tensor_parallel(model: nn.Module, mesh: Mesh, rules: Rules, sp: bool = False) -> TensorParallel:
+def apply_tensor_parallel(model: nn.Module, mesh: Mesh, rules: Rules, sp: bool = False,
+                          sp_regather: bool = True) -> TensorParallel:
     """Swap the plain model's layers for tensor-parallel twins holding this rank's slices (in place), as the
-    logical-axis ``rules`` say. Shape checks (tp divides heads and hidden; divides kv heads or is a multiple of
-    them) are the config's (``config.validate``), before any process starts."""
+    logical-axis ``rules`` say. With ``sp``, ``sp_regather`` makes the column-parallel layers (fused QKV,
+    gate/up, the head) keep their sequence shard for backward and gather it again there. Shape checks (tp
+    divides heads and hidden; divides kv heads or is a multiple of them) are the config's
+    (``config.validate``), before any process starts."""
     check_executable(rules)
     group = mesh.group("tp")
     sharder = Sharder(rules, group, mesh.coord("tp"))
@@ -412,9 +457,10 @@ def apply_tensor_parallel(model: nn.Module, mesh: Mesh, rules: Rules, sp: bool =
     for key, block in model.layers.items():
         block: Block
         prefix = f"layers.{key}"
-        block.attention = ParallelAttention(block.attention, sharder, f"{prefix}.attention", sp)
+        block.attention = ParallelAttention(block.attention, sharder, f"{prefix}.attention", sp, sp_regather)
         if isinstance(block.feed_forward, FeedForward):
-            block.feed_forward = ParallelFeedForward(block.feed_forward, sharder, f"{prefix}.feed_forward", sp)
+            block.feed_forward = ParallelFeedForward(block.feed_forward, sharder, f"{prefix}.feed_forward", sp,
+                                                     sp_regather)
         else:  # a mixture of experts: router and experts are whole on every tp rank (the rules give them no tp axis)
             for name, p in block.feed_forward.named_parameters():
                 sharder.replicate(f"{prefix}.feed_forward.{name}", p)
@@ -428,10 +474,10 @@ def apply_tensor_parallel(model: nn.Module, mesh: Mesh, rules: Rules, sp: bool =
     emb = VocabParallelEmbedding(emb_w, emb_tp, group, sp)
     model.tok_embeddings = emb
     if cfg.tie_embeddings:  # the same vocabulary rows, the same parameter
-        head = VocabParallelHead(emb.weight, emb_tp, cfg.vocab_size, group, sp)
+        head = VocabParallelHead(emb.weight, emb_tp, cfg.vocab_size, group, sp, sp_regather)
     else:
         head_w, head_tp = sharder.shard("output.weight", model.output.weight)
-        head = VocabParallelHead(head_w, head_tp, cfg.vocab_size, group, sp)
+        head = VocabParallelHead(head_w, head_tp, cfg.vocab_size, group, sp, sp_regather)
     model.output = head
     sharder.replicate("norm.weight", model.norm.weight)
     return TensorParallel(group, sp, VocabParallelLoss(head), sharder.placements, head, kv_group)

@@ -80,7 +80,8 @@ def dp_family_bytes(units: list[int], zero: int, dp: int, grad_accum: int = 1, d
 def tp_comm_bytes(cfg: ModelConfig, tp: int, sp: bool, tokens: int, grad_accum: int = 1, act_bytes: int = 4,
                   layers: int | None = None, embedding: bool = True, head: bool = True,
                   norm_elems: int | None = None, recompute: bool = False, mlp_tp: bool = True,
-                  kv_elems: int | None = None) -> dict[tuple[str, str], int]:
+                  kv_elems: int | None = None, sp_regather: bool = True, regather_bytes: int | None = None
+                  ) -> dict[tuple[str, str], int]:
     """Payload bytes per rank per step on the tp axis (meshtrain/parallel/tensor.py).
 
     ``tokens`` is the tokens of one microbatch on this rank (rows x seq_len); S = tokens x d_model x
@@ -108,6 +109,11 @@ def tp_comm_bytes(cfg: ModelConfig, tp: int, sp: bool, tokens: int, grad_accum: 
     With fewer kv heads than tp, each rank's wk and wv hold one kv head shared by tp / n_kv_heads ranks: their
     fp32 gradients (``kv_elems`` of them in this rank's optimizer pieces, default 2 x head_dim x d per layer) are
     all-reduced over that "tp_kv" group once per step.
+
+    ``sp_regather`` (SP only, ``parallel.sp_regather``): each column-parallel layer (fused QKV, fused gate/up,
+    the head) saves its sequence shard and all-gathers it again in backward: one more all-gather of S per
+    column layer and microbatch (2 per block, 1 with MoE, + 1 for the head), in ``regather_bytes`` per element
+    (the compute dtype the shard is saved in; default ``act_bytes``). Recompute does not change this count.
     """
     if tp == 1:
         return {}
@@ -121,7 +127,9 @@ def tp_comm_bytes(cfg: ModelConfig, tp: int, sp: bool, tokens: int, grad_accum: 
     norms = norm_elems * 4
     again = n_layers if recompute else 0
     if sp:
-        out = {("tp", "all_gather"): grad_accum * (count + (2 if mlp_tp else 1) * again) * s,
+        columns = (2 if mlp_tp else 1) * n_layers + (1 if head else 0) if sp_regather else 0
+        regather = columns * tokens * cfg.d_model * (act_bytes if regather_bytes is None else regather_bytes)
+        out = {("tp", "all_gather"): grad_accum * ((count + (2 if mlp_tp else 1) * again) * s + regather),
                ("tp", "reduce_scatter"): grad_accum * (count + again) * s,
                ("tp", "all_reduce"): grad_accum * loss + norms}
     else:
@@ -132,16 +140,17 @@ def tp_comm_bytes(cfg: ModelConfig, tp: int, sp: bool, tokens: int, grad_accum: 
     return {k: v for k, v in out.items() if v}
 
 
-def tp_layer_collectives(tokens: int, d_model: int, tp: int, sp: bool, act_bytes: int = 2
+def tp_layer_collectives(tokens: int, d_model: int, tp: int, sp: bool, act_bytes: int = 2, sp_regather: bool = True
                          ) -> list[tuple[str, str, int, str]]:
     """Tensor-parallel collectives of one block for one microbatch of ``tokens`` tokens on this rank:
     (what, op, payload bytes, phase "fwd"/"bwd"). S = tokens x D x act_bytes.
 
     Without SP: all-reduce after the attention and after the MLP (row-parallel outputs) in forward, and of
     the input gradients of both column-parallel entries in backward. With SP each becomes a reduce-scatter
-    plus an all-gather of the same S (the same wire bytes). All are on the critical path (seed 000:
-    "on critical path"). Summed over layers this is ``tp_comm_bytes`` without its embedding, loss and norm
-    terms.
+    plus an all-gather of the same S (the same wire bytes), and with ``sp_regather`` backward all-gathers each
+    column-parallel input again. All are counted on the critical path (seed 000: "on critical path"; the
+    re-gather overlaps the input-gradient matmul, so this is an upper bound). Summed over layers this is
+    ``tp_comm_bytes`` without its embedding, head, loss and norm terms.
     """
     if tp <= 1:
         return []
@@ -149,10 +158,14 @@ def tp_layer_collectives(tokens: int, d_model: int, tp: int, sp: bool, act_bytes
     if not sp:
         return [("attention out", "all_reduce", s, "fwd"), ("mlp out", "all_reduce", s, "fwd"),
                 ("attention in grad", "all_reduce", s, "bwd"), ("mlp in grad", "all_reduce", s, "bwd")]
-    return [("attention in (seq gather)", "all_gather", s, "fwd"), ("attention out", "reduce_scatter", s, "fwd"),
-            ("mlp in (seq gather)", "all_gather", s, "fwd"), ("mlp out", "reduce_scatter", s, "fwd"),
-            ("attention out grad", "all_gather", s, "bwd"), ("attention in grad", "reduce_scatter", s, "bwd"),
-            ("mlp out grad", "all_gather", s, "bwd"), ("mlp in grad", "reduce_scatter", s, "bwd")]
+    out = [("attention in (seq gather)", "all_gather", s, "fwd"), ("attention out", "reduce_scatter", s, "fwd"),
+           ("mlp in (seq gather)", "all_gather", s, "fwd"), ("mlp out", "reduce_scatter", s, "fwd"),
+           ("attention out grad", "all_gather", s, "bwd"), ("attention in grad", "reduce_scatter", s, "bwd"),
+           ("mlp out grad", "all_gather", s, "bwd"), ("mlp in grad", "reduce_scatter", s, "bwd")]
+    if sp_regather:
+        out += [("attention in (seq re-gather)", "all_gather", s, "bwd"),
+                ("mlp in (seq re-gather)", "all_gather", s, "bwd")]
+    return out
 
 
 def pp_p2p_bytes(tokens: int, d_model: int, tp: int = 1, sp: bool = False, hidden_bytes: int = 4) -> int:

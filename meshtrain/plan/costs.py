@@ -61,6 +61,7 @@ from meshtrain.plan.memory import (
     dp_state_bytes,
     run_precision,
     state_bytes,
+    tp_forward_saved_bytes,
 )
 from meshtrain.plan.network import (
     Link,
@@ -136,6 +137,7 @@ __all__ = [
     "state_bytes",
     "step_mfu",
     "tp_comm_bytes",
+    "tp_forward_saved_bytes",
     "tp_layer_collectives",
     "tp_limit",
     "tp_min_ffw",
