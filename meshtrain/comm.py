@@ -46,6 +46,11 @@ from meshtrain.mesh import AxisGroup
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "avg": dist.ReduceOp.AVG}
 
 
+# Compiled blocks (train.compile, parallel/compile.py) reach the collectives below: each runs eagerly as one graph
+# break. Traced, dynamo would guard on the meter's counts and the log (recompiling at every call) and stop at locks.
+_eager = torch.compiler.disable
+
+
 class CommError(RuntimeError):
     """A collective failed: a peer died or closed its connection. The message names the collective (group, op,
     sequence number, shape) and the ranks that did not arrive."""
@@ -162,6 +167,7 @@ class Handle:
         if self.completed is None:
             self.completed = time.perf_counter()
 
+    @_eager
     def wait(self) -> None:
         if self._work is not None:
             t = time.perf_counter()
@@ -327,6 +333,7 @@ def _done(async_op: bool) -> Handle | None:
     return Handle(None) if async_op else None
 
 
+@_eager
 def all_reduce(tensor: torch.Tensor, group: AxisGroup, op: str = "sum", async_op: bool = False) -> Handle | None:
     """In-place reduction of ``tensor`` over ``group``."""
     if group.size == 1:
@@ -336,6 +343,7 @@ def all_reduce(tensor: torch.Tensor, group: AxisGroup, op: str = "sum", async_op
                 lambda a: dist.all_reduce(tensor, _OPS[op], group=group.pg, async_op=a), async_op)
 
 
+@_eager
 def reduce(tensor: torch.Tensor, group: AxisGroup, dst_index: int, op: str = "sum",
            async_op: bool = False) -> Handle | None:
     """Reduce ``tensor`` over the group into the group's ``dst_index``-th rank (others' copies are scratch)."""
@@ -346,6 +354,7 @@ def reduce(tensor: torch.Tensor, group: AxisGroup, dst_index: int, op: str = "su
                 lambda a: dist.reduce(tensor, group.ranks[dst_index], _OPS[op], group=group.pg, async_op=a), async_op)
 
 
+@_eager
 def all_gather(output: torch.Tensor, tensor: torch.Tensor, group: AxisGroup, async_op: bool = False) -> Handle | None:
     """Concatenate every rank's ``tensor`` along dim 0 into ``output`` (group order)."""
     if group.size == 1:
@@ -357,6 +366,7 @@ def all_gather(output: torch.Tensor, tensor: torch.Tensor, group: AxisGroup, asy
                 lambda a: fn(output, tensor, group=group.pg, async_op=a), async_op)
 
 
+@_eager
 def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: AxisGroup, op: str = "sum",
                    async_op: bool = False) -> Handle | None:
     """Reduce ``tensor`` over the group and keep this rank's dim-0 chunk in ``output``."""
@@ -369,6 +379,7 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: AxisGroup,
                 lambda a: fn(output, tensor, op=_OPS[op], group=group.pg, async_op=a), async_op)
 
 
+@_eager
 def all_to_all(output: torch.Tensor, tensor: torch.Tensor, group: AxisGroup,
                output_splits: list[int] | None = None, input_splits: list[int] | None = None,
                async_op: bool = False) -> Handle | None:
@@ -385,6 +396,7 @@ def all_to_all(output: torch.Tensor, tensor: torch.Tensor, group: AxisGroup,
                                                  group=group.pg, async_op=a), async_op)
 
 
+@_eager
 def broadcast(tensor: torch.Tensor, group: AxisGroup, src_index: int = 0, async_op: bool = False) -> Handle | None:
     """Copy the tensor of the group's ``src_index``-th rank to every rank of the group."""
     if group.size == 1:
@@ -405,6 +417,7 @@ class P2P:
     tag: int = 0
 
 
+@_eager
 def batch_p2p(ops: list[P2P], group: AxisGroup) -> list[Handle]:
     """Post sends and receives together as one batch (one NCCL group, in which they progress together); one handle
     per op, in order. On NCCL a batch completes as a whole (torch returns one work for it), so each handle waits for

@@ -15,6 +15,7 @@ entry, for the report of the first divergence.
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 import threading
 import time
@@ -74,11 +75,16 @@ def dtype_name(dtype: object) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+_DYNAMO_WRAPPER = os.path.join("torch", "_dynamo", "eval_frame.py")
+
+
 def caller_site(skip_file: str) -> str:
     """``path:line`` of the nearest frame outside ``skip_file`` (the comm module): where a collective was asked
     for. Walking frames costs microseconds, so only the order check asks."""
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename in (skip_file, __file__):
+    # Also torch's wrapper that keeps the collectives out of compiled graphs (torch.compiler.disable, comm.py).
+    while frame is not None and (frame.f_code.co_filename in (skip_file, __file__)
+                                 or frame.f_code.co_filename.endswith(_DYNAMO_WRAPPER)):
         frame = frame.f_back
     if frame is None:
         return ""

@@ -13,7 +13,9 @@ The transformations run in one fixed order, each on what the previous one left:
    gradients. After the above (they change what a stage holds), before the DP family (which records
    which modules hold each parameter).
 5. **Recompute** (``recompute.py``): blocks recompute their activations in backward.
-6. **DP family** (``data.py``, ``zero.py``, ``fsdp.py``): gradients (and with ZeRO, state) synchronised and
+6. **Compile** (``compile.py``, ``train.compile``): each block is ``torch.compile``d in place. After the above,
+   so the graph holds the sharded modules and the checkpoint; before the DP family, whose hooks stay eager.
+7. **DP family** (``data.py``, ``zero.py``, ``fsdp.py``): gradients (and with ZeRO, state) synchronised and
    sharded over dp x cp; experts over edp.
 
 ``Parallel`` then owns, for the trainer: sharding the global batch (``shard_batch``), the micro-steps
@@ -37,6 +39,7 @@ from meshtrain.mesh import Mesh
 from meshtrain.model.llama import Llama, cross_entropy_sum
 from meshtrain.model.moe import expert_index
 from meshtrain.model.source import TensorSource
+from meshtrain.parallel.compile import apply_compile
 from meshtrain.parallel.context import ContextParallel, apply_context_parallel
 from meshtrain.parallel.data import DataParallel, WithExperts
 from meshtrain.parallel.expert import ExpertParallel, apply_expert_parallel
@@ -56,7 +59,7 @@ from meshtrain.plan.schedules import PipelineSchedule, build_schedule
 from meshtrain.rules import Rules, check_executable, rules_for
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-ORDER = ("tp", "cp", "ep", "pp", "recompute", "dp")  # the order parallelize applies them in
+ORDER = ("tp", "cp", "ep", "pp", "recompute", "compile", "dp")  # the order parallelize applies them in
 
 
 def shard_rows(x: torch.Tensor, index: int, count: int) -> torch.Tensor:
@@ -265,7 +268,7 @@ class Parallel:
 
 
 def parallelize(model: Llama, mesh: Mesh, cfg: Config) -> Parallel:
-    """Apply TP -> CP -> EP -> PP -> recompute -> DP family to the plain ``model`` on ``mesh`` (in place), as
+    """Apply TP -> CP -> EP -> PP -> recompute -> compile -> DP family to the plain ``model`` on ``mesh`` (in place), as
     ``cfg.parallel`` and the logical-axis rules say; returns the ``Parallel`` that runs its steps."""
     p, t = cfg.parallel, cfg.train
     shapes = {n: tuple(q.shape) for n, q in model.named_parameters()}
@@ -285,6 +288,7 @@ def parallelize(model: Llama, mesh: Mesh, cfg: Config) -> Parallel:
         wgrad = WeightGradStore() if schedule.split_backward else None
         stages = split(model, mesh, schedule, partition, wgrad)
     apply_recompute(model, t.recompute)
+    apply_compile(model, t.compile)
     sync = data_parallel(model, mesh, p, tp.placements if tp else {}, dtype)
     forward = ForwardLoss(tp.loss_fn if tp else cross_entropy_sum, sync, dtype, mesh.device)
     if schedule is not None:

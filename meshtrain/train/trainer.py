@@ -28,6 +28,7 @@ from meshtrain.mesh import Mesh, init_distributed
 from meshtrain.model.hf import HFSource
 from meshtrain.model.llama import InitSource, Llama, build_model
 from meshtrain.model.source import tied_aliases
+from meshtrain.parallel.compile import compile_unavailable
 from meshtrain.parallel.parallelize import DTYPES, parallelize
 from meshtrain.plan.flops import flops_per_token, mfu, param_count
 from meshtrain.plan.hardware import peak_flops
@@ -53,6 +54,13 @@ def resolve_device(kind: str) -> torch.device:
     return torch.device("cpu")
 
 
+def check_compile(cfg: Config, device: torch.device) -> None:
+    """``train.compile=true`` where inductor cannot build kernels for ``device``: one line, before any process."""
+    reason = compile_unavailable(device) if cfg.train.compile else None
+    if reason:
+        raise ConfigError(f"train.compile=true but {reason}; or set train.compile=false.")
+
+
 def resolve_init_from(cfg: Config) -> None:
     """With ``train.init_from=HF_DIR``, replace the model section by the folder's config.json (checking the
     folder: architecture, shards, shapes; one-line errors). Call before validating the layout."""
@@ -69,6 +77,7 @@ def check_before_launch(cfg: Config, out_dir: str | Path | None, world_size: int
     resolve_init_from(cfg)
     validate_layout(cfg, world_size)
     device = resolve_device(cfg.train.device)
+    check_compile(cfg, device)
     if device.type == "cuda" and torch.cuda.device_count() < world_size:
         n = torch.cuda.device_count()
         raise ConfigError(f"--nproc {world_size} runs one process per GPU but {n} GPU(s) are visible: pass "
@@ -213,6 +222,7 @@ class Trainer:
         if t.threads:
             torch.set_num_threads(t.threads)
         self.device = resolve_device(t.device)
+        check_compile(cfg, self.device)
         init_distributed("cpu" if self.device.type == "cpu" else "cuda", t.collective_timeout_s)
         # Before the first collective, on every rank: the timeout of every wait, the order check, a fresh log.
         comm.configure(t.collective_timeout_s, t.check_collective_order)

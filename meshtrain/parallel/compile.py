@@ -1,0 +1,68 @@
+"""``torch.compile`` per transformer block (``train.compile=true``), applied to the model from outside.
+
+``apply_compile(model)`` compiles every module in ``model.layers`` on its own, as torchtitan does, rather than
+the whole model: each block is one bounded graph set (the blocks share their code, so after the first block the
+others reuse its compiled kernels), and whatever runs between blocks (the DP family's hooks, ZeRO-3's per-block
+gather and free, the pipeline engine's sends) stays eager Python.
+
+How, and why this way:
+
+* ``nn.Module.compile()`` is torch's own in-place form: the block keeps its class, its children and its
+  parameters, so ``named_parameters``/``state_dict`` keep the single-device names (``layers.0.attention.wq.weight``,
+  not ``layers.0._orig_mod...`` as ``torch.compile(block)`` would give). Checkpoints, the deterministic init,
+  ``Placement`` tables and the HuggingFace export key on those names. ``Module.compile`` stores the compiled
+  ``__call__`` on the module (torch's documented mechanism); nothing of ours is patched.
+* It runs in ``parallelize`` after recompute and before the DP family (torchtitan: after TP and activation
+  checkpointing, before FSDP). After TP, CP and EP because it must see the modules they swapped in; after
+  recompute so the checkpoint is traced into the graph (the partitioner then recomputes inside the compiled
+  backward); before the DP family, whose hooks on the block (ZeRO-3) are then called by the compiled
+  ``__call__``: dynamo runs them as graph breaks, eagerly, in the same order as without compile.
+* Graph breaks, by design: tensor parallelism's f/g ops and sequence parallelism's gather/scatter are autograd
+  Functions that call ``meshtrain.comm``; ring/all-gather attention (CP) and the expert all-to-all (EP) too. Each
+  is one break (the code around it is still compiled); ``docs/compile.md`` lists where, from
+  ``torch._dynamo.explain``.
+
+Compiling is lazy: the first forward of each block shape traces and compiles (tens of seconds on a CPU, less
+with inductor's on-disk cache warm). Evaluation and sampling at new sequence lengths recompile once, then dynamo
+marks the length dynamic.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def compile_unavailable(device: torch.device) -> str | None:
+    """Why inductor cannot compile for ``device`` on this machine, with the fix (None: it can). CPU kernels are
+    C++ built by a host compiler (``$CXX`` or g++); CUDA kernels are Triton."""
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return None if has_triton() else "Triton (inductor's CUDA kernels) is not installed: pip install triton"
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except Exception:  # noqa: BLE001 - any failure to find one means the same thing to the user
+        return "no C++ compiler for inductor's CPU kernels was found: install g++ (or set CXX to one)"
+    return None
+
+
+def apply_compile(model: nn.Module, enabled: bool) -> nn.Module:
+    """Compile every module in ``model.layers`` in place with ``Module.compile()`` (``enabled`` is
+    ``train.compile``; False: nothing changes). Returns ``model``; names, module tree and hooks are unchanged."""
+    if not enabled:
+        return model
+    for block in model.layers.values():
+        # Not fullgraph: the collectives inside TP/CP/EP blocks are graph breaks (see the module docstring).
+        block.compile()
+    return model
+
+
+def is_compiled(block: nn.Module) -> bool:
+    """Whether ``apply_compile`` compiled ``block``."""
+    return getattr(block, "_compiled_call_impl", None) is not None
+
+
+__all__ = ["apply_compile", "compile_unavailable", "is_compiled"]
