@@ -40,11 +40,23 @@ class _Bucket:
         self.pending = len(params)
         self.handle: comm.Handle | None = None
         self.sent: torch.Tensor | None = None  # what the all-reduce in flight sends: the buffer or its bf16 copy
+        self.views: dict[int, torch.Tensor] = {}
         offset = 0
         for p in params:
-            # The gradient is a view into the bucket: backward accumulates straight into what is sent.
-            p.grad = self.buffer[offset: offset + p.numel()].view_as(p)
+            # The gradient is a view into the bucket: what backward leaves there is what is sent.
+            self.views[id(p)] = p.grad = self.buffer[offset: offset + p.numel()].view_as(p)
             offset += p.numel()
+
+    def adopt(self, p: nn.Parameter) -> None:
+        """Make ``p.grad`` its view into this bucket. After ``zero_grad`` (``p.grad = None``) autograd hands over
+        its fresh gradient without a copy: one copy into the bucket is cheaper than zeroing the bucket and
+        adding into it (DDP's ``gradient_as_bucket_view`` does the same)."""
+        view = self.views[id(p)]
+        if p.grad is None:
+            view.zero_()
+        elif p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+        p.grad = view
 
 
 class DataParallel(GradSync):
@@ -104,11 +116,12 @@ class DataParallel(GradSync):
             p.grad.copy_(grads[id(p)])
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
+        bucket = self._bucket_of[id(p)]
+        bucket.adopt(p)  # later microbatches (no_sync) accumulate into the bucket in place
         if not self._sync:
             return
         if self._arrival is not None:
             self._arrival.setdefault(id(p), p)
-        bucket = self._bucket_of[id(p)]
         bucket.pending -= 1
         if bucket.pending == 0:
             self._launch(bucket)
@@ -122,7 +135,9 @@ class DataParallel(GradSync):
         if self.group.size == 1:
             return
         for b in self.buckets:
-            if b.handle is None:  # some parameter got no gradient this step: send the bucket anyway
+            if b.handle is None:  # some parameter got no gradient this step: send the bucket anyway, zeros for it
+                for p in b.params:
+                    b.adopt(p)
                 self._launch(b)
             b.handle.wait()
             if b.sent is not b.buffer:  # reduced in bf16: the sum back into the fp32 gradients
@@ -134,8 +149,13 @@ class DataParallel(GradSync):
             self._rebuild_in_arrival_order(list(arrived.values()))
 
     def zero_grad(self) -> None:
-        for b in self.buckets:
-            b.buffer.zero_()
+        if self.group.size == 1:  # no hooks: gradients accumulate into the bucket views themselves
+            for b in self.buckets:
+                b.buffer.zero_()
+        else:  # the hooks adopt each fresh gradient into its bucket (``_Bucket.adopt``)
+            for b in self.buckets:
+                for p in b.params:
+                    p.grad = None
         self.handles = []
 
     def optim_params(self) -> list[OptimParam]:
