@@ -683,7 +683,7 @@ def test_bad_max_restarts_is_refused(args, named):
 @pytest.mark.slow
 def test_error_inside_workers_is_one_line_and_the_full_log_is_kept(tmp_path, prepared):
     """A truncated token file passes the pre-launch checks (they read meta.json, not the tokens) and fails in
-    every worker: one line, not every rank's; the full log in <out>/logs holds both ranks' lines and torchrun's."""
+    every worker: one line, not every rank's; the full log in <out>/logs holds the ranks' lines and torchrun's."""
     import shutil
 
     data = tmp_path / "data"
@@ -697,7 +697,10 @@ def test_error_inside_workers_is_one_line_and_the_full_log_is_kept(tmp_path, pre
     logs = list((out / "logs").glob("train-*.log"))
     assert len(logs) == 1 and f"full log (every rank's stderr, torchrun's report): {logs[0]}" in r.stderr
     text = logs[0].read_text()
-    assert f"[rank0]: {line}" in text and f"[rank1]: {line}" in text  # each rank's, printed once above
+    # The worker lines are kept (printed once above). torchrun stops the other rank as soon as one fails, so
+    # whether the second rank got to its own line first is a race: at least one rank's, every line a rank's.
+    ranks = [r for r in (0, 1) if f"[rank{r}]: {line}" in text]
+    assert ranks, text
     assert "ChildFailedError" in text  # torchrun's report is kept, not shown
 
 
