@@ -33,7 +33,8 @@ OVERRIDES = ["model.d_model=64", "model.n_heads=8", "model.n_kv_heads=4", "model
              "data.source=synthetic", "train.global_batch=8", "train.seq_len=16", "train.steps=5",
              "train.warmup_steps=2", "train.sample_tokens=0", "train.eval_batches=1"]
 LAYOUTS = {"dp": JaxLayout(dp=8), "fsdp": JaxLayout(dp=8, zero=3), "tp": JaxLayout(tp=8),
-           "fsdp x tp": JaxLayout(dp=2, tp=4, zero=3), "dp x tp + sp": JaxLayout(dp=2, tp=4, sp=True)}
+           "fsdp x tp": JaxLayout(dp=2, tp=4, zero=3), "dp x tp + sp": JaxLayout(dp=2, tp=4, sp=True),
+           "2-D (seed 002)": JaxLayout(dp=2, tp=4, zero=3, embed_over_tp=True)}
 
 
 @pytest.fixture(scope="module")

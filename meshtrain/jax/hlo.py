@@ -6,8 +6,8 @@ payload bytes in the comm meter's convention (``plan/sharded_matmul.py``). ``see
 (both endings), Case 1B, Case 2, the fully sharded matmul and the 2-D FFN for one model layer's shapes on a 2 x 4
 mesh, and ``report`` prints them beside the planner's prediction.
 
-One backend detail is folded in: XLA's CPU pipeline has no reduce-scatter pass, so it emits an all-reduce whose
-only use is a per-device slice of the result. That pair *is* a reduce-scatter (same payload in the meter's
+One backend detail is folded in: jaxlib's CPU compiler emits a reduce-scatter as an all-reduce whose only use is
+a per-device slice of the result. That pair *is* a reduce-scatter (same payload in the meter's
 convention; a real reduce-scatter sends half the wire bytes), and is reported as ``reduce_scatter`` with
 ``(all-reduce + slice)`` in its note.
 """

@@ -12,6 +12,11 @@ Which table for which tensor, as in the runtime:
 - gradients: ``state_rules(layout, "grads")``;
 - activations between blocks: ``for_activations(rules)`` (batch over dp, seq over cp / tp under SP);
 - inside a block: ``inside_block`` of that (SP's tp split of the sequence is gathered before the matmuls).
+
+``embed_over_tp`` is the one rule only this executor runs: seed 002's 2-D sharding keeps the activations' model
+dimension split over tp (``embed -> tp``), which ``rules.check_executable`` refuses for the PyTorch runtime (its
+tensor parallelism is Megatron's: activations whole in D between the blocks). With ``zero=3`` the weights are
+then ``W_in[D_X, F_Y]``, ``W_out[F_Y, D_X]``: GSPMD's "2D finalized" FFN (docs/jax.md).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class JaxLayout:
     tp: int = 1
     zero: int = 0
     sp: bool = False
+    embed_over_tp: bool = False  # seed 002's 2-D sharding: activations' model dimension over tp (b_x S m_y)
     pp: int = 1
     cp: int = 1
     ep: int = 1
@@ -43,7 +49,7 @@ class JaxLayout:
     def name(self) -> str:
         parts = [f"{'fsdp' if self.zero == 3 else 'dp'}={self.dp}"] if self.dp > 1 else []
         parts += [f"tp={self.tp}{'+sp' if self.sp else ''}"] if self.tp > 1 else []
-        return " x ".join(parts) or "one device"
+        return " x ".join(parts) + (" (2-D, seed 002)" if self.embed_over_tp else "") or "one device"
 
 
 def make_mesh(dp: int, tp: int) -> Mesh:
@@ -84,6 +90,8 @@ class Shardings:
         self.optim_rules = state_rules(layout, "optim")
         self.grads_rules = state_rules(layout, "grads")
         self.between = for_activations(self.rules)
+        if layout.embed_over_tp:  # GSPMD's "2D finalized" spec: b_x S m_y between and inside blocks
+            self.between = {**self.between, "embed": ("tp",)}
         self.inside = inside_block(self.between)
 
     def named(self, axes: tuple[str, ...], rules: Rules, shape: tuple[int, ...] | None = None) -> NamedSharding:
