@@ -98,7 +98,7 @@ def test_logits_equal_pytorch(checkpoint, layout):
 @pytest.mark.slow
 def test_training_steps_equal_pytorch(tmp_path):
     """AdamW steps from a checkpoint written mid-run (step 2, moments included) give the PyTorch run's losses and
-    gradient norms for the steps after it (fp32, rtol 1e-5), under pure DP and FSDP x TP."""
+    gradient norms for the steps after it (fp32, rtol 1e-5), under pure DP, FSDP, TP and FSDP x TP."""
     from meshtrain.train.data import SyntheticDataset
     from meshtrain.train.trainer import Trainer
 
@@ -107,7 +107,7 @@ def test_training_steps_equal_pytorch(tmp_path):
     params, saved, step = jm.read_checkpoint(tmp_path / "checkpoints" / "step_000002", cfg.model)
     assert step == 2 and len(saved) == len(params)
     data, t = SyntheticDataset(cfg.model.vocab_size, "train"), cfg.train
-    for layout in ("dp", "fsdp x tp"):
+    for layout in ("dp", "fsdp", "tp", "fsdp x tp"):
         sh = Shardings(LAYOUTS[layout])
         placed, state = jm.place(params, sh), jt.init_state(params, sh, saved, step)
         step_fn = jt.make_train_step(cfg.model, t, sh, placed, state)
@@ -163,3 +163,12 @@ def test_seed_cases_compile_to_the_predicted_collectives():
     assert cases["2-D FFN (SwiGLU)"].measured_share == 8.0  # one copy of the work over 8 devices
     assert cases["Case 1B"].measured_share == 1.0  # every device computes the whole product
     assert jax.device_count() == 8
+
+
+def test_plan_jax_check_prints_the_table(capsys):
+    """``meshtrain plan --jax-check`` prints every case, predicted beside XLA's, and exits 0 when each matches."""
+    from meshtrain.plan.cli import main
+
+    assert main(["--jax-check", "--model", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("-> matches the") == 6 and "XLA HLO:" in out and "all_reduce@Y 98,304 B" in out

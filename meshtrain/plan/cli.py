@@ -64,7 +64,8 @@ def jax_check(args: argparse.Namespace) -> int:
     try:
         import jax  # noqa: F401
     except ImportError:
-        raise ConfigError("--jax-check needs JAX: pip install -e '.[jax]'") from None
+        raise ConfigError("meshtrain plan --jax-check needs jax, which is not installed: pip install "
+                          "'meshtrain[jax]'.") from None
     from meshtrain.jax import use_host_devices
 
     use_host_devices(8)
