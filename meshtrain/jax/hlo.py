@@ -108,14 +108,17 @@ def group_axes(groups: list[list[int]], mesh_shape: dict[str, int]) -> str:
     return ",".join(a for a in names if a in varying) or "-"
 
 
-def _slices_only(instr: Instr, users: list[Instr], by_comp: dict[str, list[Instr]]) -> bool:
-    """Is every use of ``instr`` a dynamic slice (directly, or a fusion whose body slices)?"""
+def _slices_only(instr: Instr, users: list[Instr], by_comp: dict[str, list[Instr]], group: int) -> bool:
+    """Is every use of ``instr`` a dynamic slice (directly, or a fusion whose body slices) to 1/``group`` of it,
+    i.e. each device keeping its own part of the sum?"""
     def slices(u: Instr) -> bool:
+        if u.bytes * group != instr.bytes:
+            return False
         if u.op == "dynamic-slice":
             return True
         called = re.search(r"calls=%([\w.\-]+)", u.attrs)
         return u.op == "fusion" and bool(called) and any(i.op == "dynamic-slice" for i in by_comp.get(called[1], []))
-    return bool(users) and all(slices(u) for u in users)
+    return bool(users) and group > 1 and all(slices(u) for u in users)
 
 
 def collectives(hlo: str, mesh_shape: dict[str, int]) -> list[Collective]:
@@ -131,17 +134,18 @@ def collectives(hlo: str, mesh_shape: dict[str, int]) -> list[Collective]:
         if op not in OPS:
             continue
         operands = [by_name[(i.computation, n)] for n in i.operands if (i.computation, n) in by_name]
-        axes = group_axes(replica_groups(i.attrs), mesh_shape)
+        groups = replica_groups(i.attrs)
+        axes = group_axes(groups, mesh_shape)
         name, note = op.replace("-", "_"), ""
         if op in ("reduce-scatter", "all-to-all", "collective-permute"):
-            payload = sum(o.bytes for o in operands)
-        elif op == "all-gather" and i.op.endswith("-start"):
-            payload = i.shapes[-1:] and _BYTES.get(i.shapes[-1][0], 4) * math.prod(i.shapes[-1][1])
+            payload = sum(o.bytes for o in operands)  # the input (the meter's convention for these)
+        elif op == "all-gather" and i.op.endswith("-start"):  # async: the result is (operand, gathered output)
+            payload = _BYTES.get(i.shapes[-1][0], 4) * math.prod(i.shapes[-1][1])
         else:
-            payload = i.bytes
+            payload = i.bytes  # the all-reduced tensor, the gathered output
         if op == "all-reduce":
             users = [u for u in by_comp[i.computation] if i.name in u.operands]
-            if _slices_only(i, users, by_comp):
+            if _slices_only(i, users, by_comp, len(groups[0]) if groups else 1):
                 name, note = "reduce_scatter", "(all-reduce + slice)"
         out.append(Collective(name, axes, int(payload), note))
     return out
