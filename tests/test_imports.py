@@ -26,7 +26,8 @@ ALLOWED: dict[str, set[str]] = {
     "plan": {"config", "rules", "model", "plan"},
     "parallel": {"config", "rules", "mesh", "comm", "model", "plan", "parallel"},
     "train": {"config", "rules", "mesh", "comm", "model", "plan", "parallel", "train"},
-    "cli": {"config", "rules", "mesh", "comm", "model", "plan", "parallel", "train", "cli", "testing"},
+    "jax": {"config", "rules", "model", "plan", "train", "jax"},  # the optional JAX executor (docs/jax.md)
+    "cli": {"config", "rules", "mesh", "comm", "model", "plan", "parallel", "train", "cli", "testing", "jax"},
     "testing": {"config", "rules", "mesh", "comm", "model", "plan", "parallel", "train", "cli", "testing"},
 }
 CLI_MODULES = {"meshtrain.cli", "meshtrain.__main__", "meshtrain.calibrate", "meshtrain.plan.cli",

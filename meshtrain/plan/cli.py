@@ -58,6 +58,31 @@ def build_problem(args: argparse.Namespace) -> Problem:
                    memory_fraction=args.memory_fraction, revision=args.revision, train_tokens=args.train_tokens)
 
 
+def jax_check(args: argparse.Namespace) -> int:
+    """``--jax-check``: the seed's cases for the model's layer (x [global_batch x seq_len, D], W_in [D, F]),
+    predicted and compiled; 0 when XLA's collectives equal one predicted plan in every case."""
+    try:
+        import jax  # noqa: F401
+    except ImportError:
+        raise ConfigError("meshtrain plan --jax-check needs jax, which is not installed: pip install "
+                          "'meshtrain[jax]'.") from None
+    from meshtrain.jax import use_host_devices
+
+    use_host_devices(8)
+    from meshtrain.jax.hlo import report, seed_cases
+
+    cfg = load_config(args.model)
+    m, seq = cfg.model, args.seq_len or cfg.train.seq_len
+    batch = cfg.train.global_batch
+    if batch % 2 or m.d_model % 4 or m.hidden_dim % 4:
+        raise ConfigError(f"--jax-check splits the batch ({batch}) over 2 and d_model ({m.d_model}) and the MLP "
+                          f"({m.hidden_dim}) over 4: choose a --model whose sizes divide.")
+    cases = seed_cases(batch, seq, m.d_model, m.hidden_dim)
+    print(report(cases, {"dp": 2, "tp": 4}, f"{args.model}: batch {batch} x seq {seq}, D {m.d_model}, F "
+                                             f"{m.hidden_dim}, fp32, mesh X (dp) = 2 x Y (tp) = 4; bytes per device"))
+    return 0 if all(c.chosen for c in cases) else 1
+
+
 def main(argv: list[str]) -> int:
     """Parse ``argv`` (without the command name), run the search and print/write what was asked; return 0."""
     ap = argparse.ArgumentParser(prog="meshtrain plan", description="Search parallel layouts by predicted step time.")
@@ -95,7 +120,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--calibrate", action="store_true", help="measure this machine and save the cpu-local profile")
     ap.add_argument("--list-hardware", action="store_true", help="print the hardware presets with their sources")
     ap.add_argument("--check-run", metavar="DIR", help="a finished run folder: predicted against measured bytes")
+    ap.add_argument("--jax-check", action="store_true",
+                    help="compile seed 002's sharded-matmul cases for one --model layer with JAX on a 2 x 4 CPU mesh "
+                         "and compare the HLO's collectives with the prediction (needs the jax extra; docs/jax.md)")
     args = ap.parse_args(argv)
+
+    if args.jax_check:
+        return jax_check(args)
 
     if args.check_run:  # predicted against measured (meshtrain/plan/check.py)
         from meshtrain.plan.check import check_run
