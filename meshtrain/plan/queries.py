@@ -36,13 +36,9 @@ from meshtrain.plan.book_memory import (
 from meshtrain.plan.book_roofline import decode_roofline, hbm_critical_batch, matmul_roofline
 from meshtrain.plan.flops import flops_per_token, param_count
 from meshtrain.plan.hardware import Hardware
+from meshtrain.plan.megatron import SOURCE as MEGATRON
+from meshtrain.plan.megatron import megatron_flops_per_iteration, megatron_params, megatron_training_days
 from meshtrain.plan.network import effective_bw, group_link
-from meshtrain.plan.megatron import (
-    SOURCE as MEGATRON,
-    megatron_flops_per_iteration,
-    megatron_params,
-    megatron_training_days,
-)
 
 SEED_000 = "scaling book ch. 5 (seed 000)"
 SEED_003 = "scaling book ch. 5, later revision (seed 003)"
@@ -170,12 +166,16 @@ def critical_batch_query(s: Setting, pods: int = 0, stages: int = 1, microbatche
     one_axis = critical_batch_per_device(c, hw.intra_bw)
     out["dp_one_axis"] = one_axis
     out["dp"] = dp_critical_batch(c, w_dp, degree=ring)
-    lines = [f"{s.model_name} on {n:,} x {hw.name}: this batch gives {have:,.0f} tokens per device",
-             f"  DP/FSDP, one fast axis/link C/W             {one_axis:>10,.0f}  ({SEED_000})",
-             f"  DP/FSDP over all {n:,} (W = {where}), x (X-1)/X, X = {ring:,} {out['dp']:>10,.0f}  ({SEED_000}; {BOOK_GPU})"]
+    def row(label: str, value: float, source: str) -> str:
+        return f"  {label:<58}{value:>9,.0f}  {source}"
+
+    lines = [f"{s.model_name} on {n:,} x {hw.name}: this batch gives {have:,.0f} tokens per device; "
+             f"each strategy is compute-bound above (tokens per device):",
+             row("DP/FSDP on one fast axis/link, C/W", one_axis, SEED_000),
+             row(f"DP/FSDP over all, W = {where}, x (X-1)/X, X = {ring:,}", out["dp"], f"{SEED_000}; {BOOK_GPU}")]
     if e > 1:
         out["moe"] = dp_critical_batch(c, w_dp, degree=ring, experts=e, top_k=k)
-        lines.append(f"  mixture of experts, x E/k = {e}/{k}           {out['moe']:>10,.0f}  ({BOOK_GPU})")
+        lines.append(row(f"  mixture of experts: x E/k = {e}/{k}", out["moe"], BOOK_GPU))
     f = cfg.expert_hidden if e > 1 else cfg.hidden_dim
     w = hw.intra_bw
     x, y = split_fsdp_tp(s.batch_tokens, n, f, hw.tp_max)
@@ -185,23 +185,22 @@ def critical_batch_query(s: Setting, pods: int = 0, stages: int = 1, microbatche
         here = mixed_min_batch_per_device(f, c, w, rev, fsdp_bw=w_x, tp_bw=w_y)
         out[f"mixed_{rev}"] = {"book": book_w, "this_cluster": here}
         src = SEED_000 if rev == "000" else SEED_003
-        lines.append(f"  FSDP+TP, revision {rev}: {'2' if rev == '000' else '1/2'} (C/W)^2/F, F = {f}, W one axis "
-                     f"{book_w:>7,.0f}  ({src}); {'4' if rev == '000' else '1'} C^2/(F W_X W_Y) here ({how}): "
-                     f"{here:,.0f}")
+        form = "2 (C/W)^2 / F" if rev == "000" else "(C/W)^2 / (2F)"
+        lines.append(row(f"FSDP+TP, revision {rev}: {form}, F = {f}, W of one axis", book_w, src))
+        lines.append(row(f"  general {'4' if rev == '000' else '1'} C^2 / (F W_X W_Y) on this cluster", here, how))
     out["optimal_split"] = {"x": optimal_fsdp(s.batch_tokens, n, f), "fsdp": x, "tp": y}
     out["tp_limit"] = tp_limit(f, c, w)
-    lines.append(f"  optimal split X = sqrt(2BN/F) = {out['optimal_split']['x']:,.0f} -> {x} x {y}; TP limit "
-                 f"F W / C = {out['tp_limit']:.1f}-way ({SEED_000})")
+    lines.append(f"  optimal split X = sqrt(2BN/F) = {out['optimal_split']['x']:,.0f} -> {x} x {y}; TP is "
+                 f"compute-bound up to F W / C = {out['tp_limit']:.1f}-way ({SEED_000})")
     n_pods = pods or (-(-n // hw.domain) if n > hw.domain and hw.torus else 0)
     if n_pods:
         dcn = dcn_critical_batch(c, hw.inter_bw, n_pods)
         out["dcn"] = dcn
-        lines.append(f"  DP between {n_pods} pods over DCN, per pod C/W_dcn {dcn['per_pod']:>10,.0f}  ({SEED_003}); "
-                     f"global batch >= {dcn['global']:,.0f}")
+        lines.append(row(f"DP between {n_pods} pods over DCN: C / W_dcn per POD", dcn["per_pod"], SEED_003))
     if stages > 1:
         out["pipeline"] = pipeline_critical_batch(c, w_dp, stages, microbatches, zero3)
-        lines.append(f"  with {stages} pipeline stages{' + ZeRO-3, ' + str(microbatches) + ' microbatches' if zero3 else ''}"
-                     f" C/(Z W){' x M' if zero3 else ''}   {out['pipeline']:>10,.0f}  ({BOOK_GPU})")
+        label = f"with {stages} pipeline stages: C / (Z W)" + (f" x M, ZeRO-3, M = {microbatches}" if zero3 else "")
+        lines.append(row(label, out["pipeline"], BOOK_GPU))
     out["lines"] = lines
     return out
 
