@@ -6,7 +6,9 @@ W = bandwidth per chip of one mesh axis (the book's bidirectional W_ici, e.g. 2 
 A layer is approximated as two matmuls In[B, D] x Win[D, F] x Wout[F, D] in bf16: 4BDF forward FLOPs.
 
 ``explain``'s closing summary and ``--plot`` evaluate some of these for a problem; the rest reproduce the book's
-published figures in ``tests/test_planner.py``.
+published figures in ``tests/test_planner.py``. The general critical batches (ring factor, MoE, DCN,
+pipelining) are in ``book_batch``, memory (checkpoints, fewest devices, largest model) in ``book_memory``, the
+HBM roofline in ``book_roofline``; ``queries`` evaluates them all for ``meshtrain plan <query>``.
 """
 
 from __future__ import annotations
