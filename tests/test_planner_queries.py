@@ -218,7 +218,7 @@ def test_megatron_closed_forms():
     ["roofline", "--model", "llama3-8b", "--hardware", "v5e", "--decode-batch", "64"],
     ["layer-comm", "--model", "llama2-13b", "--hardware", "v5p", "--devices", "4096", "--batch-tokens", "3e6"],
     ["activations", "--model", "llama2-13b", "--batch-tokens", "16e6", "--devices", "4096"],
-    ["megatron", "--model", "llama2-13b", "--hardware", "a100", "--devices", "1024", "--tflops", "140"],
+    ["megatron", "--model", "llama2-13b", "--hardware", "a100", "--nodes", "128", "--tflops", "140"],
 ])
 def test_every_query_prints_text_and_json(argv, capsys):
     assert cli.main(["plan", *argv]) == 0
@@ -232,6 +232,7 @@ def test_every_query_prints_text_and_json(argv, capsys):
     (["critical-batch", "--devices", "x"], "--devices"),
     (["roofline", "--no-such-option"], "--no-such-option"),
     (["min-devices", "--hardware", "nope"], "--hardware"),
+    (["layer-comm", "--devices", "8", "--nodes", "1"], "--nodes"),
 ])
 def test_query_bad_input_is_one_error_line(argv, names, capsys):
     assert cli.main(["plan", *argv]) == 2

@@ -232,7 +232,9 @@ def layer_comm_query(s: Setting) -> dict:
     hw, cfg, n, b = s.hw, s.model, s.devices, s.batch_tokens
     w_dp, _, _ = s.dp_bandwidth()
     x, y = split_fsdp_tp(b, n, cfg.hidden_dim, hw.tp_max)
-    w_x, w, _ = mixed_bandwidths(hw, n, max(2, y))
+    if y < 2 <= n:  # the optimum wants no TP; the mixed row keeps the smallest real TP axis (as --plot does)
+        x, y = n // 2, 2
+    w_x, w, _ = mixed_bandwidths(hw, n, y)
     rows = {}
     for strat, bw_x in (("fsdp", w_dp), ("tp", w_dp), ("fsdp+tp", w_x)):
         t = book_layer_comm(strat, b, n, cfg.d_model, cfg.hidden_dim, hw.bf16_flops, bw_x, w,

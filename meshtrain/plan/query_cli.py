@@ -51,6 +51,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--model", default="llama3-8b", help="preset name or YAML config")
     ap.add_argument("--hardware", default="h100", help=f"one of {', '.join(HARDWARE)}, or a profile .json")
     ap.add_argument("--devices", type=int, default=0, help="devices (default: one node; 4096 for a TPU)")
+    ap.add_argument("--nodes", type=int, default=0, help="nodes (hosts) of --hardware, instead of --devices")
     ap.add_argument("--batch-tokens", default="4M", help="global batch in tokens (4M = 4 x 2^20; 3e6 as written)")
     ap.add_argument("--seq-len", type=int, default=0, help="sequence length (default: the config's)")
     ap.add_argument("--json", action="store_true", help="print JSON")
@@ -85,9 +86,9 @@ def main(argv: list[str]) -> int:
     if cfg.model.vocab_size == 0:  # taken from the tokenizer at run time; plan with the byte tokenizer's
         cfg.model.vocab_size = 257
     hw = get_hardware(args.hardware)
-    devices = args.devices or (4096 if hw.torus else hw.devices_per_node)
-    if devices < 1:
-        raise ValueError(f"--devices must be >= 1, got {devices}")
+    if args.devices < 0 or args.nodes < 0 or (args.devices and args.nodes):
+        raise ValueError("give --devices or --nodes (not both), each >= 1")
+    devices = args.devices or args.nodes * hw.devices_per_node or (4096 if hw.torus else hw.devices_per_node)
     setting = queries.Setting(cfg.model, str(args.model), hw, devices, parse_tokens(args.batch_tokens),
                               args.seq_len or cfg.train.seq_len)
     if name == "min-devices":
