@@ -146,6 +146,11 @@ _PARTS = (("compute", "compute"), ("tp", "TP/SP collectives"), ("cp", "CP ring")
 
 def _layout_diff(a: Layout, b: Layout) -> str:
     """The settings in which layout ``a`` differs from ``b``, e.g. ``tp 4 (not 8), sp on (not off)``."""
+    def show(field: str, v: object) -> str:
+        if isinstance(v, bool):
+            return "on" if v else "off"
+        return "all of dp" if field == "dp_shard" and v == 0 else str(v)
+
     out = []
     for field in ("dp", "tp", "pp", "cp", "ep", "zero", "dp_shard", "sp", "schedule", "virtual", "microbatches",
                   "recompute"):
@@ -153,9 +158,7 @@ def _layout_diff(a: Layout, b: Layout) -> str:
         if field in ("schedule", "virtual") and a.pp == 1 and b.pp == 1:
             continue
         if va != vb:
-            show = {True: "on", False: "off"}
-            out.append(f"{field} {show.get(va, va) if isinstance(va, bool) else va} "
-                       f"(not {show.get(vb, vb) if isinstance(vb, bool) else vb})")
+            out.append(f"{field} {show(field, va)} (not {show(field, vb)})")
     return ", ".join(out) or "the same settings"
 
 
@@ -166,12 +169,15 @@ def why_best(problem: Problem, result: SearchResult) -> str | None:
     a, b = result.ranked[0], result.ranked[1]
     diff = _layout_diff(a.layout, b.layout)
     gap = b.step_s - a.step_s
-    if gap <= 1e-4 * a.step_s:
-        return (f"Why #1: it ties #2 ({b.layout.describe()}) on step time ({_ms(a.step_s)}) and needs less memory, "
-                f"{_gb(a.memory_total)} against {_gb(b.memory_total)} per device, with {diff}.")
+    if round(a.step_s, 9) == round(b.step_s, 9):  # the search's own tie rule: then memory ranks them
+        if a.memory_total < b.memory_total:
+            return (f"Why #1: it ties #2 ({b.layout.describe()}) on step time ({_ms(a.step_s)}) and needs less "
+                    f"memory, {_gb(a.memory_total)} against {_gb(b.memory_total)} per device, with {diff}.")
+        return (f"Why #1: nothing: #2 ({b.layout.describe()}) is predicted the same, {_ms(a.step_s)} and "
+                f"{_gb(a.memory_total)} per device, with {diff}; either will do.")
     name, label = max(_PARTS, key=lambda p: getattr(b.step, p[0]) - getattr(a.step, p[0]))
     va, vb = getattr(a.step, name), getattr(b.step, name)
-    return (f"Why #1: it is {_ms(gap)} ({gap / b.step_s:.1%}) faster than #2 ({b.layout.describe()}), mostly in "
+    return (f"Why #1: it is {_ms(gap)} ({gap / b.step_s:.2%}) faster than #2 ({b.layout.describe()}), mostly in "
             f"{label}: {_ms(va)} against {_ms(vb)}, with {diff}.")
 
 
