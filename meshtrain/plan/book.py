@@ -6,7 +6,9 @@ W = bandwidth per chip of one mesh axis (the book's bidirectional W_ici, e.g. 2 
 A layer is approximated as two matmuls In[B, D] x Win[D, F] x Wout[F, D] in bf16: 4BDF forward FLOPs.
 
 ``explain``'s closing summary and ``--plot`` evaluate some of these for a problem; the rest reproduce the book's
-published figures in ``tests/test_planner.py``.
+published figures in ``tests/test_planner.py``. The general critical batches (ring factor, MoE, DCN,
+pipelining) are in ``book_batch``, memory (checkpoints, fewest devices, largest model) in ``book_memory``, the
+HBM roofline in ``book_roofline``; ``queries`` evaluates them all for ``meshtrain plan <query>``.
 """
 
 from __future__ import annotations
@@ -54,27 +56,32 @@ def tp_min_ffw(tp: int, flops: float, bandwidth: float, n_axes: int = 1) -> floa
     return tp * flops / (bandwidth * n_axes)
 
 
-def mixed_min_batch_per_device(ffw: float, flops: float, bandwidth: float, revision: str = DEFAULT_REVISION
-                               ) -> float:
+def mixed_min_batch_per_device(ffw: float, flops: float, bandwidth: float, revision: str = DEFAULT_REVISION,
+                               fsdp_bw: float | None = None, tp_bw: float | None = None) -> float:
     """The per-chip batch (B / N) above which mixed FSDP + TP at the optimal split is compute-bound.
+
+    ``bandwidth`` is W of ONE mesh axis: the book puts FSDP on two axes (W_X = 2W) and TP on one (W_Y = W),
+    which is where its factors 2 and 1/2 come from. Pass ``fsdp_bw`` and ``tp_bw`` (each the whole bandwidth
+    of that group) for another layout; the general form is k C^2 / (F W_X W_Y), k = 4 summed, 1 overlapped.
 
     - ``"000"`` (seed 000, the two axes' comm times add up): B / N > 2 (C/W)^2 / F (LLaMA-3 70B, F = 30k:
       2 x 2550^2 / 30000 = 432; LLaMA-2 13B: 940).
-    - ``"003"`` (seed 003, the two axes overlap): B / N > (C/W)^2 / (2F), four times lower.
+    - ``"003"`` (seed 003, the two axes overlap): B / N > (C/W)^2 / (2F), four times lower (LLaMA-2 13B: 235).
     """
-    ratio = flops / bandwidth
-    if revision == "000":
-        return 2.0 * ratio**2 / ffw
-    if revision == "003":
-        return ratio**2 / (2.0 * ffw)
-    raise ValueError(f"revision must be one of {MIXED_REVISIONS}, got {revision!r}")
+    if revision not in MIXED_REVISIONS:
+        raise ValueError(f"revision must be one of {MIXED_REVISIONS}, got {revision!r}")
+    w_x = 2.0 * bandwidth if fsdp_bw is None else fsdp_bw
+    w_y = bandwidth if tp_bw is None else tp_bw
+    k = 4.0 if revision == "000" else 1.0
+    return k * flops**2 / (ffw * w_x * w_y)
 
 
-def optimal_fsdp(batch: float, n_chips: float, ffw: float) -> float:
+def optimal_fsdp(batch: float, n_chips: float, ffw: float, fsdp_bw: float = 2.0, tp_bw: float = 1.0) -> float:
     """Seed 000/003: the FSDP degree X that minimises mixed FSDP + TP communication, X = sqrt(2 B N / F)
-    (FSDP on two mesh axes, TP on one); Y = N / X. Both revisions share it (the sum and the max of
-    a/X and bX are both smallest where a/X = bX)."""
-    return math.sqrt(2.0 * batch * n_chips / ffw)
+    (FSDP on two mesh axes, TP on one); Y = N / X. In general X = sqrt(B N W_X / (F W_Y)) (only the ratio of
+    the two bandwidths matters). Both revisions share it (the sum and the max of a/X and bX are both
+    smallest where a/X = bX)."""
+    return math.sqrt(batch * n_chips * fsdp_bw / (ffw * tp_bw))
 
 
 def split_fsdp_tp(batch: float, n_chips: int, ffw: float, max_tp: int | None = None) -> tuple[int, int]:
@@ -117,30 +124,37 @@ def book_checkpoint_bytes(n_layers: int, batch: float, d_model: int, ffw: int, b
     return float(bytes_per) * n_layers * batch * (d_model + 2 * ffw)
 
 
-def book_layer_times(strategy: str, batch: float, n_chips: int, d_model: int, ffw: int, flops: float,
-                     bw_x: float, bw_y: float | None = None, x: float | None = None,
-                     revision: str = DEFAULT_REVISION) -> tuple[float, float]:
-    """(matmul seconds, communication seconds) of one layer's forward pass, per the book's per-strategy
-    algebra; the backward pass has the same ratio. ``bw_x`` is the bandwidth of the FSDP/DP axes, ``bw_y``
-    of the TP axis.
+def book_layer_comm(strategy: str, batch: float, n_chips: int, d_model: int, ffw: int, flops: float,
+                    bw_x: float, bw_y: float | None = None, x: float | None = None) -> dict[str, float]:
+    """One layer's forward matmul seconds and the communication seconds of EACH mesh axis on its own, per
+    the book's per-strategy algebra (seed 000); the backward pass has the same ratios. ``bw_x`` is the
+    bandwidth of the FSDP/DP axes, ``bw_y`` of the TP axis. Keys: ``math``, ``x`` (the FSDP/DP axes: weights
+    move) and ``y`` (the TP axis: activations move); an axis the strategy does not use is 0.
 
     - ``dp`` / ``fsdp``: all-gather (or all-reduce in backward) of Win and Wout: 2 x 2DF bytes / W_x.
     - ``tp`` (all N chips on Y): all-gather + reduce-scatter of In/Out [B, D]: 2 x 2BD bytes / W_y.
-    - ``fsdp+tp``: X = ``x`` (default ``optimal_fsdp``) and Y = N / X: 4DF / (Y W_x) and 4BD / (X W_y),
-      summed (revision 000) or overlapped (003).
+    - ``fsdp+tp``: X = ``x`` (default ``optimal_fsdp``) and Y = N / X: 4DF / (Y W_x) and 4BD / (X W_y).
     """
     t_math = 4.0 * batch * d_model * ffw / (n_chips * flops)
     bw_y = bw_x if bw_y is None else bw_y
     if strategy in ("dp", "fsdp"):
-        return t_math, 4.0 * d_model * ffw / bw_x
+        return {"math": t_math, "x": 4.0 * d_model * ffw / bw_x, "y": 0.0}
     if strategy == "tp":
-        return t_math, 4.0 * batch * d_model / bw_y
+        return {"math": t_math, "x": 0.0, "y": 4.0 * batch * d_model / bw_y}
     if strategy == "fsdp+tp":
         x = optimal_fsdp(batch, n_chips, ffw) if x is None else x
         x = min(max(x, 1.0), float(n_chips))
         y = n_chips / x
-        t_fsdp, t_tp = 4.0 * d_model * ffw / (y * bw_x), 4.0 * batch * d_model / (x * bw_y)
-        if revision not in MIXED_REVISIONS:
-            raise ValueError(f"revision must be one of {MIXED_REVISIONS}, got {revision!r}")
-        return t_math, (t_fsdp + t_tp if revision == "000" else max(t_fsdp, t_tp))
+        return {"math": t_math, "x": 4.0 * d_model * ffw / (y * bw_x), "y": 4.0 * batch * d_model / (x * bw_y)}
     raise ValueError(f"strategy must be dp, fsdp, tp or fsdp+tp, got {strategy!r}")
+
+
+def book_layer_times(strategy: str, batch: float, n_chips: int, d_model: int, ffw: int, flops: float,
+                     bw_x: float, bw_y: float | None = None, x: float | None = None,
+                     revision: str = DEFAULT_REVISION) -> tuple[float, float]:
+    """(matmul seconds, communication seconds) of one layer's forward pass: ``book_layer_comm``'s two axes
+    summed (revision 000) or overlapped (003: their max); a one-axis strategy has only one."""
+    if revision not in MIXED_REVISIONS:
+        raise ValueError(f"revision must be one of {MIXED_REVISIONS}, got {revision!r}")
+    t = book_layer_comm(strategy, batch, n_chips, d_model, ffw, flops, bw_x, bw_y, x)
+    return t["math"], (t["x"] + t["y"] if revision == "000" else max(t["x"], t["y"]))

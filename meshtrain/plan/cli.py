@@ -5,6 +5,7 @@
     meshtrain plan --calibrate                      # measure this machine -> the cpu-local profile
     meshtrain plan --check-run runs/x               # a finished run: predicted against measured bytes
     meshtrain plan --list-hardware
+    meshtrain plan <query> ... [--json]           # one of the book's analyses: plan/query_cli.py
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 
 from meshtrain.config import REDUCE_DTYPES, ConfigError, load_config
 from meshtrain.plan.book import DEFAULT_REVISION, MIXED_REVISIONS
-from meshtrain.plan.explain import explain, format_table
+from meshtrain.plan.explain import explain, format_table, why_best
 from meshtrain.plan.figure import plot_comm_vs_compute
 from meshtrain.plan.flops import param_count
 from meshtrain.plan.hardware import HARDWARE, get_hardware, hardware_cache_dir
@@ -84,8 +85,16 @@ def jax_check(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """Parse ``argv`` (without the command name), run the search and print/write what was asked; return 0."""
-    ap = argparse.ArgumentParser(prog="meshtrain plan", description="Search parallel layouts by predicted step time.")
+    """Parse ``argv`` (without the command name), run the search and print/write what was asked; return 0.
+    A first argument naming a query (``min-devices``, ``critical-batch``, ...) runs that analysis instead."""
+    from meshtrain.plan.query_cli import QUERIES
+
+    if argv and argv[0] in QUERIES:
+        from meshtrain.plan.query_cli import main as query_main
+
+        return query_main(argv)
+    ap = argparse.ArgumentParser(prog="meshtrain plan", description="Search parallel layouts by predicted step time. "
+                                 "Queries: " + ", ".join(f"`meshtrain plan {q}` ({d})" for q, d in QUERIES.items()))
     ap.add_argument("--model", default="llama3-8b", help="preset name (llama3-70b, ...) or a YAML config")
     ap.add_argument("--hardware", default="h100", help=f"one of {', '.join(HARDWARE)}, cpu-local or a profile .json")
     ap.add_argument("--nodes", type=int, default=1, help="nodes (hosts) of --hardware")
@@ -180,7 +189,7 @@ def main(argv: list[str]) -> int:
                         "reduce_bytes": problem.precision.reduce,
                         "efficiency": problem.efficiency, "memory_fraction": problem.memory_fraction,
                         "revision": problem.revision},
-            "tried": result.tried, "fitting": len(result.ranked),
+            "tried": result.tried, "fitting": len(result.ranked), "why": why_best(problem, result),
             "top": [e.to_dict() for e in top],
             "explanation": explain(problem, result) if result.best else None,
             "emitted": str(emitted[0]) if emitted else None,
@@ -195,11 +204,13 @@ def main(argv: list[str]) -> int:
           f"{problem.efficiency:.0%} of peak, "
           f"{problem.memory_fraction:.0%} of device memory usable, mixed FSDP+TP revision {problem.revision}")
     print(f"{result.tried:,} layouts tried, {len(result.ranked):,} fit in "
-          f"{problem.memory_budget / 1e9:.1f} GB per device\n")
+          f"{problem.memory_budget / 1e9:.1f} GB per device")
+    why = why_best(problem, result)
+    print((why + "\n") if why else "")
     if top:
         print(format_table(problem, top))
         print()
-    print(explain(problem, result))
+    print(explain(problem, result, why=False))
     if emitted:
         path, est = emitted
         note = "" if est is result.best else f" (the best layout the runtime accepts today; #1 is not: " \

@@ -17,6 +17,7 @@ from meshtrain.plan.book import (
 from meshtrain.plan.flops import days_for_tokens
 from meshtrain.plan.network import effective_bw, group_link
 from meshtrain.plan.problem import Estimate, Layout, Problem
+from meshtrain.plan.queries import mixed_bandwidths
 from meshtrain.plan.search import SearchResult
 from meshtrain.plan.steptime import evaluate
 from meshtrain.rules import Rules, for_activations, for_experts, inside_block, notation, state_rules
@@ -80,9 +81,10 @@ def sharding(layout: Layout, model: ModelConfig, seq_len: int) -> list[str]:
     return lines
 
 
-def explain(problem: Problem, result: SearchResult, top: int = 3) -> str:
-    """The best layout, why: sharding, collectives of one layer, what bounds the step, memory; then the
-    book's analysis for this model and cluster."""
+def explain(problem: Problem, result: SearchResult, top: int = 3, why: bool = True) -> str:
+    """The best layout, why: one sentence against the runner-up (``why``; the CLI prints it above the table
+    instead), sharding, collectives of one layer, what bounds the step, memory; then the book's analysis
+    for this model and cluster."""
     best = result.best
     if result.tried == 0:
         return (f"No layout splits {problem.sequences} sequences of {problem.seq_len} tokens over {problem.devices} "
@@ -98,6 +100,9 @@ def explain(problem: Problem, result: SearchResult, top: int = 3) -> str:
     lay, st = est.layout, est.step
     out = [f"Best layout: {lay.describe()}  ({problem.devices} devices = dp {lay.dp} x tp {lay.tp} x "
            f"pp {lay.pp} x cp {lay.cp})"]
+    sentence = why_best(problem, result) if why else None
+    if sentence:
+        out.append(sentence)
     if est.runnable is False:
         out.append(f"  (not runnable by meshtrain today: {est.not_runnable_reason})")
     out.append("")
@@ -134,6 +139,48 @@ def explain(problem: Problem, result: SearchResult, top: int = 3) -> str:
     return "\n".join(out)
 
 
+_PARTS = (("compute", "compute"), ("tp", "TP/SP collectives"), ("cp", "CP ring"), ("ep", "expert all-to-alls"),
+          ("p2p", "pipeline sends"), ("bubble", "pipeline bubble"), ("dp", "exposed DP/ZeRO communication"),
+          ("optimizer", "optimizer step"))
+
+
+def _layout_diff(a: Layout, b: Layout) -> str:
+    """The settings in which layout ``a`` differs from ``b``, e.g. ``tp 4 (not 8), sp on (not off)``."""
+    def show(field: str, v: object) -> str:
+        if isinstance(v, bool):
+            return "on" if v else "off"
+        return "all of dp" if field == "dp_shard" and v == 0 else str(v)
+
+    out = []
+    for field in ("dp", "tp", "pp", "cp", "ep", "zero", "dp_shard", "sp", "schedule", "virtual", "microbatches",
+                  "recompute"):
+        va, vb = getattr(a, field), getattr(b, field)
+        if field in ("schedule", "virtual") and a.pp == 1 and b.pp == 1:
+            continue
+        if va != vb:
+            out.append(f"{field} {show(field, va)} (not {show(field, vb)})")
+    return ", ".join(out) or "the same settings"
+
+
+def why_best(problem: Problem, result: SearchResult) -> str | None:
+    """One sentence: why the best layout beats the runner-up, from their step-time parts (or memory on a tie)."""
+    if len(result.ranked) < 2:
+        return None
+    a, b = result.ranked[0], result.ranked[1]
+    diff = _layout_diff(a.layout, b.layout)
+    gap = b.step_s - a.step_s
+    if round(a.step_s, 9) == round(b.step_s, 9):  # the search's own tie rule: then memory ranks them
+        if a.memory_total < b.memory_total:
+            return (f"Why #1: it ties #2 ({b.layout.describe()}) on step time ({_ms(a.step_s)}) and needs less "
+                    f"memory, {_gb(a.memory_total)} against {_gb(b.memory_total)} per device, with {diff}.")
+        return (f"Why #1: nothing: #2 ({b.layout.describe()}) is predicted the same, {_ms(a.step_s)} and "
+                f"{_gb(a.memory_total)} per device, with {diff}; either will do.")
+    name, label = max(_PARTS, key=lambda p: getattr(b.step, p[0]) - getattr(a.step, p[0]))
+    va, vb = getattr(a.step, name), getattr(b.step, name)
+    return (f"Why #1: it is {_ms(gap)} ({gap / b.step_s:.2%}) faster than #2 ({b.layout.describe()}), mostly in "
+            f"{label}: {_ms(va)} against {_ms(vb)}, with {diff}.")
+
+
 def _bound_text(problem: Problem, est: Estimate, result: SearchResult) -> str:
     st = est.step
     kind = st.bound()
@@ -165,11 +212,15 @@ def book_summary(problem: Problem) -> list[str]:
         f"TP limit F*W/C = {tp_limit(f, c, w_tp):.1f}-way on the fast fabric (F = {f}, "
         f"W = {w_tp / 1e9:.0f} GB/s)",
     ]
+    # The book's mixed bound takes W of ONE axis: it already puts FSDP on two axes and TP on one. Passing it the
+    # all-axes DP bandwidth above counted the axes twice (LLaMA-2 13B on v5p x 4096: 105 instead of 940 / 235).
+    x, y = split_fsdp_tp(batch, n, f, hw.tp_max)
+    w_x, w_y, how = mixed_bandwidths(hw, n, max(2, y))
     for rev in MIXED_REVISIONS:
         tag = " (default)" if rev == problem.revision else ""
-        lines.append(f"mixed FSDP+TP bound, revision {rev}{tag}: B/N > "
-                     f"{mixed_min_batch_per_device(f, c, w_dp, rev):,.0f} tokens per device")
-    x, y = split_fsdp_tp(batch, n, f, hw.tp_max)
+        bound = mixed_min_batch_per_device(f, c, hw.intra_bw, rev, fsdp_bw=w_x, tp_bw=w_y)
+        lines.append(f"mixed FSDP+TP bound, revision {rev}{tag}: B/N > {bound:,.0f} tokens per device "
+                     f"({how})")
     lines.append(f"optimal split X = sqrt(2BN/F) = {optimal_fsdp(batch, n, f):,.0f} -> X (FSDP) {x} x "
                  f"Y (TP) {y}")
     if n > hw.domain and hw.torus:

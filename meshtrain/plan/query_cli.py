@@ -1,0 +1,127 @@
+"""``meshtrain plan <query>``: one of the book's analyses for a model and cluster, as text or ``--json``.
+
+    meshtrain plan min-devices    --model llama2-13b --hardware v5p --batch-tokens 3e6 [--remat ffw]
+    meshtrain plan max-model      --hardware v5p --devices 4096
+    meshtrain plan train-time     --model llama3-70b --hardware v5p --devices 18823 --train-tokens 15e12 --mfu 0.5
+    meshtrain plan critical-batch --model llama2-13b --hardware v5p --devices 4096 --batch-tokens 3e6 [--pp 8]
+    meshtrain plan roofline       --model llama3-8b --hardware h100 [--tokens-per-chip 256] [--decode-batch 64]
+    meshtrain plan layer-comm     --model llama2-13b --hardware v5p --devices 4096 --batch-tokens 3e6
+    meshtrain plan activations    --model llama2-13b --batch-tokens 16e6 --devices 4096
+    meshtrain plan megatron       --model llama3-70b --hardware a100 --devices 1024 --train-tokens 300e9 --tflops 140
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from meshtrain.config import load_config
+from meshtrain.plan import queries
+from meshtrain.plan.book_memory import REMAT_POLICIES
+from meshtrain.plan.hardware import HARDWARE, get_hardware
+from meshtrain.plan.search import parse_tokens
+
+QUERIES = {
+    "min-devices": "the fewest devices that can train the model (memory), overall and by strategy",
+    "max-model": "the largest model this slice trains with pure DP, FSDP and FSDP+TP (memory)",
+    "train-time": "days to train on --train-tokens at --mfu",
+    "critical-batch": "the per-device batch each strategy needs to stay compute-bound (general forms)",
+    "roofline": "where a matmul and a decode step become HBM-bandwidth-bound",
+    "layer-comm": "one layer's matmul time and each axis's communication time, by strategy",
+    "activations": "checkpoint memory in the book's c x [B, D] form, by remat policy",
+    "megatron": "the Megatron-LM paper's parameter, FLOP and training-time formulas beside ours",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line through meshtrain's error path, not argparse's usage dump
+        raise ValueError(f"meshtrain plan {self.prog.split()[-1]}: {message} (see --help)")
+
+
+def _positive(name: str, value: float) -> float:
+    if not value > 0:
+        raise ValueError(f"--{name} must be positive, got {value:g}")
+    return value
+
+
+def main(argv: list[str]) -> int:
+    """Run the query named by ``argv[0]`` with the options after it; print text or JSON; return 0."""
+    name = argv[0]
+    ap = _Parser(prog=f"meshtrain plan {name}", description=QUERIES[name])
+    ap.add_argument("--model", default="llama3-8b", help="preset name or YAML config")
+    ap.add_argument("--hardware", default="h100", help=f"one of {', '.join(HARDWARE)}, or a profile .json")
+    ap.add_argument("--devices", type=int, default=0, help="devices (default: one node; 4096 for a TPU)")
+    ap.add_argument("--nodes", type=int, default=0, help="nodes (hosts) of --hardware, instead of --devices")
+    ap.add_argument("--batch-tokens", default="4M", help="global batch in tokens (4M = 4 x 2^20; 3e6 as written)")
+    ap.add_argument("--seq-len", type=int, default=0, help="sequence length (default: the config's)")
+    ap.add_argument("--json", action="store_true", help="print JSON")
+    if name in ("min-devices", "max-model"):
+        ap.add_argument("--bytes-per-param", type=float, default=10.0,
+                        help="state bytes per parameter (the book's 10: bf16 params + fp32 Adam; meshtrain's 16)")
+        ap.add_argument("--memory-fraction", type=float, default=1.0, help="usable fraction of device memory")
+    if name == "min-devices":
+        ap.add_argument("--remat", default="ffw", choices=REMAT_POLICIES, help="checkpoint policy")
+    if name == "max-model":
+        ap.add_argument("--with-activations", action="store_true",
+                        help="leave room for --model's checkpoints (ffw policy) at --batch-tokens")
+    if name in ("train-time", "megatron"):
+        ap.add_argument("--train-tokens", type=float, default=15e12, help="tokens to train on")
+    if name == "train-time":
+        ap.add_argument("--mfu", type=float, default=0.5, help="model FLOPs utilisation")
+    if name == "megatron":
+        ap.add_argument("--tflops", type=float, default=0.0,
+                        help="achieved TFLOP/s per GPU (default: 50%% of the datasheet peak)")
+    if name == "critical-batch":
+        ap.add_argument("--pods", type=int, default=0, help="pods joined over DCN (default: from --devices)")
+        ap.add_argument("--pp", type=int, default=1, help="pipeline stages")
+        ap.add_argument("--microbatches", type=int, default=1, help="pipeline microbatches (with --zero3)")
+        ap.add_argument("--zero3", action="store_true", help="ZeRO-3 regathers weights for every microbatch")
+    if name == "roofline":
+        ap.add_argument("--tokens-per-chip", type=float, default=None,
+                        help="tokens in one chip's matmul (default: --batch-tokens / --devices)")
+        ap.add_argument("--decode-batch", type=int, default=1, help="sequences in one decode step")
+    args = ap.parse_args(argv[1:])
+
+    cfg = load_config(args.model)
+    if cfg.model.vocab_size == 0:  # taken from the tokenizer at run time; plan with the byte tokenizer's
+        cfg.model.vocab_size = 257
+    hw = get_hardware(args.hardware)
+    if args.devices < 0 or args.nodes < 0 or (args.devices and args.nodes):
+        raise ValueError("give --devices or --nodes (not both), each >= 1")
+    devices = args.devices or args.nodes * hw.devices_per_node or (4096 if hw.torus else hw.devices_per_node)
+    setting = queries.Setting(cfg.model, str(args.model), hw, devices, parse_tokens(args.batch_tokens),
+                              args.seq_len or cfg.train.seq_len)
+    if name == "min-devices":
+        _positive("bytes-per-param", args.bytes_per_param)
+        _positive("memory-fraction", args.memory_fraction)
+        out = queries.min_devices_query(setting, args.remat, args.bytes_per_param, args.memory_fraction)
+    elif name == "max-model":
+        _positive("bytes-per-param", args.bytes_per_param)
+        _positive("memory-fraction", args.memory_fraction)
+        out = queries.max_model_query(setting, args.bytes_per_param, args.memory_fraction, args.with_activations)
+    elif name == "train-time":
+        _positive("train-tokens", args.train_tokens)
+        if not 0 < args.mfu <= 1:
+            raise ValueError(f"--mfu must be in (0, 1], got {args.mfu:g}")
+        out = queries.train_time_query(setting, args.train_tokens, args.mfu)
+    elif name == "critical-batch":
+        if args.pp < 1 or args.microbatches < 1 or args.pods < 0:
+            raise ValueError("--pp and --microbatches must be >= 1 and --pods >= 0")
+        out = queries.critical_batch_query(setting, args.pods, args.pp, args.microbatches, args.zero3)
+    elif name == "roofline":
+        if args.decode_batch < 1 or (args.tokens_per_chip is not None and args.tokens_per_chip <= 0):
+            raise ValueError("--decode-batch must be >= 1 and --tokens-per-chip positive")
+        out = queries.roofline_query(setting, args.tokens_per_chip, args.decode_batch)
+    elif name == "layer-comm":
+        out = queries.layer_comm_query(setting)
+    elif name == "activations":
+        out = queries.activations_query(setting)
+    else:
+        _positive("train-tokens", args.train_tokens)
+        tflops = args.tflops or hw.bf16_flops * 0.5 / 1e12
+        out = queries.megatron_query(setting, args.train_tokens, _positive("tflops", tflops))
+    if args.json:
+        print(json.dumps({k: v for k, v in out.items() if k != "lines"}, indent=2))
+    else:
+        print("\n".join(out["lines"]))
+    return 0
