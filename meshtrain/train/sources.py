@@ -167,9 +167,8 @@ def _pyarrow_parquet() -> Any:
 
 def _check_parquet(path: Path, field: str) -> int:
     """The rows of one Parquet file, after checking it has a string column ``field`` (metadata only)."""
-    import pyarrow as pa
-
     pq = _pyarrow_parquet()
+    import pyarrow as pa
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
