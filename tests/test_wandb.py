@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from meshtrain.cli import main as cli_main
-from meshtrain.config import load_config
+from meshtrain.config import ConfigError, load_config
 from meshtrain.train.metrics import MetricsLogger, wandb_mode
 
 SMALL = ["data.source=synthetic", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=2", "model.n_layers=1",
@@ -80,6 +80,14 @@ def test_wandb_only_on_the_logging_rank_and_mode(fake_wandb: list, tmp_path: Pat
     log.close()
     assert fake_wandb == [] and not (tmp_path / "wandb_run_id").exists()
     assert wandb_mode() == "offline"
+
+    def no_network(**kwargs: object) -> None:
+        raise RuntimeError("could not reach api.wandb.ai")
+
+    monkeypatch.setattr(sys.modules["wandb"], "init", no_network)
+    with pytest.raises(ConfigError, match=r"W&B could not start a run in offline mode \(could not reach api.wandb.ai\)"
+                                          r".*WANDB_MODE=offline"):
+        MetricsLogger(tmp_path, 3, progress=False, tensorboard=False, wandb_project="proj")
     monkeypatch.setenv("WANDB_API_KEY", "k")
     assert wandb_mode() == "online"
     monkeypatch.setenv("WANDB_MODE", "disabled")

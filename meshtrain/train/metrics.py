@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from meshtrain.config import ConfigError
+
 # Set by the `meshtrain train --nproc` launcher in its workers' environment: the log file their stderr goes to.
 LAUNCHER_LOG_ENV = "MESHTRAIN_LAUNCHER_LOG"
 # In the run folder: the W&B run id, so that a resumed run goes on logging into the same W&B run.
@@ -56,9 +58,15 @@ class WandbSink:
                 run_id = secrets.token_hex(4)  # W&B ids are [a-z0-9]; wandb's own helper moved
                 id_file.write_text(run_id + "\n")
         # console="off": the bar and the launcher's log file own stdout/stderr; W&B wrapping them adds nothing.
-        self.run = wandb.init(project=project, dir=str(out_dir) if out_dir is not None else None, id=run_id,
-                              resume="allow" if run_id else None, name=out_dir.name if out_dir is not None else None,
-                              config=run_config, mode=wandb_mode(), settings=wandb.Settings(console="off"))
+        mode = wandb_mode()
+        try:
+            self.run = wandb.init(project=project, dir=str(out_dir) if out_dir is not None else None, id=run_id,
+                                  resume="allow" if run_id else None,
+                                  name=out_dir.name if out_dir is not None else None, config=run_config, mode=mode,
+                                  settings=wandb.Settings(console="off"))
+        except Exception as e:  # W&B's error classes differ between versions; any failure to start is the same to us
+            raise ConfigError(f"train.wandb=true: W&B could not start a run in {mode} mode ({e}): check WANDB_API_KEY "
+                              f"and the network, or set WANDB_MODE=offline (or train.wandb=false).") from e
 
     def log(self, record: dict[str, Any]) -> None:
         scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}

@@ -435,6 +435,10 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        where = args.out or "the cache"
+        print(f"error: interrupted; nothing was written to {where}: run the same command again", file=sys.stderr)
+        return 130
     took = time.perf_counter() - t0
     tokens = meta["train_tokens"] + meta["val_tokens"]
     print(

@@ -178,7 +178,8 @@ def _check_parquet(path: Path, field: str) -> int:
         raise ValueError(f"{path} has no column {field!r} (its columns: {', '.join(schema.names)}): "
                          f"pass --field NAME")
     kind = schema.field(field).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+    string_view = getattr(pa.types, "is_string_view", lambda _: False)  # pyarrow >= 16
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or string_view(kind)):
         raise ValueError(f"{path}: column {field!r} holds {kind}, not text (pass --field for a string column)")
     return int(pf.metadata.num_rows)
 
