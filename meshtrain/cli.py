@@ -1,7 +1,8 @@
 """``meshtrain`` command line (also ``python -m meshtrain``): train | prepare-data | generate | convert | ...
 
     meshtrain train --config FILE [--out DIR] [--nproc N] [section.key=value ...]
-    meshtrain prepare-data [--src DIR] [--out DIR] [--tokenizer byte|tokenizer.json]
+    meshtrain prepare-data [--src DIR|FILE] [--out DIR] [--format auto|text|jsonl|parquet] [--field text]
+                           [--tokenizer byte|tokenizer.json]
     meshtrain generate --ckpt DIR [--prompt TEXT] [--tokens N]
     meshtrain convert --ckpt DIR --out HF_DIR [--max-shard-size 5GB]   (a checkpoint -> a HuggingFace Llama folder)
     meshtrain schedule --pp 4 --microbatches 8 --schedule 1f1b [--png out.png]
@@ -309,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
 
 # Optional dependencies (pyproject.toml's extras): the module, its extra, and the option of each command needing it.
 OPTIONAL = {"matplotlib": ("plot", {"schedule": "--png", "plan": "--plot"}),
-            "tokenizers": ("tokenizers", {"train": "data.tokenizer", "prepare-data": "--tokenizer"})}
+            "tokenizers": ("tokenizers", {"train": "data.tokenizer", "prepare-data": "--tokenizer"}),
+            "pyarrow": ("data", {"prepare-data": "--format parquet"}),
+            "wandb": ("wandb", {"train": "train.wandb=true"})}
 
 
 def _user_error(e: BaseException, argv: list[str]) -> str | None:

@@ -145,6 +145,8 @@ class TrainConfig:
     check_collective_order: bool = False  # debug: compare each collective across its group before it runs
     progress: bool = True
     tensorboard: bool = True
+    wandb: bool = False  # also log to Weights & Biases (pip install 'meshtrain[wandb]'); offline without WANDB_API_KEY
+    wandb_project: str = "meshtrain"
 
 
 @dataclass
@@ -387,6 +389,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _need(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got '{t.device}'.")
     _need(t.resume or not t.resume_required, "train.resume_required=true makes a missing checkpoint an error when "
           "resuming: pass it with train.resume=true.")
+    _need(not t.wandb or bool(t.wandb_project.strip()), "train.wandb=true needs a train.wandb_project name.")
     _need(d.source in ("files", "synthetic"), f"data.source must be 'files' or 'synthetic', got '{d.source}'.")
     _need(0 <= d.val_fraction <= 0.5, f"data.val_fraction must be in [0, 0.5], got {d.val_fraction}.")
 

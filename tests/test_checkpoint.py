@@ -116,3 +116,48 @@ def test_a_run_resumed_in_every_layout_equals_one_uninterrupted_run(data, tmp_pa
         # The final state, AdamW moments (and the MoE bias) included, is the uninterrupted run's.
         assert_same_tensors(f"{name} chain", "checkpoint tensor", _checkpoint_tensors(root / name),
                             _checkpoint_tensors(tmp_path / f"{name}-reference"), PARAM_RTOL)
+
+
+def _record_batches(trainer) -> list:
+    """Wrap the trainer's data so that each step's global batch and this rank's rows of it are recorded."""
+    seen: list = []
+    data, local_batch = trainer.train_data, trainer.local_batch
+
+    def recording(d, step):
+        inputs, targets, n = local_batch(d, step)
+        if d is data:
+            t = trainer.cfg.train
+            seen.append((step, d.batch(t.seed, step, t.global_batch, t.seq_len)[0], inputs.clone()))
+        return inputs, targets, n
+
+    trainer.local_batch = recording
+    return seen
+
+
+def _resume_recording(rank: int, world_size: int, data: str, out: str, overrides: list[str]) -> list:
+    from meshtrain.train.trainer import Trainer
+
+    trainer = Trainer(load_config("tiny", [f"data.path={data}", *overrides, "train.resume=true"]), out)
+    seen = _record_batches(trainer)
+    trainer.train()
+    return seen
+
+
+def test_a_resume_in_another_layout_reads_the_batches_of_the_uninterrupted_run(data, tmp_path):
+    """The data position is the step: resumed on 2 ranks (dp2) from a 1-process checkpoint at step 2, the run reads
+    exactly the global batches of steps 3-4 of the uninterrupted run, each rank its rows of them."""
+    from meshtrain.parallel.parallelize import shard_rows
+    from meshtrain.train.trainer import Trainer
+
+    base = [*COMMON, "train.steps=4", "model.n_layers=1"]
+    reference = Trainer(load_config("tiny", [f"data.path={data}", *base]), str(tmp_path / "ref"))
+    ref_seen = _record_batches(reference)
+    reference.train()
+    assert [s for s, _, _ in ref_seen] == [0, 1, 2, 3]
+    Trainer(load_config("tiny", [f"data.path={data}", *base]), str(tmp_path / "run")).train(until=2)
+    per_rank = spawn(_resume_recording, 2, args=(data, str(tmp_path / "run"), [*base, "parallel.dp=2"]))
+    for rank, seen in enumerate(per_rank):
+        assert [s for s, _, _ in seen] == [2, 3], f"rank {rank} resumed at steps {[s for s, _, _ in seen]}"
+        for (step, global_batch, rows), (_, ref_global, _) in zip(seen, ref_seen[2:], strict=True):
+            assert torch.equal(global_batch, ref_global), f"step {step}: another global batch than uninterrupted"
+            assert torch.equal(rows, shard_rows(ref_global, rank, 2)), f"rank {rank}, step {step}: other rows"

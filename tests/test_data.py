@@ -156,7 +156,7 @@ def test_load_tokenizer_specs(tmp_path: Path) -> None:
 
 def test_prepare_writes_consistent_files(prepared: Path, corpus: Path) -> None:
     meta = json.loads((prepared / "meta.json").read_text())
-    assert meta["format"] == 1 and meta["tokenizer"] == "byte" and meta["dtype"] == "uint16"
+    assert meta["format"] == 2 and meta["tokenizer"] == "byte" and meta["dtype"] == "uint16"
     assert (meta["vocab_size"], meta["eos_id"]) == (257, 256)
     assert meta["files"] == 40 and meta["skipped"] == 1  # bad.py; tests/, __pycache__/, .hidden/ excluded
     assert meta["source"] == str(corpus)
@@ -270,11 +270,12 @@ def test_cli(tmp_path: Path, corpus: Path, capsys: pytest.CaptureFixture[str]) -
     out = tmp_path / "cli"
     assert prep.main(["--src", str(corpus), "--out", str(out), "--val-fraction", "0.2"]) == 0
     line = capsys.readouterr().out.strip()
-    assert "40 files" in line and "train tokens" in line and str(out) in line
+    assert "40 documents" in line and "train tokens" in line and str(out) in line
     assert prep.main(["--src", str(corpus), "--out", str(out)]) == 0
     assert "already prepared" in capsys.readouterr().out
-    assert prep.main(["--src", str(tmp_path / "missing"), "--out", str(tmp_path / "x")]) == 1
-    assert "--src" in capsys.readouterr().err
+    assert prep.main(["--src", str(tmp_path / "missing"), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "--src" in err and len(err.strip().splitlines()) == 1
 
 
 def test_default_dirs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -17,11 +17,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshtrain.train.prepare import META_FORMAT
+from meshtrain.train.prepare import META_FORMAT, docs_path
 
 SPLIT_IDS = {"train": 0, "val": 1}
 _REQUIRED_META = ("format", "tokenizer", "vocab_size", "eos_id", "dtype", "train_tokens", "val_tokens")
 _DTYPES = ("uint16", "uint32")
+# 1: tokens only; 2: plus <split>.docs.npy, the document offsets. The tokens are the same in both.
+READABLE_FORMATS = (1, META_FORMAT)
 
 
 def _split_id(split: str) -> int:
@@ -66,9 +68,10 @@ def read_meta(path: str | Path) -> dict[str, Any]:
         raise ValueError(
             f"{meta_path} is corrupt (missing {', '.join(missing)}); re-run `meshtrain prepare-data`"
         )
-    if meta["format"] != META_FORMAT:
+    if meta["format"] not in READABLE_FORMATS:
         raise ValueError(
-            f"{meta_path} has unknown format {meta['format']!r} (this meshtrain reads format {META_FORMAT}); "
+            f"{meta_path} has unknown format {meta['format']!r} (this meshtrain reads formats "
+            f"{', '.join(map(str, READABLE_FORMATS))}); "
             "re-run `meshtrain prepare-data`"
         )
     if meta["dtype"] not in _DTYPES:
@@ -104,6 +107,29 @@ class TokenDataset:
         self._tokens: np.ndarray = (
             np.memmap(bin_path, dtype=dtype, mode="r", shape=(n,)) if n > 0 else np.zeros(0, dtype=dtype)
         )
+
+    @property
+    def doc_offsets(self) -> np.ndarray | None:
+        """Where each document starts: int64 ``offsets`` with document ``i`` at tokens ``[offsets[i],
+        offsets[i+1])`` (its eos last), memory-mapped; ``None`` for a format 1 folder (eos ids only).
+
+        Read with ``allow_pickle=False``: the file is a plain ``.npy`` array, never unpickled.
+        """
+        if self.meta["format"] < 2:
+            return None
+        path = docs_path(self.path, self.split)
+        fix = "re-run `meshtrain prepare-data`"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing; {fix}")
+        try:
+            offsets = np.load(path, mmap_mode="r", allow_pickle=False)
+        except ValueError as e:
+            raise ValueError(f"{path} is corrupt ({e}); {fix}") from None
+        if offsets.dtype != np.dtype("<i8") or offsets.ndim != 1 or len(offsets) < 1 or offsets[0] != 0 \
+                or offsets[-1] != self.num_tokens:
+            raise ValueError(f"{path} is corrupt (not int64 offsets from 0 to the split's {self.num_tokens} "
+                             f"tokens); {fix}")
+        return offsets
 
     @property
     def vocab_size(self) -> int:

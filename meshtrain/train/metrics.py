@@ -1,18 +1,24 @@
-"""Where step metrics go: a JSONL file (one object per optimizer step), TensorBoard, a progress bar."""
+"""Where step metrics go: a JSONL file (one object per optimizer step), TensorBoard, Weights & Biases, a progress
+bar."""
 
 from __future__ import annotations
 
 import json
 import os
 import resource
+import secrets
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from meshtrain.config import ConfigError
+
 # Set by the `meshtrain train --nproc` launcher in its workers' environment: the log file their stderr goes to.
 LAUNCHER_LOG_ENV = "MESHTRAIN_LAUNCHER_LOG"
+# In the run folder: the W&B run id, so that a resumed run goes on logging into the same W&B run.
+WANDB_ID_FILE = "wandb_run_id"
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -22,15 +28,68 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def import_wandb() -> Any:
+    """The ``wandb`` module, or an ImportError that names the extra to install (asked before launch)."""
+    try:
+        import wandb
+    except ImportError as e:
+        raise ImportError("train.wandb=true needs wandb, which is not installed: pip install 'meshtrain[wandb]' "
+                          "(or pip install wandb), or set train.wandb=false.", name="wandb") from e
+    return wandb
+
+
+def wandb_mode() -> str:
+    """``$WANDB_MODE`` when set; otherwise ``online`` only with ``$WANDB_API_KEY``, so that a run never needs the
+    network unless asked (offline runs are uploaded later with ``wandb sync``)."""
+    return os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+
+
+class WandbSink:
+    """One W&B run per run folder: the scalars of each record, at its step."""
+
+    def __init__(self, out_dir: Path | None, project: str, run_config: dict[str, Any] | None) -> None:
+        wandb = import_wandb()
+        run_id = None
+        if out_dir is not None:
+            id_file = out_dir / WANDB_ID_FILE
+            if id_file.is_file():
+                run_id = id_file.read_text().strip() or None
+            if run_id is None:
+                run_id = secrets.token_hex(4)  # W&B ids are [a-z0-9]; wandb's own helper moved
+                id_file.write_text(run_id + "\n")
+        # console="off": the bar and the launcher's log file own stdout/stderr; W&B wrapping them adds nothing.
+        mode = wandb_mode()
+        try:
+            self.run = wandb.init(project=project, dir=str(out_dir) if out_dir is not None else None, id=run_id,
+                                  resume="allow" if run_id else None,
+                                  name=out_dir.name if out_dir is not None else None, config=run_config, mode=mode,
+                                  settings=wandb.Settings(console="off"))
+        except Exception as e:  # W&B's error classes differ between versions; any failure to start is the same to us
+            raise ConfigError(f"train.wandb=true: W&B could not start a run in {mode} mode ({e}): check WANDB_API_KEY "
+                              f"and the network, or set WANDB_MODE=offline (or train.wandb=false).") from e
+
+    def log(self, record: dict[str, Any]) -> None:
+        scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+        # commit: a record is a whole step, so W&B need not hold it open until the next step's arrives.
+        self.run.log(scalars, step=int(record["step"]), commit=True)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
 class MetricsLogger:
     """Writes metrics on the logging rank only; every other rank gets a logger that does nothing."""
 
     def __init__(self, out_dir: Path | None, total_steps: int, start_step: int = 0, enabled: bool = True,
-                 progress: bool = True, tensorboard: bool = True) -> None:
+                 progress: bool = True, tensorboard: bool = True, wandb_project: str | None = None,
+                 run_config: dict[str, Any] | None = None) -> None:
+        """``wandb_project``: also log to Weights & Biases (``train.wandb``), with ``run_config`` as the run's
+        config; like every sink, only on the logging rank."""
         self.enabled = enabled  # the logging rank prints; files are written only with an out_dir
         self._jsonl = None
         self._tb = None
         self._bar = None
+        self._wandb: WandbSink | None = None
         if self.enabled and out_dir is not None:
             path = out_dir / "metrics.jsonl"
             kept = []
@@ -45,6 +104,8 @@ class MetricsLogger:
                     self._tb = SummaryWriter(str(out_dir / "tb"))
                 except ImportError:
                     print("tensorboard is not installed: TensorBoard logs are off.", file=sys.stderr)
+        if self.enabled and wandb_project:
+            self._wandb = WandbSink(out_dir, wandb_project, run_config)
         if enabled and progress:
             from tqdm import tqdm
 
@@ -59,6 +120,8 @@ class MetricsLogger:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
             self._jsonl.flush()
+        if self._wandb is not None:
+            self._wandb.log(record)
         if self._tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):
@@ -80,6 +143,6 @@ class MetricsLogger:
             print(text, flush=True)
 
     def close(self) -> None:
-        for sink in (self._jsonl, self._tb, self._bar):
+        for sink in (self._jsonl, self._tb, self._wandb, self._bar):
             if sink is not None:
                 sink.close()

@@ -1,14 +1,16 @@
-"""``meshtrain prepare-data``: turn a folder of text files into memory-mapped token files.
+"""``meshtrain prepare-data``: turn text files, JSONL or Parquet into memory-mapped token files.
 
 A prepared data folder holds ``train.bin`` and ``val.bin`` (raw little-endian token arrays, one
-end-of-document id after each file), ``meta.json`` describing them, and ``tokenizer.json`` when a
-HuggingFace tokenizer was used. With no arguments the running Python's standard library is used, so
-training works out of the box with no download.
+end-of-document id after each document), ``train.docs.npy`` and ``val.docs.npy`` (where each document
+starts), ``meta.json`` describing them, and ``tokenizer.json`` when a HuggingFace tokenizer was used.
+The readers of each source format are in ``sources.py``. With no arguments the running Python's
+standard library is used, so training works out of the box with no download.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import hashlib
 import json
 import logging
@@ -19,20 +21,26 @@ import socket
 import sys
 import sysconfig
 import time
-from collections.abc import Iterable
+from array import array
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 
 from meshtrain.train.paths import unwritable_reason
+from meshtrain.train.sources import (  # noqa: F401  (list_source_files: re-exported)
+    DEFAULT_EXCLUDE_DIRS,
+    DEFAULT_EXTENSIONS,
+    FORMATS,
+    list_source_files,
+    open_corpus,
+)
 from meshtrain.train.tokenizer import HFTokenizer, load_tokenizer, tokenizer_tag
 
 log = logging.getLogger(__name__)
 
-META_FORMAT = 1
-DEFAULT_EXTENSIONS: tuple[str, ...] = (".py",)
-DEFAULT_EXCLUDE_DIRS: tuple[str, ...] = ("site-packages", "test", "tests", "__pycache__", "idlelib")
+# 2: adds <split>.docs.npy (document offsets); format 1 folders are still read.
+META_FORMAT = 2
 
 
 def default_source_dir() -> Path:
@@ -70,43 +78,24 @@ def is_val_document(rel_path: str, val_fraction: float) -> bool:
     return h < val_fraction * 10000
 
 
-def list_source_files(
-    src: Path, extensions: Iterable[str], exclude_dirs: Iterable[str] = DEFAULT_EXCLUDE_DIRS
-) -> list[str]:
-    """Relative POSIX paths of matching files under ``src``, in sorted (deterministic) order.
-
-    Folders named in ``exclude_dirs`` and hidden folders (``.git``, ``.venv``...) are skipped.
-    """
-    exts = tuple(e.lower() if e.startswith(".") else "." + e.lower() for e in extensions)
-    excluded = set(exclude_dirs)
-    found: list[str] = []
-    for root, dirs, files in os.walk(src):
-        # Pruning in place stops os.walk descending; sorting makes the walk order deterministic.
-        dirs[:] = sorted(d for d in dirs if d not in excluded and not d.startswith("."))
-        rel_root = Path(root).relative_to(src)
-        for name in sorted(files):
-            if name.lower().endswith(exts):
-                found.append((rel_root / name).as_posix())
-    return found
-
-
 class _SplitWriter:
-    """Appends documents to one ``.bin`` file, holding the last one back.
+    """Appends documents to one ``.bin`` file, holding the last one back, and records where each starts.
 
     Holding the last document back lets the caller move it to the other split at the end (the fallback
-    that keeps both splits non-empty) without buffering the whole corpus in memory.
+    that keeps both splits non-empty) without buffering the whole corpus in memory. ``close`` writes the
+    document offsets beside the tokens (``<split>.docs.npy``).
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._f: BinaryIO = open(path, "wb")  # closed in close()
         self.tokens = 0
-        self._written_docs = 0
+        self._lengths = array("q")  # tokens of each written document, eos included (8 bytes a document)
         self._pending: np.ndarray | None = None
 
     @property
     def docs(self) -> int:
-        return self._written_docs + (self._pending is not None)
+        return len(self._lengths) + (self._pending is not None)
 
     def add(self, doc: np.ndarray) -> None:
         if self._pending is not None:
@@ -121,7 +110,7 @@ class _SplitWriter:
     def _write(self, doc: np.ndarray) -> None:
         self._f.write(memoryview(np.ascontiguousarray(doc)))
         self.tokens += len(doc)
-        self._written_docs += 1
+        self._lengths.append(len(doc))
 
     def close(self) -> None:
         if self._f.closed:
@@ -132,6 +121,17 @@ class _SplitWriter:
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
+        offsets = np.zeros(len(self._lengths) + 1, dtype="<i8")
+        np.cumsum(np.frombuffer(self._lengths, dtype=np.int64), out=offsets[1:])
+        with open(docs_path(self.path.parent, self.path.stem), "wb") as f:
+            np.save(f, offsets, allow_pickle=False)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def docs_path(folder: Path, split: str) -> Path:
+    """``<split>.docs.npy``: int64 offsets, document ``i`` is tokens ``[offsets[i], offsets[i+1])`` (format 2)."""
+    return folder / f"{split}.docs.npy"
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
@@ -147,10 +147,65 @@ def _read_meta(out: Path) -> dict[str, Any]:
         return json.load(f)
 
 
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "host"
+
+
 def _temp_dir_for(out: Path) -> Path:
     # pid alone can collide between nodes sharing a filesystem, so the host name is added.
-    host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "host"
-    return out.parent / f".{out.name}.tmp-{os.getpid()}-{host}"
+    return out.parent / f".{out.name}.tmp-{os.getpid()}-{_host()}"
+
+
+def _remove_stale_temps(out: Path) -> None:
+    """Remove temporary folders that killed runs on this host left beside ``out`` (their process is gone).
+
+    A run killed by SIGKILL (or a power cut) cannot clean up; the next run does. Folders of live processes
+    (a concurrent rank) and of other hosts (whose processes we cannot see) are left alone.
+    """
+    pattern = re.compile(re.escape(f".{out.name}.tmp-") + r"(\d+)-" + re.escape(_host()) + "$")
+    for p in out.parent.glob(f".{glob.escape(out.name)}.tmp-*"):
+        m = pattern.match(p.name)
+        if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
+            log.info("removing %s, left by a killed prepare-data", p)
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+class _Progress:
+    """The bar: the source read so far (bytes, or rows for Parquet) and the tokens written per second."""
+
+    def __init__(self, total: int, unit: str, enabled: bool | None) -> None:
+        from tqdm import tqdm
+
+        # enabled=None: tqdm's own rule, a bar only on a terminal (no control characters in a log file).
+        self._bar = tqdm(total=total, unit=unit, unit_scale=True, dynamic_ncols=True, mininterval=0.5,
+                         disable=None if enabled is None else not enabled, desc="prepare-data", file=sys.stderr)
+        self._t0 = self._shown = time.perf_counter()
+        self.tokens = 0
+
+    def advance(self, work: int, tokens: int) -> None:
+        self.tokens += tokens
+        now = time.perf_counter()
+        if now - self._shown >= 0.5:  # formatting the rate for every document would cost more than the bar
+            self._shown = now
+            self._bar.set_postfix_str(f"{self.tokens:,} tokens, {self.tokens_per_s():,.0f} tok/s", refresh=False)
+        self._bar.update(work)
+
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(time.perf_counter() - self._t0, 1e-9)
+
+    def close(self) -> None:
+        self._bar.set_postfix_str(f"{self.tokens:,} tokens, {self.tokens_per_s():,.0f} tok/s", refresh=False)
+        self._bar.close()
 
 
 def prepare_data(
@@ -158,28 +213,34 @@ def prepare_data(
     out: str | Path,
     tokenizer: str = "byte",
     val_fraction: float = 0.02,
-    extensions: tuple[str, ...] = DEFAULT_EXTENSIONS,
+    extensions: tuple[str, ...] | None = None,
     exclude_dirs: tuple[str, ...] = DEFAULT_EXCLUDE_DIRS,
     *,
+    fmt: str = "auto",
+    field: str = "text",
     overwrite: bool = False,
+    progress: bool | None = False,
 ) -> dict[str, Any]:
-    """Tokenize every matching text file under ``src`` into ``out/{train,val}.bin`` + ``out/meta.json``.
+    """Tokenize the documents of ``src`` into ``out/{train,val}.bin``, ``{train,val}.docs.npy`` and ``meta.json``.
 
-    Documents are split into train/val by a hash of their relative path; each is followed by the
-    tokenizer's eos id. Files that are not valid UTF-8 (or unreadable) are skipped and counted; empty
-    files are ignored. The folder is written under a temporary sibling name and renamed into place, so
-    ``out`` is either complete or absent. If ``out`` already holds a prepared folder when we are about to
-    rename (e.g. another rank prepared it concurrently), ours is discarded and the existing one kept,
-    unless ``overwrite`` is set. Returns the meta dict of the folder now at ``out``.
+    ``src`` is a folder or one file; ``fmt`` (``auto`` | ``text`` | ``jsonl`` | ``parquet``, see
+    ``sources.py``) says how to read it: each text file, JSONL line (its ``field``) or Parquet row (column
+    ``field``) is a document. Documents are split into train/val by a hash of their key (relative path, or
+    ``path:line`` / ``path:row``); each is followed by the tokenizer's eos id, and where each starts is saved
+    beside the tokens. Text files that are not valid UTF-8 (or unreadable) are skipped and counted; empty
+    documents are ignored. The folder is written under a temporary sibling name and renamed into place, so
+    ``out`` is either complete or absent, and a run killed at any point leaves nothing a re-run would read
+    (its temporary folder is removed by the next run). If ``out`` already holds a prepared folder when we are
+    about to rename (e.g. another rank prepared it concurrently), ours is discarded and the existing one kept,
+    unless ``overwrite`` is set. ``progress``: draw a bar (None: only on a terminal). Returns the meta dict of
+    the folder now at ``out``.
     """
     src = Path(src).expanduser()
     out = Path(out).expanduser()
     if not (0.0 <= val_fraction <= 0.5):
         raise ValueError(f"data.val_fraction must be between 0 and 0.5, got {val_fraction}")
-    if not src.is_dir():
-        if src.exists():
-            raise FileNotFoundError(f"data source {src} is not a folder (option --src of prepare-data)")
-        raise FileNotFoundError(f"data source folder {src} does not exist (option --src of prepare-data)")
+    if not src.exists():
+        raise FileNotFoundError(f"data source {src} does not exist (option --src of prepare-data)")
     if out.exists() and not (out / "meta.json").is_file():
         if not out.is_dir() or any(out.iterdir()):
             # Never clobber something that is not ours (e.g. the user pointed --out at their sources).
@@ -188,42 +249,43 @@ def prepare_data(
                 "choose another output folder or delete it"
             )
     tok = load_tokenizer(tokenizer)
-    files = list_source_files(src, extensions, exclude_dirs)
-    if not files:
-        raise ValueError(
-            f"no files with extensions {', '.join(extensions)} found under {src} (option --src of prepare-data): "
-            f"pass --ext for the files it holds (repeatable, e.g. --ext .txt --ext .md), or another --src"
-        )
+    corpus = open_corpus(src, fmt, field, extensions, exclude_dirs)
     dtype = token_dtype(tok.vocab_size)
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(out)
     tmp = _temp_dir_for(out)
     if tmp.exists():  # left over from a killed run that had our pid
         shutil.rmtree(tmp)
     writers: dict[str, _SplitWriter] = {}
+    bar: _Progress | None = None
     try:
         tmp.mkdir()
         writers = {"train": _SplitWriter(tmp / "train.bin"), "val": _SplitWriter(tmp / "val.bin")}
+        bar = _Progress(corpus.total, corpus.unit, progress)
         skipped = empty = 0
-        for rel in files:
-            try:
-                text = (src / rel).read_bytes().decode("utf-8")
-            except (UnicodeDecodeError, OSError):
+        for key, text, work in corpus:
+            if text is None:
                 skipped += 1
-                continue
-            if not text:
+            elif not text:
                 empty += 1
+            else:
+                ids = tok.encode_array(text)
+                doc = np.empty(len(ids) + 1, dtype=dtype)
+                doc[:-1] = ids
+                doc[-1] = tok.eos_id
+                writers["val" if is_val_document(key, val_fraction) else "train"].add(doc)
+                bar.advance(work, len(doc))
                 continue
-            ids = tok.encode_array(text)
-            doc = np.empty(len(ids) + 1, dtype=dtype)
-            doc[:-1] = ids
-            doc[-1] = tok.eos_id
-            writers["val" if is_val_document(rel, val_fraction) else "train"].add(doc)
+            bar.advance(work, 0)
+        bar.close()
 
         train, val = writers["train"], writers["val"]
         total_docs = train.docs + val.docs
         if total_docs == 0:
-            raise ValueError(f"none of the {len(files)} files under {src} could be read as UTF-8 text")
+            what = "files" if corpus.format == "text" else "documents"
+            raise ValueError(f"none of the {what} under {src} holds any text (skipped {skipped} that are not "
+                             f"UTF-8, {empty} empty)")
         if val_fraction > 0 and (train.docs == 0 or val.docs == 0):
             # Few documents can hash all to one side; move one so both splits are usable.
             if total_docs < 2:
@@ -252,12 +314,17 @@ def prepare_data(
             "skipped": skipped,
             "empty": empty,
             "source": str(src),
+            "source_format": corpus.format,
         }
+        if corpus.format != "text":
+            meta["field"] = field
         if isinstance(tok, HFTokenizer):
             shutil.copyfile(tok.path, tmp / "tokenizer.json")
         _write_json(tmp / "meta.json", meta)  # written last: its presence marks a complete folder
         return _publish(tmp, out, overwrite)
     except BaseException:
+        if bar is not None:
+            bar.close()
         for w in writers.values():
             try:
                 w._f.close()
@@ -310,7 +377,7 @@ def ensure_prepared(path: str | None, tokenizer: str = "byte", val_fraction: flo
             if check_only:
                 return out
             log.info("preparing the Python standard library as training data into %s", out)
-            prepare_data(default_source_dir(), out, tokenizer=tokenizer, val_fraction=val_fraction)
+            prepare_data(default_source_dir(), out, tokenizer=tokenizer, val_fraction=val_fraction, fmt="text")
         return out
     p = Path(path).expanduser()
     if not p.exists():
@@ -335,42 +402,48 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``meshtrain prepare-data`` (``argv`` excludes the subcommand name)."""
     parser = argparse.ArgumentParser(
         prog="meshtrain prepare-data",
-        description="Tokenize a folder of text files into train.bin/val.bin/meta.json for training.",
+        description="Tokenize text files, JSONL or Parquet into train.bin/val.bin (+ document offsets) for training.",
     )
-    parser.add_argument("--src", help="folder of text files (default: this Python's standard library)")
+    parser.add_argument("--src", help="a folder, or one JSONL / Parquet / text file (default: this Python's "
+                                      "standard library)")
     parser.add_argument("--out", help="output folder (default: a cache folder under ~/.cache/meshtrain)")
+    parser.add_argument("--format", default="auto", choices=FORMATS,
+                        help="how to read --src (default auto: by the files' suffixes; text otherwise)")
+    parser.add_argument("--field", default="text", help="the JSONL field / Parquet column holding the text")
     parser.add_argument("--tokenizer", default="byte", help="'byte' (default) or a path to a tokenizer.json")
-    parser.add_argument("--val-fraction", type=float, default=0.02, help="share of files held out (0..0.5)")
-    parser.add_argument("--ext", action="append", help="file extension to include, repeatable (default: .py)")
+    parser.add_argument("--val-fraction", type=float, default=0.02, help="share of documents held out (0..0.5)")
+    parser.add_argument("--ext", action="append", help="text format: file extension to include, repeatable "
+                                                       "(default: .py)")
     parser.add_argument("--force", action="store_true", help="rebuild even if --out is already prepared")
     args = parser.parse_args(argv)
 
     src = Path(args.src) if args.src else default_source_dir()
-    extensions = tuple(args.ext) if args.ext else DEFAULT_EXTENSIONS
+    fmt = args.format if args.src else "text"
     t0 = time.perf_counter()
     try:
-        out = Path(args.out) if args.out else default_data_dir(args.tokenizer)
+        out = Path(args.out) if args.out else default_data_dir(args.tokenizer, args.val_fraction)
         if (out / "meta.json").is_file() and not args.force:
             meta = _read_meta(out)
             print(
-                f"already prepared: {meta['files']} files, {meta['train_tokens']:,} train tokens, "
+                f"already prepared: {meta['files']} documents, {meta['train_tokens']:,} train tokens, "
                 f"{meta['val_tokens']:,} val tokens in {out} (use --force to rebuild)"
             )
             return 0
-        meta = prepare_data(
-            src,
-            out,
-            tokenizer=args.tokenizer,
-            val_fraction=args.val_fraction,
-            extensions=extensions,
-            overwrite=args.force,
-        )
+        meta = prepare_data(src, out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
+                            extensions=tuple(args.ext) if args.ext else None, fmt=fmt, field=args.field,
+                            overwrite=args.force, progress=None)
     except (OSError, ValueError, ImportError) as e:
-        print(f"meshtrain prepare-data: error: {e}", file=sys.stderr)
-        return 1
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        where = args.out or "the cache"
+        print(f"error: interrupted; nothing was written to {where}: run the same command again", file=sys.stderr)
+        return 130
+    took = time.perf_counter() - t0
+    tokens = meta["train_tokens"] + meta["val_tokens"]
     print(
-        f"prepared {meta['files']} files ({meta['skipped']} skipped): {meta['train_tokens']:,} train tokens, "
-        f"{meta['val_tokens']:,} val tokens -> {out} ({time.perf_counter() - t0:.1f}s)"
+        f"prepared {meta['files']} documents ({meta['skipped']} skipped): {meta['train_tokens']:,} train tokens, "
+        f"{meta['val_tokens']:,} val tokens -> {out} ({took:.1f}s, {tokens / max(took, 1e-9):,.0f} tokens/s)"
     )
     return 0
 

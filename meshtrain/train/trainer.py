@@ -35,7 +35,7 @@ from meshtrain.plan.hardware import peak_flops
 from meshtrain.plan.validate import validate_layout
 from meshtrain.train.checkpoint import Checkpointer, CheckpointError, CheckpointReader, latest_checkpoint, restore_rng
 from meshtrain.train.data import SyntheticDataset, TokenDataset, read_meta
-from meshtrain.train.metrics import MetricsLogger, peak_memory_bytes
+from meshtrain.train.metrics import MetricsLogger, import_wandb, peak_memory_bytes
 from meshtrain.train.optim import build_optimizer, set_lr
 from meshtrain.train.paths import unwritable_reason
 from meshtrain.train.prepare import ensure_prepared
@@ -83,6 +83,8 @@ def check_before_launch(cfg: Config, out_dir: str | Path | None, world_size: int
         raise ConfigError(f"--nproc {world_size} runs one process per GPU but {n} GPU(s) are visible: pass "
                           f"--nproc {n} (and a layout for it), or train.device=cpu.")
     check_out_dir(out_dir, before_launch=True)
+    if cfg.train.wandb:
+        import_wandb()
     check_data(cfg)
     root = Path(out_dir) / "checkpoints" if out_dir else None
     if cfg.train.resume and root is None:
@@ -215,6 +217,8 @@ class Trainer:
         check_out_dir(out_dir, before_launch=world_size == 1)  # alone, it can probe without leaving a folder
         if cfg.train.resume and out_dir is None:
             raise ConfigError(RESUME_WITHOUT_OUT)
+        if cfg.train.wandb:
+            import_wandb()  # before the process group and the model: a missing extra is one line, not a late failure
         self.cfg = cfg
         self.notes: list[str] = []  # what the run's log says first (rank 0): a fresh start despite resume, ...
         self.out_dir = Path(out_dir) if out_dir else None
@@ -419,7 +423,8 @@ class Trainer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.out_dir / "config.yaml")
         log = MetricsLogger(self.out_dir, t.steps, self.step, enabled=self.is_logger, progress=t.progress,
-                            tensorboard=t.tensorboard)
+                            tensorboard=t.tensorboard, wandb_project=t.wandb_project if t.wandb else None,
+                            run_config=dataclasses.asdict(cfg))
         tokens_per_step = t.global_batch * t.seq_len
         if self.is_logger:
             for note in self.notes:
