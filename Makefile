@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	# torch first, pinned: a local CPU wheel on our machines, the CUDA build elsewhere.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,plot,data]'
+	$(BIN)/pip install -q -e '.[dev,plot,data,wandb]'
 	touch $(STAMP)
 
 setup: $(STAMP)
