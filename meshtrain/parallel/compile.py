@@ -32,6 +32,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshtrain.parallel.recompute import recomputed_forward
+
 
 def compile_unavailable(device: torch.device) -> str | None:
     """Why inductor cannot compile for ``device`` on this machine, with the fix (None: it can). CPU kernels are
@@ -49,20 +51,30 @@ def compile_unavailable(device: torch.device) -> str | None:
     return None
 
 
-def apply_compile(model: nn.Module, enabled: bool) -> nn.Module:
-    """Compile every module in ``model.layers`` in place with ``Module.compile()`` (``enabled`` is
-    ``train.compile``; False: nothing changes). Returns ``model``; names, module tree and hooks are unchanged."""
+def apply_compile(model: nn.Module, enabled: bool, collectives: bool = False) -> nn.Module:
+    """Compile every module in ``model.layers`` in place (``enabled`` is ``train.compile``; False: nothing
+    changes). Returns ``model``; names, module tree and hooks are unchanged.
+
+    ``collectives``: the blocks call collectives (tp, cp or ep > 1), i.e. their forward breaks graphs. A
+    recomputed block is then compiled inside its checkpoint rather than around it (see the module docstring);
+    every other block is compiled whole with ``Module.compile()``."""
     if not enabled:
         return model
     for block in model.layers.values():
-        # Not fullgraph: the collectives inside TP/CP/EP blocks are graph breaks (see the module docstring).
-        block.compile()
+        recomputed = recomputed_forward(block)
+        if collectives and recomputed is not None:
+            recomputed.compile_inside()
+        else:
+            # Not fullgraph: the collectives inside TP/CP/EP blocks are graph breaks (see the module docstring).
+            block.compile()
     return model
 
 
 def is_compiled(block: nn.Module) -> bool:
-    """Whether ``apply_compile`` compiled ``block``."""
-    return getattr(block, "_compiled_call_impl", None) is not None
+    """Whether ``apply_compile`` compiled ``block`` (whole, or inside its checkpoint)."""
+    recomputed = recomputed_forward(block)
+    return (getattr(block, "_compiled_call_impl", None) is not None
+            or (recomputed is not None and recomputed.compiled is not None))
 
 
 __all__ = ["apply_compile", "compile_unavailable", "is_compiled"]

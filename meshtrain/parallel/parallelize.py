@@ -288,7 +288,7 @@ def parallelize(model: Llama, mesh: Mesh, cfg: Config) -> Parallel:
         wgrad = WeightGradStore() if schedule.split_backward else None
         stages = split(model, mesh, schedule, partition, wgrad)
     apply_recompute(model, t.recompute)
-    apply_compile(model, t.compile)
+    apply_compile(model, t.compile, collectives=max(p.tp, p.cp, p.ep) > 1)
     sync = data_parallel(model, mesh, p, tp.placements if tp else {}, dtype)
     forward = ForwardLoss(tp.loss_fn if tp else cross_entropy_sum, sync, dtype, mesh.device)
     if schedule is not None:
