@@ -15,12 +15,19 @@ How, and why this way:
 * It runs in ``parallelize`` after recompute and before the DP family (torchtitan: after TP and activation
   checkpointing, before FSDP). After TP, CP and EP because it must see the modules they swapped in; after
   recompute so the checkpoint is traced into the graph (the partitioner then recomputes inside the compiled
-  backward); before the DP family, whose hooks on the block (ZeRO-3) are then called by the compiled
-  ``__call__``: dynamo runs them as graph breaks, eagerly, in the same order as without compile.
+  backward; where that is impossible, see the last point); before the DP family, whose hooks on the block
+  (ZeRO-3) are then called by the compiled ``__call__``: dynamo runs them as graph breaks, eagerly, in the same
+  order as without compile.
 * Graph breaks, by design: tensor parallelism's f/g ops and sequence parallelism's gather/scatter are autograd
   Functions that call ``meshtrain.comm``; ring/all-gather attention (CP) and the expert all-to-all (EP) too. Each
   is one break (the code around it is still compiled); ``docs/compile.md`` lists where, from
-  ``torch._dynamo.explain``.
+  ``torch._dynamo.explain``. Zero-bubble pipelines' ``DeferredLinear`` is one too (``pipeline/wgrad.py``).
+* A recomputed block that calls collectives (recompute with tp, cp or ep > 1) is compiled the other way round:
+  ``checkpoint(compiled forward)``, not ``compile(checkpointed block)``. Dynamo cannot break a graph inside a
+  checkpoint: it gives up on the whole checkpoint and the block ran eagerly, silently. So the checkpoint stays
+  eager and outside, and what it runs -- the block's forward -- is ``torch.compile``d (``recompute.py``,
+  ``compile_inside``); non-reentrant checkpoint recomputes the compiled forward in backward. Selective recompute
+  is then recomputed whole, as full: its policy is a dispatch mode that cannot see inside compiled kernels.
 
 Compiling is lazy: the first forward of each block shape traces and compiles (tens of seconds on a CPU, less
 with inductor's on-disk cache warm). Evaluation and sampling at new sequence lengths recompile once, then dynamo

@@ -15,6 +15,8 @@ The transformations run in one fixed order, each on what the previous one left:
 5. **Recompute** (``recompute.py``): blocks recompute their activations in backward.
 6. **Compile** (``compile.py``, ``train.compile``): each block is ``torch.compile``d in place. After the above,
    so the graph holds the sharded modules and the checkpoint; before the DP family, whose hooks stay eager.
+   A recomputed block that calls collectives (tp, cp or ep > 1) has its forward compiled inside the checkpoint
+   instead (dynamo cannot break a graph inside a checkpoint): same step of the order, the nesting turned round.
 7. **DP family** (``data.py``, ``zero.py``, ``fsdp.py``): gradients (and with ZeRO, state) synchronised and
    sharded over dp x cp; experts over edp.
 
@@ -49,7 +51,7 @@ from meshtrain.parallel.microsteps import Accumulation, ForwardLoss
 from meshtrain.parallel.pieces import OptimParam, Placements
 from meshtrain.parallel.pipeline.engine import PipelineEngine, split
 from meshtrain.parallel.pipeline.wgrad import WeightGradStore
-from meshtrain.parallel.recompute import apply_recompute
+from meshtrain.parallel.recompute import apply_recompute, recomputed_forward
 from meshtrain.parallel.state import Held, check_shapes, gather_full, load_state, local_state, regions
 from meshtrain.parallel.tensor import TensorParallel, apply_tensor_parallel
 from meshtrain.parallel.units import Unit
@@ -250,11 +252,17 @@ class Parallel:
     # ------------------------------------------------------------------ reporting and generation
 
     def log_lines(self) -> str:
-        """What a log should say about the layout beyond the mesh (the pipeline's stages)."""
+        """What a log should say about the layout beyond the mesh (the pipeline's stages; selective recompute run
+        as full under compile)."""
+        lines = ""
+        if any(f is not None and f.mode == "selective" and f.compiled is not None
+               for f in map(recomputed_forward, self.model.layers.values())):
+            lines += ("train.recompute=selective with train.compile and tp, cp or ep > 1: the compiled blocks are "
+                      "recomputed whole, as full (docs/compile.md)\n")
         if self.schedule is None:
-            return ""
+            return lines.rstrip("\n")
         s = self.schedule
-        return (f"pipeline: {s.name}, {s.n_stages} stages over pp={s.pp}, {s.microbatches} microbatches\n"
+        return (lines + f"pipeline: {s.name}, {s.n_stages} stages over pp={s.pp}, {s.microbatches} microbatches\n"
                 + self.partition.table(s.placement))
 
     def sampler(self) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, int] | None:

@@ -25,6 +25,10 @@ tensor backward needs has been rebuilt, so hooks of the block's last submodules 
 A full backward pre-hook on the block (``register_full_backward_pre_hook``) fires before the
 recomputation starts, so that is where code that must re-gather a block's sharded parameters for
 backward should do it; the block's forward pre/post hooks will not run then.
+
+Under ``train.compile`` a block's checkpoint is normally traced into its compiled graph; where the block calls
+collectives, ``compile_inside`` compiles the forward the checkpoint runs instead (``parallel/compile.py``), and
+"selective" then recomputes that compiled forward whole, as "full" (its policy cannot see inside compiled kernels).
 """
 
 from __future__ import annotations
