@@ -22,7 +22,8 @@ How, and why this way:
   Functions that call ``meshtrain.comm``; ring/all-gather attention (CP) and the expert all-to-all (EP) too. Each
   is one break (the code around it is still compiled); ``docs/compile.md`` lists where, from
   ``torch._dynamo.explain``. Zero-bubble pipelines' ``DeferredLinear`` is one too (``pipeline/wgrad.py``).
-* A recomputed block that calls collectives (recompute with tp, cp or ep > 1) is compiled the other way round:
+* A recomputed block that breaks graphs -- it calls collectives (tp, cp or ep > 1), or it is an MoE block, whose
+  routing reads token counts -- is compiled the other way round:
   ``checkpoint(compiled forward)``, not ``compile(checkpointed block)``. Dynamo cannot break a graph inside a
   checkpoint: it gives up on the whole checkpoint and the block ran eagerly, silently. So the checkpoint stays
   eager and outside, and what it runs -- the block's forward -- is ``torch.compile``d (``recompute.py``,
@@ -39,6 +40,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshtrain.model.moe import MoEFeedForward
 from meshtrain.parallel.recompute import recomputed_forward
 
 
@@ -62,15 +64,21 @@ def apply_compile(model: nn.Module, enabled: bool, collectives: bool = False) ->
     """Compile every module in ``model.layers`` in place (``enabled`` is ``train.compile``; False: nothing
     changes). Returns ``model``; names, module tree and hooks are unchanged.
 
-    ``collectives``: the blocks call collectives (tp, cp or ep > 1), i.e. their forward breaks graphs. A
-    recomputed block is then compiled inside its checkpoint rather than around it (see the module docstring);
-    every other block is compiled whole with ``Module.compile()``."""
+    ``collectives``: the blocks call collectives (tp, cp or ep > 1), i.e. their forward breaks graphs; an MoE
+    block breaks graphs anyway (its routing reads token counts). Such a block, if recomputed, is compiled inside
+    its checkpoint rather than around it (see the module docstring); every other block is compiled whole with
+    ``Module.compile()``."""
     if not enabled:
         return model
     for block in model.layers.values():
         recomputed = recomputed_forward(block)
-        if collectives and recomputed is not None:
-            recomputed.compile_inside()
+        routes = any(isinstance(m, MoEFeedForward) for m in block.modules())
+        if recomputed is not None and (collectives or routes):
+            # An MoE block's shapes follow its routing, so they change every step: dynamic from the first
+            # compile. Left automatic, dynamo compiles a static graph first and a dynamic one later that matches
+            # the same inputs, and a checkpoint's recomputation could then run another graph than its forward
+            # did (it stops: "a different number of tensors was saved", pytorch/pytorch#166926).
+            recomputed.compile_inside(dynamic=True if routes else None)
         else:
             # Not fullgraph: the collectives inside TP/CP/EP blocks are graph breaks (see the module docstring).
             block.compile()

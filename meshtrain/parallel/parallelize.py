@@ -15,8 +15,9 @@ The transformations run in one fixed order, each on what the previous one left:
 5. **Recompute** (``recompute.py``): blocks recompute their activations in backward.
 6. **Compile** (``compile.py``, ``train.compile``): each block is ``torch.compile``d in place. After the above,
    so the graph holds the sharded modules and the checkpoint; before the DP family, whose hooks stay eager.
-   A recomputed block that calls collectives (tp, cp or ep > 1) has its forward compiled inside the checkpoint
-   instead (dynamo cannot break a graph inside a checkpoint): same step of the order, the nesting turned round.
+   A recomputed block that breaks graphs (collectives: tp, cp or ep > 1; an MoE block's routing) has its forward
+   compiled inside the checkpoint instead (dynamo cannot break a graph inside a checkpoint): same step of the
+   order, the nesting turned round.
 7. **DP family** (``data.py``, ``zero.py``, ``fsdp.py``): gradients (and with ZeRO, state) synchronised and
    sharded over dp x cp; experts over edp.
 
@@ -257,8 +258,8 @@ class Parallel:
         lines = ""
         if any(f is not None and f.mode == "selective" and f.compiled is not None
                for f in map(recomputed_forward, self.model.layers.values())):
-            lines += ("train.recompute=selective with train.compile and tp, cp or ep > 1: the compiled blocks are "
-                      "recomputed whole, as full (docs/compile.md)\n")
+            lines += ("train.recompute=selective with train.compile and tp, cp or ep > 1 (or MoE): the compiled "
+                      "blocks are recomputed whole, as full (docs/compile.md)\n")
         if self.schedule is None:
             return lines.rstrip("\n")
         s = self.schedule

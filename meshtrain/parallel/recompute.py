@@ -26,9 +26,10 @@ A full backward pre-hook on the block (``register_full_backward_pre_hook``) fire
 recomputation starts, so that is where code that must re-gather a block's sharded parameters for
 backward should do it; the block's forward pre/post hooks will not run then.
 
-Under ``train.compile`` a block's checkpoint is normally traced into its compiled graph; where the block calls
-collectives, ``compile_inside`` compiles the forward the checkpoint runs instead (``parallel/compile.py``), and
-"selective" then recomputes that compiled forward whole, as "full" (its policy cannot see inside compiled kernels).
+Under ``train.compile`` a block's checkpoint is normally traced into its compiled graph; where the block breaks
+graphs (collectives, MoE routing), ``compile_inside`` compiles the forward the checkpoint runs instead
+(``parallel/compile.py``), and "selective" then recomputes that compiled forward whole, as "full" (its policy
+cannot see inside compiled kernels).
 """
 
 from __future__ import annotations
@@ -91,13 +92,14 @@ class _RecomputedForward:
         # ``compile_inside`` sets this: the block's forward compiled on its own, run inside the checkpoint.
         self.compiled: Callable[..., Any] | None = None
 
-    def compile_inside(self) -> None:
+    def compile_inside(self, dynamic: bool | None = None) -> None:
         """Compile what the checkpoint runs (``torch.compile`` of the block's forward) instead of the block's
         ``__call__``: the checkpoint then stays eager, outside the graphs, and recomputes the compiled forward
         in backward. For blocks whose forward breaks graphs (collectives), which dynamo cannot trace inside a
         checkpoint (``meshtrain/parallel/compile.py``). Compiles the unbound forward, so the compiled function
-        holds no block and a deep copy of the model still runs its own block."""
-        self.compiled = torch.compile(self.inner if self.inner is not None else type(self.module).forward)
+        holds no block and a deep copy of the model still runs its own block. ``dynamic``: ``torch.compile``'s."""
+        self.compiled = torch.compile(self.inner if self.inner is not None else type(self.module).forward,
+                                      dynamic=dynamic)
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         if self.compiled is not None:
