@@ -95,9 +95,10 @@ class _RecomputedForward:
     def compile_inside(self, dynamic: bool | None = None) -> None:
         """Compile what the checkpoint runs (``torch.compile`` of the block's forward) instead of the block's
         ``__call__``: the checkpoint then stays eager, outside the graphs, and recomputes the compiled forward
-        in backward. For blocks whose forward breaks graphs (collectives), which dynamo cannot trace inside a
-        checkpoint (``meshtrain/parallel/compile.py``). Compiles the unbound forward, so the compiled function
-        holds no block and a deep copy of the model still runs its own block. ``dynamic``: ``torch.compile``'s."""
+        in backward. For blocks whose forward breaks graphs (collectives, MoE routing), which dynamo cannot trace
+        inside a checkpoint (``meshtrain/parallel/compile.py``). Compiles the unbound forward, so the compiled
+        function holds no block and a deep copy of the model still runs its own block. ``dynamic``:
+        ``torch.compile``'s."""
         self.compiled = torch.compile(self.inner if self.inner is not None else type(self.module).forward,
                                       dynamic=dynamic)
 
