@@ -376,10 +376,6 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _need(t.optimizer in ("adamw", "muon"), f"train.optimizer must be 'adamw' or 'muon', got '{t.optimizer}'.")
     _need(t.recompute in RECOMPUTE_MODES,
           f"train.recompute must be none, full or selective, got '{t.recompute}'.")
-    _need(not (t.compile and t.recompute != "none" and max(p.tp, p.cp, p.ep) > 1),
-          f"train.compile=true with train.recompute={t.recompute} and tp, cp or ep > 1: the recomputed blocks call "
-          f"collectives, and dynamo cannot break a graph inside a checkpoint, so they would run uncompiled; set "
-          f"train.recompute=none or train.compile=false.")
     _need(t.muon_lr >= 0 and 0 <= t.muon_momentum < 1,
           "train.muon_lr must be >= 0 (0: train.lr) and train.muon_momentum in [0, 1).")
     _need(math.isfinite(t.collective_timeout_s) and t.collective_timeout_s > 0,

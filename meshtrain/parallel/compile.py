@@ -15,12 +15,20 @@ How, and why this way:
 * It runs in ``parallelize`` after recompute and before the DP family (torchtitan: after TP and activation
   checkpointing, before FSDP). After TP, CP and EP because it must see the modules they swapped in; after
   recompute so the checkpoint is traced into the graph (the partitioner then recomputes inside the compiled
-  backward); before the DP family, whose hooks on the block (ZeRO-3) are then called by the compiled
-  ``__call__``: dynamo runs them as graph breaks, eagerly, in the same order as without compile.
+  backward; where that is impossible, see the last point); before the DP family, whose hooks on the block
+  (ZeRO-3) are then called by the compiled ``__call__``: dynamo runs them as graph breaks, eagerly, in the same
+  order as without compile.
 * Graph breaks, by design: tensor parallelism's f/g ops and sequence parallelism's gather/scatter are autograd
   Functions that call ``meshtrain.comm``; ring/all-gather attention (CP) and the expert all-to-all (EP) too. Each
   is one break (the code around it is still compiled); ``docs/compile.md`` lists where, from
-  ``torch._dynamo.explain``.
+  ``torch._dynamo.explain``. Zero-bubble pipelines' ``DeferredLinear`` is one too (``pipeline/wgrad.py``).
+* A recomputed block that breaks graphs -- it calls collectives (tp, cp or ep > 1), or it is an MoE block, whose
+  routing reads token counts -- is compiled the other way round:
+  ``checkpoint(compiled forward)``, not ``compile(checkpointed block)``. Dynamo cannot break a graph inside a
+  checkpoint: it gives up on the whole checkpoint and the block ran eagerly, silently. So the checkpoint stays
+  eager and outside, and what it runs -- the block's forward -- is ``torch.compile``d (``recompute.py``,
+  ``compile_inside``); non-reentrant checkpoint recomputes the compiled forward in backward. Selective recompute
+  is then recomputed whole, as full: its policy is a dispatch mode that cannot see inside compiled kernels.
 
 Compiling is lazy: the first forward of each block shape traces and compiles (tens of seconds on a CPU, less
 with inductor's on-disk cache warm). Evaluation and sampling at new sequence lengths recompile once, then dynamo
@@ -31,6 +39,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from meshtrain.model.moe import MoEFeedForward
+from meshtrain.parallel.recompute import recomputed_forward
 
 
 def compile_unavailable(device: torch.device) -> str | None:
@@ -49,20 +60,36 @@ def compile_unavailable(device: torch.device) -> str | None:
     return None
 
 
-def apply_compile(model: nn.Module, enabled: bool) -> nn.Module:
-    """Compile every module in ``model.layers`` in place with ``Module.compile()`` (``enabled`` is
-    ``train.compile``; False: nothing changes). Returns ``model``; names, module tree and hooks are unchanged."""
+def apply_compile(model: nn.Module, enabled: bool, collectives: bool = False) -> nn.Module:
+    """Compile every module in ``model.layers`` in place (``enabled`` is ``train.compile``; False: nothing
+    changes). Returns ``model``; names, module tree and hooks are unchanged.
+
+    ``collectives``: the blocks call collectives (tp, cp or ep > 1), i.e. their forward breaks graphs; an MoE
+    block breaks graphs anyway (its routing reads token counts). Such a block, if recomputed, is compiled inside
+    its checkpoint rather than around it (see the module docstring); every other block is compiled whole with
+    ``Module.compile()``."""
     if not enabled:
         return model
     for block in model.layers.values():
-        # Not fullgraph: the collectives inside TP/CP/EP blocks are graph breaks (see the module docstring).
-        block.compile()
+        recomputed = recomputed_forward(block)
+        routes = any(isinstance(m, MoEFeedForward) for m in block.modules())
+        if recomputed is not None and (collectives or routes):
+            # An MoE block's shapes follow its routing, so they change every step: dynamic from the first
+            # compile. Left automatic, dynamo compiles a static graph first and a dynamic one later that matches
+            # the same inputs, and a checkpoint's recomputation could then run another graph than its forward
+            # did (it stops: "a different number of tensors was saved", pytorch/pytorch#166926).
+            recomputed.compile_inside(dynamic=True if routes else None)
+        else:
+            # Not fullgraph: the collectives inside TP/CP/EP blocks are graph breaks (see the module docstring).
+            block.compile()
     return model
 
 
 def is_compiled(block: nn.Module) -> bool:
-    """Whether ``apply_compile`` compiled ``block``."""
-    return getattr(block, "_compiled_call_impl", None) is not None
+    """Whether ``apply_compile`` compiled ``block`` (whole, or inside its checkpoint)."""
+    recomputed = recomputed_forward(block)
+    return (getattr(block, "_compiled_call_impl", None) is not None
+            or (recomputed is not None and recomputed.compiled is not None))
 
 
 __all__ = ["apply_compile", "compile_unavailable", "is_compiled"]

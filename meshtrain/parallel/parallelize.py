@@ -15,6 +15,9 @@ The transformations run in one fixed order, each on what the previous one left:
 5. **Recompute** (``recompute.py``): blocks recompute their activations in backward.
 6. **Compile** (``compile.py``, ``train.compile``): each block is ``torch.compile``d in place. After the above,
    so the graph holds the sharded modules and the checkpoint; before the DP family, whose hooks stay eager.
+   A recomputed block that breaks graphs (collectives: tp, cp or ep > 1; an MoE block's routing) has its forward
+   compiled inside the checkpoint instead (dynamo cannot break a graph inside a checkpoint): same step of the
+   order, the nesting turned round.
 7. **DP family** (``data.py``, ``zero.py``, ``fsdp.py``): gradients (and with ZeRO, state) synchronised and
    sharded over dp x cp; experts over edp.
 
@@ -49,7 +52,7 @@ from meshtrain.parallel.microsteps import Accumulation, ForwardLoss
 from meshtrain.parallel.pieces import OptimParam, Placements
 from meshtrain.parallel.pipeline.engine import PipelineEngine, split
 from meshtrain.parallel.pipeline.wgrad import WeightGradStore
-from meshtrain.parallel.recompute import apply_recompute
+from meshtrain.parallel.recompute import apply_recompute, recomputed_forward
 from meshtrain.parallel.state import Held, check_shapes, gather_full, load_state, local_state, regions
 from meshtrain.parallel.tensor import TensorParallel, apply_tensor_parallel
 from meshtrain.parallel.units import Unit
@@ -250,11 +253,17 @@ class Parallel:
     # ------------------------------------------------------------------ reporting and generation
 
     def log_lines(self) -> str:
-        """What a log should say about the layout beyond the mesh (the pipeline's stages)."""
+        """What a log should say about the layout beyond the mesh (the pipeline's stages; selective recompute run
+        as full under compile)."""
+        lines = ""
+        if any(f is not None and f.mode == "selective" and f.compiled is not None
+               for f in map(recomputed_forward, self.model.layers.values())):
+            lines += ("train.recompute=selective with train.compile and tp, cp or ep > 1 (or MoE): the compiled "
+                      "blocks are recomputed whole, as full (docs/compile.md)\n")
         if self.schedule is None:
-            return ""
+            return lines.rstrip("\n")
         s = self.schedule
-        return (f"pipeline: {s.name}, {s.n_stages} stages over pp={s.pp}, {s.microbatches} microbatches\n"
+        return (lines + f"pipeline: {s.name}, {s.n_stages} stages over pp={s.pp}, {s.microbatches} microbatches\n"
                 + self.partition.table(s.placement))
 
     def sampler(self) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, int] | None:
@@ -288,7 +297,7 @@ def parallelize(model: Llama, mesh: Mesh, cfg: Config) -> Parallel:
         wgrad = WeightGradStore() if schedule.split_backward else None
         stages = split(model, mesh, schedule, partition, wgrad)
     apply_recompute(model, t.recompute)
-    apply_compile(model, t.compile)
+    apply_compile(model, t.compile, collectives=max(p.tp, p.cp, p.ep) > 1)
     sync = data_parallel(model, mesh, p, tp.placements if tp else {}, dtype)
     forward = ForwardLoss(tp.loss_fn if tp else cross_entropy_sum, sync, dtype, mesh.device)
     if schedule is not None:

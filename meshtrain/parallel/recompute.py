@@ -25,6 +25,11 @@ tensor backward needs has been rebuilt, so hooks of the block's last submodules 
 A full backward pre-hook on the block (``register_full_backward_pre_hook``) fires before the
 recomputation starts, so that is where code that must re-gather a block's sharded parameters for
 backward should do it; the block's forward pre/post hooks will not run then.
+
+Under ``train.compile`` a block's checkpoint is normally traced into its compiled graph; where the block breaks
+graphs (collectives, MoE routing), ``compile_inside`` compiles the forward the checkpoint runs instead
+(``parallel/compile.py``), and "selective" then recomputes that compiled forward whole, as "full" (its policy
+cannot see inside compiled kernels).
 """
 
 from __future__ import annotations
@@ -84,14 +89,32 @@ class _RecomputedForward:
         # An instance-level forward someone installed before us, or None for the class's forward.
         self.inner = inner
         self.mode = mode
+        # ``compile_inside`` sets this: the block's forward compiled on its own, run inside the checkpoint.
+        self.compiled: Callable[..., Any] | None = None
+
+    def compile_inside(self, dynamic: bool | None = None) -> None:
+        """Compile what the checkpoint runs (``torch.compile`` of the block's forward) instead of the block's
+        ``__call__``: the checkpoint then stays eager, outside the graphs, and recomputes the compiled forward
+        in backward. For blocks whose forward breaks graphs (collectives, MoE routing), which dynamo cannot trace
+        inside a checkpoint (``meshtrain/parallel/compile.py``). Compiles the unbound forward, so the compiled
+        function holds no block and a deep copy of the model still runs its own block. ``dynamic``:
+        ``torch.compile``'s."""
+        self.compiled = torch.compile(self.inner if self.inner is not None else type(self.module).forward,
+                                      dynamic=dynamic)
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
+        if self.compiled is not None:
+            if self.inner is not None:
+                return self.compiled(*args, **kwargs)
+            return self.compiled(self.module, *args, **kwargs)
         if self.inner is not None:
             return self.inner(*args, **kwargs)
         return type(self.module).forward(self.module, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.mode == "selective":
+        # Selective's policy is a dispatch mode that must see every op; compiled kernels hide theirs (and reuse
+        # the matmul outputs it would cache), so a forward compiled inside the checkpoint is recomputed whole.
+        if self.mode == "selective" and self.compiled is None:
             return checkpoint(self._run, *args, use_reentrant=False, context_fn=_selective_context, **kwargs)
         return checkpoint(self._run, *args, use_reentrant=False, **kwargs)
 
@@ -103,8 +126,14 @@ def _check_mode(mode: str) -> None:
 
 def recompute_mode(block: nn.Module) -> str:
     """The recompute mode ``apply_recompute`` installed on ``block`` ("none" if it installed none)."""
+    fwd = recomputed_forward(block)
+    return fwd.mode if fwd is not None else "none"
+
+
+def recomputed_forward(block: nn.Module) -> _RecomputedForward | None:
+    """The checkpointing forward ``apply_recompute`` installed on ``block`` (None if it installed none)."""
     fwd = block.__dict__.get("forward")
-    return fwd.mode if isinstance(fwd, _RecomputedForward) else "none"
+    return fwd if isinstance(fwd, _RecomputedForward) else None
 
 
 def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
@@ -214,6 +243,7 @@ __all__ = [
     "SELECTIVE_SAVED_OPS",
     "apply_recompute",
     "recompute_mode",
+    "recomputed_forward",
     "saved_activation_bytes",
     "selective_policy",
 ]

@@ -69,6 +69,9 @@ class DeferredLinear(nn.Linear):
         self.bias = None
         self.store = store
 
+    # Eager under torch.compile (a clean graph break, like the collectives): its backward reads whether the store
+    # is armed and stashes into it, which a traced backward would fix at compile time (never deferring).
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _DeferredLinear.apply(x, self.weight, self.store)
 
