@@ -5,7 +5,8 @@ its own run, step after step. The first ``--warmup`` steps of each side are not 
 Then rounds alternate the sides compiled/eager/eager/compiled; in a round each side runs ``--steps`` timed
 steps, each after a barrier (and a device sync on CUDA), timed on the slowest rank. Reported: the median over
 rounds of (compiled median step time / eager median step time), and the spread (min-max of the per-round ratios).
-The two sides must compute the same run: every step's loss within ``LOSS_RTOL``, or the script fails.
+The two sides must compute the same run: the first step's loss within ``FIRST_RTOL`` and every step's within
+``RUN_RTOL`` (they drift apart slowly, as any two fp32 summation orders do under AdamW), or the script fails.
 
 The device comes from the machine: CUDA + NCCL when a GPU is present (one per rank), else CPU + gloo (the cores
 split between the ranks, or ``--threads``).
@@ -25,8 +26,10 @@ import torch
 import torch.multiprocessing as mp
 
 # Inductor fuses element-wise ops and may reorder sums: fp32 losses agree to ~1e-7 at first (tests/test_compile.py)
-# and drift apart slowly as the two runs' rounding compounds over steps.
-LOSS_RTOL = 1e-4
+# and drift apart as the two runs' rounding compounds over steps (AdamW turns a rounding-sized difference in a
+# near-zero gradient into a full-size update), as tp_vs_torch's two implementations do: the first step proves the
+# same computation, the bound on the whole run that they stayed the same run.
+FIRST_RTOL, RUN_RTOL = 1e-5, 1e-3
 
 
 def _config(args, layout: list[str], world: int, compiled: bool):
@@ -83,10 +86,12 @@ def _measure(args, layout: list[str], world: int) -> dict:
             medians[c].append(got[c])
         ratios.append(got[True] / got[False])
     a, b = sides[True].losses, sides[False].losses
-    worst = max(abs(u - v) / abs(v) for u, v in zip(a, b, strict=True))
-    assert worst <= LOSS_RTOL, f"compiled and eager trained different runs: loss differs by {worst:.3g} relative"
+    rel = [abs(u - v) / abs(v) for u, v in zip(a, b, strict=True)]
+    worst = max(rel)
+    assert rel[0] <= FIRST_RTOL, f"compiled and eager computed different first steps: {rel[0]:.3g} relative"
+    assert worst <= RUN_RTOL, f"compiled and eager trained different runs: loss differs by {worst:.3g} relative"
     return {"ratios": ratios, "compiled": statistics.median(medians[True]), "eager": statistics.median(medians[False]),
-            "loss_rel": worst, "device": str(sides[True].trainer.device)}
+            "loss_rel": worst, "first_rel": rel[0], "device": str(sides[True].trainer.device)}
 
 
 def _rank(rank: int, world: int, port: int, args, layout: list[str], queue) -> None:
@@ -133,13 +138,13 @@ def main() -> None:
     print(f"d_model={args.d_model}, layers={args.layers}, seq={args.seq}, global batch={args.batch}, fp32; "
           f"{args.steps} timed steps per side x {args.rounds} rounds after {args.warmup} warm-up steps\n")
     print("| run | device | eager median (ms) | compiled median (ms) | ratio compiled/eager | per-round min-max "
-          "| max loss diff |")
-    print("|---|---|---|---|---|---|---|")
+          "| first-step loss diff | max loss diff |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, layout, world in rows:
         r = _run(args, layout, world)
         print(f"| {name} | {r['device']} | {r['eager'] * 1e3:.1f} | {r['compiled'] * 1e3:.1f} | "
               f"{statistics.median(r['ratios']):.3f} | {min(r['ratios']):.3f}-{max(r['ratios']):.3f} | "
-              f"{r['loss_rel']:.1e} |")
+              f"{r['first_rel']:.1e} | {r['loss_rel']:.1e} |")
 
 
 if __name__ == "__main__":
