@@ -91,7 +91,7 @@ def _measure(args, layout: list[str], world: int) -> dict:
     assert rel[0] <= FIRST_RTOL, f"compiled and eager computed different first steps: {rel[0]:.3g} relative"
     assert worst <= RUN_RTOL, f"compiled and eager trained different runs: loss differs by {worst:.3g} relative"
     return {"ratios": ratios, "compiled": statistics.median(medians[True]), "eager": statistics.median(medians[False]),
-            "loss_rel": worst, "first_rel": rel[0], "device": str(sides[True].trainer.device)}
+            "loss_rel": worst, "first_rel": rel[0], "rel": rel, "device": str(sides[True].trainer.device)}
 
 
 def _rank(rank: int, world: int, port: int, args, layout: list[str], queue) -> None:
@@ -140,11 +140,15 @@ def main() -> None:
     print("| run | device | eager median (ms) | compiled median (ms) | ratio compiled/eager | per-round min-max "
           "| first-step loss diff | max loss diff |")
     print("|---|---|---|---|---|---|---|---|")
+    drift = []
     for name, layout, world in rows:
         r = _run(args, layout, world)
         print(f"| {name} | {r['device']} | {r['eager'] * 1e3:.1f} | {r['compiled'] * 1e3:.1f} | "
               f"{statistics.median(r['ratios']):.3f} | {min(r['ratios']):.3f}-{max(r['ratios']):.3f} | "
               f"{r['first_rel']:.1e} | {r['loss_rel']:.1e} |")
+        drift.append(f"{name}: " + " ".join(f"{i + 1}:{x:.0e}" for i, x in enumerate(r["rel"]) if i % 5 == 0))
+    print("\nrelative loss difference compiled/eager by step (every 5th): how the runs drift apart")
+    print("\n".join(drift))
 
 
 if __name__ == "__main__":
