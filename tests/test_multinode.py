@@ -1,0 +1,225 @@
+"""Two nodes, for real: two network namespaces on this machine joined by a veth pair, each running
+``meshtrain train --nnodes 2 --node-rank R --rdzv-endpoint ...`` (torchrun's c10d rendezvous across them), and the
+multi-node launcher's checks. Only the namespaces' own addresses (10.231.0.1 and 10.231.0.2) carry any traffic.
+
+Needs root and ``ip netns`` (CI runs as root): skipped with the reason otherwise. docs/multi-node.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from meshtrain.cli import main
+from meshtrain.testing.equivalence import assert_same_cli_run, cli_train, prepared_stdlib
+
+ADDR = ("10.231.0.1", "10.231.0.2")  # node 0's and node 1's, inside their namespaces only
+PORT = 29511
+STEPS = 3
+BASE = ["train.progress=false", "train.tensorboard=false", "train.peak_flops=1e11", f"train.steps={STEPS}",
+        "train.sample_tokens=0", "train.seq_len=32", "train.global_batch=8", "train.warmup_steps=2"]
+LAYOUT = ["parallel.dp=2", "parallel.tp=2"]  # tp inside a node, dp across the two
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+def _netns_unavailable() -> str | None:
+    """Why two namespaces cannot be made here, or None."""
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces (ip netns add); CI runs as root"
+    if shutil.which("ip") is None:
+        return "the ip command (iproute2) is not installed"
+    probe = f"mtprobe{os.getpid()}"
+    r = _ip("netns", "add", probe)
+    if r.returncode != 0:
+        return f"ip netns is not permitted here: {r.stderr.strip()}"
+    _ip("netns", "del", probe)
+    return None
+
+
+@contextlib.contextmanager
+def two_namespaces():
+    """Namespaces (nsA, nsB) joined by a veth pair: vethA 10.231.0.1/24 in nsA, vethB 10.231.0.2/24 in nsB,
+    loopback up in both. Names carry this pid, so parallel runs do not clash; always deleted on the way out."""
+    pid = os.getpid()
+    ns, veth = (f"mtA{pid}", f"mtB{pid}"), (f"mtva{pid}", f"mtvb{pid}")
+    try:
+        for name in ns:
+            _check(_ip("netns", "add", name))
+        _check(_ip("link", "add", veth[0], "type", "veth", "peer", "name", veth[1]))
+        for name, dev, addr in zip(ns, veth, ADDR, strict=True):
+            _check(_ip("link", "set", dev, "netns", name))
+            _check(_ip("-n", name, "addr", "add", f"{addr}/24", "dev", dev))
+            _check(_ip("-n", name, "link", "set", dev, "up"))
+            _check(_ip("-n", name, "link", "set", "lo", "up"))
+        yield ns, veth
+    finally:
+        _ip("link", "del", veth[0])  # if it never reached its namespace
+        for name in ns:
+            _ip("netns", "del", name)  # the veth pair goes with its namespaces
+
+
+def _check(r: subprocess.CompletedProcess) -> None:
+    assert r.returncode == 0, f"{' '.join(r.args)}: {r.stderr.strip()}"
+
+
+@pytest.fixture(scope="module")
+def namespaces():
+    reason = _netns_unavailable()
+    if reason:
+        pytest.skip(reason)
+    with two_namespaces() as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return prepared_stdlib(tmp_path_factory, "multinode")
+
+
+def _node_command(ns: str, dev: str, node_rank: int, out: Path, args: list[str]) -> list[str]:
+    """``meshtrain train`` as node ``node_rank`` inside namespace ``ns``, gloo on its veth."""
+    return ["ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={dev}", sys.executable, "-m", "meshtrain.cli",
+            "train", "--config", "tiny", "--out", str(out), "--nnodes", "2", "--node-rank", str(node_rank),
+            "--rdzv-endpoint", f"{ADDR[0]}:{PORT}", "--local-addr", ADDR[node_rank], "--rdzv-id", f"t{os.getpid()}",
+            *args]
+
+
+def _run_nodes(commands: list[list[str]], timeout: float) -> list[subprocess.CompletedProcess]:
+    """Run the nodes' commands at once; on a timeout kill every process group they started, then fail."""
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for c in commands]
+    deadline = time.monotonic() + timeout
+    try:
+        outs = [p.communicate(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return [subprocess.CompletedProcess(c, p.returncode, o, e) for c, p, (o, e) in zip(commands, procs, outs,
+                                                                                       strict=True)]
+
+
+@pytest.mark.slow
+def test_two_nodes_dp2_tp2_give_the_one_process_losses(namespaces, data, tmp_path):
+    """4 processes on 2 "nodes" (dp2 x tp2: tp inside each node, dp across the veth): every step's loss and
+    grad norm, the final checkpoint and the bytes each axis moved, against the one-process CLI run."""
+    (ns_a, ns_b), (veth_a, veth_b) = namespaces
+    one = cli_train(data, tmp_path / "one", BASE)[0]
+    out = tmp_path / "two_nodes"
+    args = ["--nproc", "2", f"data.path={data}", *BASE, *LAYOUT]
+    runs = _run_nodes([_node_command(ns_a, veth_a, 0, out, args), _node_command(ns_b, veth_b, 1, out, args)],
+                      timeout=400)
+    for node, r in enumerate(runs):
+        assert r.returncode == 0, f"node {node}: {r.stderr[-3000:]}" + "".join(
+            p.read_text(errors="replace")[-3000:] for p in (out / "logs").glob(f"*node{node}*"))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == STEPS
+    assert_same_cli_run("two nodes dp2 x tp2", out, records, tmp_path / "one", one, LAYOUT, nproc=4)
+    logs = sorted(p.name for p in (out / "logs").iterdir())
+    assert len(logs) == 2 and "node0" in logs[0] and "node1" in logs[1], logs  # one launcher log per node
+
+
+def test_unreachable_rendezvous_is_one_line_naming_the_address(namespaces, tmp_path):
+    """Node 1 in nsB, node 0's address with nobody listening: one error line naming it and the timeout, fast,
+    before torchrun starts."""
+    (_, ns_b), (_, veth_b) = namespaces
+    start = time.monotonic()
+    r = _run_nodes([_node_command(ns_b, veth_b, 1, tmp_path / "run", ["--nproc", "2", "--rdzv-timeout", "2"])],
+                   timeout=120)[0]
+    took = time.monotonic() - start
+    errors = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2, r.stderr
+    assert len(errors) == 1 and errors[0].startswith("error: "), r.stderr
+    assert f"{ADDR[0]}:{PORT}" in errors[0] and "2 s" in errors[0] and "node 1" in errors[0], errors[0]
+    assert took < 60, f"took {took:.0f} s"
+
+
+def test_node_0_must_own_the_rendezvous_address(namespaces, tmp_path):
+    """Node 0 hosts the rendezvous store: an endpoint that is not an address of its machine is refused at once."""
+    (ns_a, _), (veth_a, _) = namespaces
+    cmd = _node_command(ns_a, veth_a, 0, tmp_path / "run", ["--nproc", "2"])
+    cmd[cmd.index("--rdzv-endpoint") + 1] = f"{ADDR[1]}:{PORT}"  # node 1's address, seen from node 0
+    r = _run_nodes([cmd], timeout=120)[0]
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and r.stderr.startswith("error: "), r.stderr
+    assert f"{ADDR[1]}:{PORT}" in r.stderr and "not an address of this machine" in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_a_node_missing_at_the_rendezvous_is_one_line(namespaces, tmp_path):
+    """Node 0 alone, its partner never started: torchrun's rendezvous times out, and the launcher says so in one
+    line naming the address and the timeout (not torchrun's traceback)."""
+    (ns_a, _), (veth_a, _) = namespaces
+    r = _run_nodes([_node_command(ns_a, veth_a, 0, tmp_path / "run", ["--nproc", "2", "--rdzv-timeout", "3"])],
+                   timeout=180)[0]
+    assert r.returncode == 2, r.stderr
+    first, *rest = r.stderr.strip().splitlines()
+    assert first.startswith("error: ") and f"{ADDR[0]}:{PORT}" in first and "not all 2 nodes joined within 3 s" \
+        in first, r.stderr
+    assert len(rest) == 1 and rest[0].startswith("full log"), r.stderr  # and where torchrun's traceback went
+
+
+def _meshtrain(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshtrain.cli", *args], capture_output=True, text=True,
+                          timeout=120, cwd=cwd, env={**os.environ, **(env or {})})
+
+
+def test_planner_emitted_config_feeds_the_multi_node_launch_unchanged(tmp_path):
+    """``meshtrain plan --emit run.yaml`` -> the sbatch template's line (examples/slurm/train.sbatch), validated
+    with --dry-run (nothing launched): accepted for the nodes the plan was made for, the torchrun line it
+    prints is the c10d one for this node; the wrong node count is refused by the layout, naming the product."""
+    plan = _meshtrain("plan", "--model", "llama3-70b", "--hardware", "h100", "--nodes", "4", "--batch-tokens", "4M",
+                      "--emit", "run.yaml", cwd=tmp_path)
+    assert plan.returncode == 0, plan.stderr
+    emitted = (tmp_path / "run.yaml").read_text()
+    # As on a login node without GPUs (the layout's 8 processes per node are 8 GPUs of the compute nodes).
+    cpu = {"CUDA_VISIBLE_DEVICES": ""}
+    node = ["--nproc", "8", "--nnodes", "4", "--rdzv-endpoint", "node001:29500", "--rdzv-id", "4242"]
+    for rank, is_host in ((0, "true"), (3, "false")):
+        r = _meshtrain("train", "--config", "run.yaml", *node, "--node-rank", str(rank), "--out", "run", "--dry-run",
+                       cwd=tmp_path, env=cpu)
+        assert r.returncode == 0, r.stderr
+        line = r.stdout.strip()
+        for part in ("-m torch.distributed.run", "--nnodes=4", "--nproc-per-node=8", "--rdzv-backend=c10d",
+                     "--rdzv-endpoint=node001:29500", "--rdzv-id=4242", f"is_host={is_host}",
+                     "-m meshtrain.cli train --config run.yaml --out run"):
+            assert part in line, f"{part!r} not in {line}"
+        assert "--dry-run" not in line and "--node-rank" not in line
+    assert (tmp_path / "run.yaml").read_text() == emitted and not (tmp_path / "run").exists()
+    wrong = _meshtrain("train", "--config", "run.yaml", *node[:2], "--nnodes", "2", "--rdzv-endpoint",
+                       "node001:29500", "--node-rank", "1", "--dry-run", cwd=tmp_path, env=cpu)
+    assert wrong.returncode == 2 and wrong.stderr.startswith("error: --nnodes 2 x --nproc 8 = 16 processes"), \
+        wrong.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "h:1"], "give --nproc N"),
+    (["--nproc", "2", "--nnodes", "2", "--node-rank", "0"], "needs --rdzv-endpoint HOST:PORT"),
+    (["--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "h:1"], "needs --node-rank R"),
+    (["--nproc", "2", "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"], "--node-rank 2 is outside 0..1"),
+    (["--nproc", "2", "--nnodes", "0", "--node-rank", "0", "--rdzv-endpoint", "h:1"], "--nnodes 0"),
+    (["--nproc", "2", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "h"], "has no port"),
+    (["--nproc", "2", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "h:70000"], "port must be"),
+    (["--nproc", "2", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "h:1", "--rdzv-timeout", "0"],
+     "--rdzv-timeout 0"),
+    (["--nproc", "2", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "h:1", "--rdzv-id", "a,b"],
+     "--rdzv-id"),
+])
+def test_bad_node_options_are_one_line_each(args, says, capsys):
+    """Refused before anything is checked or launched (in this process: main() prints the line, returns 2)."""
+    assert main(["train", "--config", "tiny", *args, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and says in err, err
