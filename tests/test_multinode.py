@@ -177,31 +177,53 @@ def _meshtrain(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Com
                           timeout=120, cwd=cwd, env={**os.environ, **(env or {})})
 
 
-def test_planner_emitted_config_feeds_the_multi_node_launch_unchanged(tmp_path):
-    """``meshtrain plan --emit run.yaml`` -> the sbatch template's line (examples/slurm/train.sbatch), validated
-    with --dry-run (nothing launched): accepted for the nodes the plan was made for, the torchrun line it
-    prints is the c10d one for this node; the wrong node count is refused by the layout, naming the product."""
-    plan = _meshtrain("plan", "--model", "llama3-70b", "--hardware", "h100", "--nodes", "4", "--batch-tokens", "4M",
+SBATCH = Path(__file__).resolve().parent.parent / "examples" / "slurm" / "train.sbatch"
+
+# Stand-ins for SLURM on this machine: srun runs its command once per node with that node's $SLURM_NODEID (as one
+# task per node would), scontrol names the allocation's hosts, and meshtrain validates with --dry-run.
+FAKE_SRUN = """#!/bin/bash
+while [[ "$1" == --* ]]; do shift; done
+for ((node = 0; node < SLURM_NNODES; node++)); do SLURM_NODEID=$node "$@" || exit $?; done
+"""
+FAKE_SCONTROL = """#!/bin/bash
+[[ "$*" == "show hostnames $SLURM_JOB_NODELIST" ]] && printf 'gpu017\\ngpu018\\n'
+"""
+
+
+@pytest.mark.slow
+def test_sbatch_template_launches_the_planner_config_unchanged(tmp_path):
+    """``meshtrain plan --emit run.yaml``, then examples/slurm/train.sbatch as SLURM would run it on 2 nodes
+    (srun and scontrol stand-ins, ``meshtrain train --dry-run``: validated against the 16-process world,
+    nothing launched): each node's torchrun line is the c10d one for that node, the first host hosts the
+    rendezvous, run.yaml is untouched; the same file on the wrong node count is refused by its layout."""
+    plan = _meshtrain("plan", "--model", "llama3-8b", "--hardware", "h100", "--nodes", "2", "--batch-tokens", "1M",
                       "--emit", "run.yaml", cwd=tmp_path)
     assert plan.returncode == 0, plan.stderr
     emitted = (tmp_path / "run.yaml").read_text()
-    # As on a login node without GPUs (the layout's 8 processes per node are 8 GPUs of the compute nodes).
-    cpu = {"CUDA_VISIBLE_DEVICES": ""}
-    node = ["--nproc", "8", "--nnodes", "4", "--rdzv-endpoint", "node001:29500", "--rdzv-id", "4242"]
-    for rank, is_host in ((0, "true"), (3, "false")):
-        r = _meshtrain("train", "--config", "run.yaml", *node, "--node-rank", str(rank), "--out", "run", "--dry-run",
-                       cwd=tmp_path, env=cpu)
-        assert r.returncode == 0, r.stderr
-        line = r.stdout.strip()
-        for part in ("-m torch.distributed.run", "--nnodes=4", "--nproc-per-node=8", "--rdzv-backend=c10d",
-                     "--rdzv-endpoint=node001:29500", "--rdzv-id=4242", f"is_host={is_host}",
-                     "-m meshtrain.cli train --config run.yaml --out run"):
-            assert part in line, f"{part!r} not in {line}"
-        assert "--dry-run" not in line and "--node-rank" not in line
-    assert (tmp_path / "run.yaml").read_text() == emitted and not (tmp_path / "run").exists()
-    wrong = _meshtrain("train", "--config", "run.yaml", *node[:2], "--nnodes", "2", "--rdzv-endpoint",
-                       "node001:29500", "--node-rank", "1", "--dry-run", cwd=tmp_path, env=cpu)
-    assert wrong.returncode == 2 and wrong.stderr.startswith("error: --nnodes 2 x --nproc 8 = 16 processes"), \
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stubs = {"srun": FAKE_SRUN, "scontrol": FAKE_SCONTROL,
+             "meshtrain": f'#!/bin/bash\nexec {sys.executable} -m meshtrain.cli "$@" --dry-run\n'}
+    for name, text in stubs.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    # As on a login node without GPUs (the layout's 8 processes per node are the compute nodes' 8 GPUs).
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": "",
+           "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[017-018]"}
+    r = subprocess.run(["bash", str(SBATCH), "train.steps=5"], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 2, r.stdout  # one launcher per node
+    for node, line in enumerate(lines):
+        for part in ("-m torch.distributed.run", "--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d",
+                     "--rdzv-endpoint=gpu017:29500", "--rdzv-id=4242", f"is_host={'true' if node == 0 else 'false'}",
+                     "-m meshtrain.cli train --config run.yaml --out runs/4242 train.resume=true train.steps=5"):
+            assert part in line, f"node {node}: {part!r} not in {line}"
+    assert (tmp_path / "run.yaml").read_text() == emitted and not (tmp_path / "runs").exists()
+    wrong = _meshtrain("train", "--config", "run.yaml", "--nproc", "8", "--nnodes", "4", "--rdzv-endpoint",
+                       "gpu017:29500", "--node-rank", "1", "--dry-run", cwd=tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert wrong.returncode == 2 and wrong.stderr.startswith("error: --nnodes 4 x --nproc 8 = 32 processes"), \
         wrong.stderr
 
 
