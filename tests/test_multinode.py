@@ -245,3 +245,21 @@ def test_bad_node_options_are_one_line_each(args, says, capsys):
     assert main(["train", "--config", "tiny", *args, "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and says in err, err
+
+
+def test_gpu_count_is_checked_per_node(monkeypatch, tmp_path):
+    """On 2 nodes of 8 GPUs, --nproc 8 is one process per GPU of this node (the world is 16): accepted; --nproc 9
+    is refused naming the 8 GPUs. (A stand-in GPU count: the check reads torch.cuda.device_count.)"""
+    import torch
+
+    from meshtrain.config import ConfigError, load_config
+    from meshtrain.train import trainer
+
+    monkeypatch.setattr(trainer, "resolve_device", lambda kind: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setenv("MESHTRAIN_CACHE", str(tmp_path / "cache"))
+    cfg = load_config("tiny", ["parallel.dp=16", "train.global_batch=16"])
+    trainer.check_before_launch(cfg, None, 16, local_procs=8, shared_out=True)
+    with pytest.raises(ConfigError, match="--nproc 9 runs one process per GPU but 8 GPU"):
+        nine = load_config("tiny", ["parallel.dp=18", "train.global_batch=18"])
+        trainer.check_before_launch(nine, None, 18, local_procs=9)
