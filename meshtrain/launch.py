@@ -134,6 +134,8 @@ def check_rendezvous(nodes: Nodes) -> None:
 def _check_can_host(nodes: Nodes, infos: list) -> None:
     family, _, _, _, address = infos[0]
     with socket.socket(family, socket.SOCK_STREAM) as s:
+        # As torchrun's store does: a port left in TIME_WAIT by the previous run is free, a listening one is not.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(address)
         except OSError as e:

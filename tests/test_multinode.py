@@ -264,3 +264,20 @@ def test_gpu_count_is_checked_per_node(monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match="--nproc 9 runs one process per GPU but 8 GPU"):
         nine = load_config("tiny", ["parallel.dp=18", "train.global_batch=18"])
         trainer.check_before_launch(nine, None, 18, local_procs=9)
+
+
+def test_node_0_refuses_a_rendezvous_port_already_listening():
+    """Node 0's check (in this process, on loopback): a port someone listens on is refused, naming it; a free one
+    passes."""
+    import socket
+
+    from meshtrain.config import ConfigError
+    from meshtrain.launch import Nodes, check_rendezvous
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"127.0.0.1:{port}: port {port} is in use"):
+            check_rendezvous(Nodes(2, 0, "127.0.0.1", port, "x", 5.0, None))
+    check_rendezvous(Nodes(2, 0, "127.0.0.1", port, "x", 5.0, None))  # closed now: free again
