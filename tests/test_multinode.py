@@ -186,8 +186,9 @@ FAKE_SRUN = """#!/bin/bash
 while [[ "$1" == --* ]]; do shift; done
 for ((node = 0; node < SLURM_NNODES; node++)); do SLURM_NODEID=$node "$@" || exit $?; done
 """
+# Its hosts a line at a time, as a long list comes: a reader that stops at the first line gives it SIGPIPE.
 FAKE_SCONTROL = """#!/bin/bash
-[[ "$*" == "show hostnames $SLURM_JOB_NODELIST" ]] && printf 'gpu017\\ngpu018\\n'
+[[ "$*" == "show hostnames $SLURM_JOB_NODELIST" ]] && { echo gpu017; sleep 0.2; echo gpu018; }
 """
 
 
