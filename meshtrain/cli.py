@@ -1,6 +1,7 @@
 """``meshtrain`` command line (also ``python -m meshtrain``): train | prepare-data | generate | convert | ...
 
     meshtrain train --config FILE [--out DIR] [--nproc N] [section.key=value ...]
+    meshtrain train ... --nproc N --nnodes M --node-rank R --rdzv-endpoint HOST:PORT   (one node of M: multi-node.md)
     meshtrain prepare-data [--src DIR|FILE] [--out DIR] [--format auto|text|jsonl|parquet] [--field text]
                            [--tokenizer byte|tokenizer.json]
     meshtrain generate --ckpt DIR [--prompt TEXT] [--tokens N]
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -21,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from meshtrain import launch
 from meshtrain.comm import CommError
 from meshtrain.config import Config, ConfigError, load_config
 from meshtrain.model.source import TensorSource
@@ -49,6 +52,9 @@ def _train(argv: list[str]) -> int:
     ap.add_argument("--max-restarts", type=int, default=0,
                     help="with --nproc: restart every process up to K times after one fails, resuming from the "
                          "latest checkpoint (torchrun's elastic restarts)")
+    launch.add_node_options(ap)
+    ap.add_argument("--dry-run", action="store_true",
+                    help="with --nproc: validate, print the torchrun line this node would run, launch nothing")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100 parallel.tp=2")
     args = ap.parse_intermixed_args(argv)  # overrides may come before or after the options
     if args.nproc is not None and args.nproc < 1:  # 0 used to mean "no torchrun": refused, not a silent 1 process
@@ -58,15 +64,32 @@ def _train(argv: list[str]) -> int:
         raise ConfigError(f"--max-restarts {args.max_restarts}: give the number of restarts allowed, >= 0.")
     if args.max_restarts and args.nproc is None:
         raise ConfigError("--max-restarts restarts torchrun's processes: use it with --nproc N.")
+    nodes = launch.nodes_from_args(args)
+    if args.dry_run and args.nproc is None:
+        raise ConfigError("--dry-run prints the torchrun line of a launch: use it with --nproc N.")
     cfg = load_config(args.config, args.overrides)
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
         from meshtrain.train.trainer import check_before_launch
 
-        check_before_launch(cfg, args.out, args.nproc)  # what cannot run is refused before any process starts
-        rest = _without_option(_without_option(argv, "--nproc"), "--max-restarts")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-               f"--max-restarts={args.max_restarts}", "-m", "meshtrain.cli", "train", *rest]
-        return _run_torchrun(cmd, args.out)
+        nnodes = nodes.nnodes if nodes else 1  # what cannot run is refused before any process starts
+        try:
+            check_before_launch(cfg, args.out, args.nproc * nnodes, local_procs=args.nproc,
+                                shared_out=nnodes > 1 and not args.dry_run)
+        except ConfigError as e:  # the world spans the nodes: say how its size came about
+            if nnodes > 1 and str(e).startswith("World size"):
+                raise ConfigError(f"--nnodes {nnodes} x --nproc {args.nproc} = {nnodes * args.nproc} processes: "
+                                  f"{e}") from None
+            raise
+        rest = argv
+        for option in ("--nproc", "--max-restarts", *launch.LAUNCH_OPTIONS):
+            rest = _without_option(rest, option)
+        cmd = launch.torchrun_command(args.nproc, args.max_restarts, nodes, [o for o in rest if o != "--dry-run"])
+        if args.dry_run:
+            print(shlex.join(cmd))
+            return 0
+        if nodes:
+            launch.check_rendezvous(nodes)
+        return _run_torchrun(cmd, args.out, nodes)
     import torch.distributed as dist
 
     from meshtrain.train.trainer import Trainer
@@ -84,7 +107,7 @@ def _train(argv: list[str]) -> int:
     return 0
 
 
-def _launch_log(out_dir: str | None) -> Path:
+def _launch_log(out_dir: str | None, nodes: launch.Nodes | None = None) -> Path:
     """Where the workers' stderr goes: ``<out>/logs/train-<time>-<pid>.log``, or a temporary file without --out."""
     if out_dir is None:
         fd, name = tempfile.mkstemp(prefix="meshtrain-train-", suffix=".log")
@@ -92,17 +115,18 @@ def _launch_log(out_dir: str | None) -> Path:
         return Path(name)
     logs = Path(out_dir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    return logs / f"train-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    node = f"node{nodes.node_rank}-" if nodes else ""  # nodes share the run folder; their pids may coincide
+    return logs / f"train-{time.strftime('%Y%m%d-%H%M%S')}-{node}{os.getpid()}.log"
 
 
-def _run_torchrun(cmd: list[str], out_dir: str | None) -> int:
+def _run_torchrun(cmd: list[str], out_dir: str | None, nodes: launch.Nodes | None = None) -> int:
     """Run torchrun: its workers' stdout (log lines, the progress bar) passes through; their stderr and
     torchrun's own go to a log file in the run folder. On failure, print the workers' ``error:`` line once
     (every rank may print the same one) and where the full log is, not every rank's traceback and torchrun's
     ChildFailedError; the exit code stays non-zero."""
     from meshtrain.train.metrics import LAUNCHER_LOG_ENV
 
-    log = _launch_log(out_dir)
+    log = _launch_log(out_dir, nodes)
     interrupted = False
     terminated: list[int] = []
     with open(log, "wb") as f:
@@ -130,8 +154,10 @@ def _run_torchrun(cmd: list[str], out_dir: str | None) -> int:
               "above); run again with train.resume=true to continue.", file=sys.stderr)
         print(f"full log (every rank's stderr, torchrun's report): {log}", file=sys.stderr)
         return 128 + signal.SIGTERM
-    message, user_error = ("interrupted (Ctrl-C)", False) if interrupted else \
-        worker_error(log.read_text(errors="replace"), code)
+    text = "" if interrupted else log.read_text(errors="replace")
+    message, user_error = ("interrupted (Ctrl-C)", False) if interrupted else worker_error(text, code)
+    if not interrupted and not user_error and (rendezvous := launch.rendezvous_error(text, nodes)):
+        message, user_error = rendezvous, True  # a node missing, or node 0 gone: no worker said why
     print(f"error: {message}", file=sys.stderr)
     print(f"full log (every rank's stderr, torchrun's report): {log}", file=sys.stderr)
     return 130 if interrupted else 2 if user_error else code

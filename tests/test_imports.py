@@ -30,7 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "cli": {"config", "rules", "mesh", "comm", "model", "plan", "parallel", "train", "cli", "testing", "jax"},
     "testing": {"config", "rules", "mesh", "comm", "model", "plan", "parallel", "train", "cli", "testing"},
 }
-CLI_MODULES = {"meshtrain.cli", "meshtrain.__main__", "meshtrain.calibrate", "meshtrain.plan.cli",
+CLI_MODULES = {"meshtrain.cli", "meshtrain.__main__", "meshtrain.calibrate", "meshtrain.launch", "meshtrain.plan.cli",
                "meshtrain.plan.schedule_cli"}
 
 

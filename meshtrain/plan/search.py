@@ -178,8 +178,9 @@ def emit_yaml(problem: Problem, est: Estimate, path: str | Path) -> Path:
             f"{problem.hw.name}, {problem.batch_tokens:,} tokens per step\n"
             f"# layout {est.layout.describe()}: predicted {est.step_s:.3f} s/step, MFU {est.mfu:.1%}, "
             f"{est.memory_total / 1e9:.1f} GB per device\n"
-            f"# run on {problem.devices} processes, e.g. torchrun --nnodes {problem.nodes} --nproc-per-node "
-            f"{problem.hw.devices_per_node} -m meshtrain.cli train --config {path.name}\n")
+            f"# run on {problem.devices} processes: on each node R of {problem.nodes}, meshtrain train --config "
+            f"{path.name} --nproc {problem.hw.devices_per_node} --nnodes {problem.nodes} --node-rank R "
+            f"--rdzv-endpoint NODE0:29500 (docs/multi-node.md; examples/slurm/train.sbatch)\n")
     path.write_text(head + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     load_config(path)
     return path

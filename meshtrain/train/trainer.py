@@ -68,21 +68,25 @@ def resolve_init_from(cfg: Config) -> None:
         cfg.model = HFSource(cfg.train.init_from).cfg
 
 
-def check_before_launch(cfg: Config, out_dir: str | Path | None, world_size: int) -> None:
+def check_before_launch(cfg: Config, out_dir: str | Path | None, world_size: int, local_procs: int | None = None,
+                        shared_out: bool = False) -> None:
     """What can be refused before any process starts, with one clear line each: the HF folder of
     ``train.init_from``, the layout, the device (``train.device=cuda`` and a GPU per process), the run folder
     (made here, and written to), the data (``data.path`` prepared, its tokenizer, or the default corpus's cache
     writable) and, with ``train.resume``, the latest checkpoint (its files and its tensors against the model).
-    Whatever passes here can only fail inside a worker, where the launcher reports its one ``error:`` line."""
+    Whatever passes here can only fail inside a worker, where the launcher reports its one ``error:`` line.
+    ``local_procs``: the processes on this node (several nodes: ``world_size`` is all of them); ``shared_out``:
+    the launchers of other nodes probe the same run folder at once, so the probe leaves the folder it makes."""
     resolve_init_from(cfg)
     validate_layout(cfg, world_size)
     device = resolve_device(cfg.train.device)
     check_compile(cfg, device)
-    if device.type == "cuda" and torch.cuda.device_count() < world_size:
+    local = world_size if local_procs is None else local_procs
+    if device.type == "cuda" and torch.cuda.device_count() < local:
         n = torch.cuda.device_count()
-        raise ConfigError(f"--nproc {world_size} runs one process per GPU but {n} GPU(s) are visible: pass "
+        raise ConfigError(f"--nproc {local} runs one process per GPU but {n} GPU(s) are visible: pass "
                           f"--nproc {n} (and a layout for it), or train.device=cpu.")
-    check_out_dir(out_dir, before_launch=True)
+    check_out_dir(out_dir, before_launch=not shared_out)
     if cfg.train.wandb:
         import_wandb()
     check_data(cfg)
