@@ -205,8 +205,9 @@ def main(argv: list[str]) -> int:
           f"{problem.batch_tokens:,} tokens per step ({problem.sequences} x {problem.seq_len}) on "
           f"{problem.nodes} x {problem.hw.devices_per_node} {problem.hw.name} = {problem.devices} devices")
     reduced = "bf16" if problem.precision.reduce == 2 else "fp32"
-    print(f"assumptions: {args.precision} precision (gradients reduced in {reduced}), matmuls at "
-          f"{problem.efficiency:.0%} of peak, "
+    speed = "measured step costs (--calibrate)" if problem.hw.measured_steps else \
+        f"matmuls at {problem.efficiency:.0%} of peak"
+    print(f"assumptions: {args.precision} precision (gradients reduced in {reduced}), {speed}, "
           f"{problem.memory_fraction:.0%} of device memory usable, mixed FSDP+TP revision {problem.revision}")
     print(f"{result.tried:,} layouts tried, {len(result.ranked):,} fit in "
           f"{problem.memory_budget / 1e9:.1f} GB per device")
