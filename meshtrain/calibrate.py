@@ -119,6 +119,20 @@ def _collective_worker(rank: int, world_size: int, sizes: tuple[float, ...], ite
             for _ in range(iters):
                 call()
             out.append((op, n * 4, (time.perf_counter() - start) / iters))
+    # A small all-reduce issued between compute, as training issues its TP/SP, CP and loss collectives: it also
+    # pays the peers' skew (one rank waits for the other's compute jitter) and the wake-up of a busy process.
+    a, small = torch.randn(128, 128), torch.ones(1024)
+    def work() -> None:
+        for _ in range(8):
+            a @ a
+    times = {}
+    for name, body in (("compute", work), ("compute+all_reduce", lambda: (work(), comm.all_reduce(small, group)))):
+        comm.barrier(group)
+        start = time.perf_counter()
+        for _ in range(5 * iters):
+            body()
+        times[name] = (time.perf_counter() - start) / (5 * iters)
+    out.append(("inline_all_reduce", small.numel() * 4, max(0.0, times["compute+all_reduce"] - times["compute"])))
     return out
 
 
@@ -149,15 +163,18 @@ def measure_step_costs(processes: int, reps: int = 5) -> tuple[StepCosts, float,
 
 def measure_collectives(world_size: int = 2, iters: int = 10) -> tuple[float, float, float]:
     """(latency s per tree level, per-process egress bandwidth B/s, RMS relative error) of gloo collectives between
-    ``world_size`` local processes, fitted in ``network.collective_time``'s form."""
+    ``world_size`` local processes, fitted in ``network.collective_time``'s form; the latency is the larger of the
+    fitted one and that of a small all-reduce issued between compute (what training's collectives pay)."""
     results = spawn(_collective_worker, world_size, (COLLECTIVE_SIZES, iters), timeout=600.0)
     samples = []
-    for i, (op, nbytes, _) in enumerate(results[0]):
+    for i, (op, nbytes, _) in enumerate(results[0][:-1]):
         secs = max(r[i][2] for r in results)
         steps = 1.0 if op == "send" else (2.0 if op == "all_reduce" else 1.0) * (world_size - 1).bit_length()
         wire = nbytes * wire_factor(op, world_size)
         samples.append((steps, wire, secs))
-    return fit_latency_bandwidth(samples)
+    latency, bw, err = fit_latency_bandwidth(samples)
+    inline = max(r[-1][2] for r in results) / (2.0 * (world_size - 1).bit_length())  # per latency step
+    return max(latency, inline), bw, err
 
 
 def measure_copy_bandwidth(mbytes: float = 256.0, iters: int = 5) -> float:

@@ -184,7 +184,12 @@ def step_time_check(run_dir: str | Path, cfg: Config, world_size: int, hardware:
         hw = get_hardware(hardware)
     except (FileNotFoundError, ValueError) as e:
         return f"step time: measured {measured * 1e3:.1f} ms (median of {n} steps); no prediction: {e}", None, measured
-    est = predict_step_time(cfg, world_size, hw)
+    try:
+        est = predict_step_time(cfg, world_size, hw)
+    except Exception as e:  # noqa: BLE001 - a display row: a layout the step-time model cannot price must not hide
+        #                     the byte check above it; the row names why
+        return (f"step time: measured {measured * 1e3:.1f} ms (median of {n} steps); no prediction: "
+                f"{type(e).__name__}: {e}", None, measured)
     err = est.step_s / measured - 1.0
     line = (f"{'step':>4}  {'time/step (' + hardware + ')':<28} {est.step_s * 1e3:>11.1f} ms {measured * 1e3:>11.1f} ms"
             f"  {err:+.0%} (median of {n} steps after {WARMUP_STEPS}; layout {est.layout.describe()})")
