@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated layout names")
     ap.add_argument("--out", default="", help="folder for the runs (default: a temporary one)")
     ap.add_argument("--json", default="", help="write the results here")
+    ap.add_argument("--markdown", action="store_true", help="also print the table as markdown (docs/planner.md)")
     args = ap.parse_args(argv)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if args.calibrate:
@@ -145,6 +146,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"{max(errs):.0%} ({max(done, key=lambda r, k=key: abs(r[k]))['name']}), Spearman {rho:.2f}")
         rho = spearman([r["predicted_s"] for r in done], [r["measured_s"] / r["drift"] for r in done])
         print(f"{'ranking':>16}: Spearman of the predictions against measured / drift {rho:.2f}")
+    if args.markdown:
+        print("\n| layout | procs | predicted ms | measured ms | error | drift | predicted x drift | error | load |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in done:
+            print(f"| {r['name']} | {r['nproc']} | {r['predicted_s'] * 1e3:.0f} | {r['measured_s'] * 1e3:.0f} | "
+                  f"{r['err']:+.0%} | {r['drift']:.2f} | {r['corrected_s'] * 1e3:.0f} | {r['err_corrected']:+.0%} | "
+                  f"{r['load']:.1f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                                "rows": rows}, indent=1))
