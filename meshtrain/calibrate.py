@@ -92,9 +92,10 @@ def matmul_shapes(specs: list[tuple[int, int, int, int, int]]) -> list[tuple[int
     return out
 
 
-def _compute_worker(rank: int, world_size: int, specs: list, reps: int) -> tuple[float, list[float]]:
+def _compute_worker(rank: int, world_size: int, specs: list, reps: int) -> tuple[float, float, list[float]]:
     torch.set_num_threads(1)  # as a torchrun worker
-    return _matmul_rate(matmul_shapes(specs)), [_time_steps(s, reps) for s in specs]
+    probe = _time_steps(PROBE_MODEL, reps)  # first, as probe_speed's fresh processes run it
+    return probe, _matmul_rate(matmul_shapes(specs)), [_time_steps(s, reps) for s in specs]
 
 
 def _collective_worker(rank: int, world_size: int, sizes: tuple[float, ...], iters: int) -> list[tuple]:
@@ -145,20 +146,24 @@ def probe_speed(processes: int | None = None, reps: int = 5) -> float:
     """Seconds of one reference training step (``PROBE_MODEL``) on ``processes`` (default: the cores) concurrent
     one-thread processes, the slowest's fastest of ``reps``. A shared machine's speed drifts (other users, a
     virtual CPU's neighbours); the profile keeps the probe's time at calibration, so a later probe says how much
-    faster or slower the machine is now (``benchmarks/steptime_check.py``)."""
+    faster or slower the machine is now (``benchmarks/steptime_check.py``). At calibration the reference step is
+    timed in the same processes, just before the calibration steps (``_compute_worker``): a separate probe taken
+    after the other measurements read about 2x slower than the steps it was to stand for."""
     return max(spawn(_probe_worker, processes or os.cpu_count() or 1, (reps,), timeout=300.0))
 
 
-def measure_step_costs(processes: int, reps: int = 5) -> tuple[StepCosts, float, list[tuple]]:
+def measure_step_costs(processes: int, reps: int = 5) -> tuple[StepCosts, float, list[tuple], float]:
     """Fit the step-cost terms on ``processes`` concurrent one-thread processes; (costs, RMS relative error of the
-    fit, [(model spec, measured s, fitted s)])."""
+    fit, [(model spec, measured s, fitted s)], the reference step's seconds in the same processes and moment)."""
     per_rank = spawn(_compute_worker, processes, (CALIBRATION_MODELS, reps), timeout=600.0)
-    rate = min(r[0] for r in per_rank)
-    seconds = [max(r[1][i] for r in per_rank) for i in range(len(CALIBRATION_MODELS))]
+    probe = max(r[0] for r in per_rank)
+    rate = min(r[1] for r in per_rank)
+    seconds = [max(r[2][i] for r in per_rank) for i in range(len(CALIBRATION_MODELS))]
     rows = [step_features(ModelConfig(d_model=d, n_layers=L, n_heads=h, n_kv_heads=max(1, h // 2), vocab_size=257,
                                       max_seq_len=T), b, T) for d, L, h, b, T in CALIBRATION_MODELS]
     costs, err = fit_step_costs(rows, seconds, rate)
-    return costs, err, [(s, t, costs.seconds(r)) for s, t, r in zip(CALIBRATION_MODELS, seconds, rows, strict=True)]
+    return costs, err, [(s, t, costs.seconds(r)) for s, t, r in zip(CALIBRATION_MODELS, seconds, rows, strict=True)], \
+        probe
 
 
 def measure_collectives(world_size: int = 2, iters: int = 10) -> tuple[float, float, float]:
@@ -194,10 +199,9 @@ def calibrate_cpu_local(path: str | Path | None = None, world_size: int | None =
     processes measured at once (default: the cores). Lines describing the fit are appended to ``report``."""
     cores = os.cpu_count() or 1
     procs = world_size or cores
-    costs, fit_err, table = measure_step_costs(procs)
+    costs, fit_err, table, probe = measure_step_costs(procs)
     latency, bw, comm_err = measure_collectives(max(2, procs))
     mem_bw = measure_copy_bandwidth()
-    probe = probe_speed(procs)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 8e9
     hw = Hardware(
         "cpu-local", f"this machine (CPU, {cores} cores, one thread per process)", costs.flop_rate,
