@@ -1,8 +1,20 @@
-"""``meshtrain plan --calibrate``: measure this machine and write the planner's ``cpu-local`` profile.
+"""``meshtrain plan --calibrate``: measure what a training step costs on this machine -> the ``cpu-local`` profile.
 
-Measuring needs local processes and collectives (``meshtrain.testing.spawn``, ``meshtrain.comm``, ``meshtrain.mesh``),
-so it lives at the command-line layer; the plan layer keeps the profile format and its cache
-(``meshtrain/plan/hardware.py``).
+Three measurements, each in as many local processes as the machine has cores, one thread each (what
+``meshtrain train --nproc N`` runs: torchrun gives every worker one thread), so each process sees the machine the
+way a worker does:
+
+1. whole training steps (bf16 autocast forward, backward, gradient clipping, AdamW) of a few small single-process
+   models whose FLOPs, activation elements, blocks and parameters vary independently; the step-cost terms
+   (matmul rate, seconds per non-matmul element, per block, per parameter, per step: ``plan/costfit.py``) are the
+   non-negative least-squares fit of those times;
+2. gloo all-reduce, all-gather, reduce-scatter and send at sizes from 4 KB to 16 MB through ``meshtrain.comm``;
+   latency and bandwidth are the fit of ``network.collective_time``'s form to them;
+3. a large tensor copy (the memory bandwidth, for the planner's HBM-bound terms).
+
+More processes than cores share them: the planner slows every process by ``devices / cores`` (``plan/steptime.py``).
+Measuring needs processes and collectives (``meshtrain.testing.spawn``, ``meshtrain.comm``), so this module sits at
+the command-line layer; the plan layer keeps the profile format (``plan/hardware.py``) and the fit.
 """
 
 from __future__ import annotations
@@ -14,31 +26,160 @@ from pathlib import Path
 import torch
 
 from meshtrain import comm
+from meshtrain.config import ModelConfig
 from meshtrain.mesh import Mesh
-from meshtrain.plan.hardware import Hardware, hardware_cache_dir, measure_matmul_flops, save_profile
+from meshtrain.model.llama import build_model, cross_entropy_sum
+from meshtrain.plan.costfit import StepCosts, fit_latency_bandwidth, fit_step_costs, step_features
+from meshtrain.plan.hardware import Hardware, hardware_cache_dir, save_profile
+from meshtrain.plan.network import wire_factor
 from meshtrain.testing.spawn import spawn
 
+# (d_model, n_layers, n_heads, batch, seq_len): FLOPs (d^2 x tokens), elements (d x tokens), blocks and
+# parameters (d^2 x layers, not tokens) vary independently across them.
+CALIBRATION_MODELS = [
+    (64, 1, 4, 2, 64), (64, 4, 4, 16, 128), (128, 2, 4, 8, 256), (128, 6, 4, 2, 128), (256, 1, 8, 8, 256),
+    (256, 4, 8, 4, 256), (256, 2, 8, 2, 64), (384, 2, 6, 4, 256), (512, 2, 8, 1, 64), (192, 3, 6, 12, 192),
+    (64, 2, 8, 2, 512), (128, 1, 2, 16, 64), (320, 1, 10, 2, 512), (96, 8, 6, 4, 96),
+]
+PROBE_MODEL = (128, 2, 4, 8, 128)  # the reference step whose time tracks the machine's speed (``probe_speed``)
+COLLECTIVE_SIZES = (4e3, 64e3, 1e6, 4e6, 16e6)  # payload bytes
 
-def _allreduce_worker(rank: int, world_size: int, numel: int, iters: int) -> float:
-    """Seconds per all-reduce of ``numel`` fp32 values, through meshtrain.comm on a dp mesh group."""
+
+def _time_steps(model_spec: tuple[int, int, int, int, int], reps: int) -> float:
+    """Seconds of one bf16-autocast training step of a single-process model: the fastest of ``reps``."""
+    d, layers, heads, batch, seq = model_spec
+    cfg = ModelConfig(d_model=d, n_layers=layers, n_heads=heads, n_kv_heads=max(1, heads // 2), vocab_size=257,
+                      max_seq_len=seq)
+    model = build_model(cfg, 0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    gen = torch.Generator().manual_seed(0)
+    times = []
+    for _ in range(reps + 1):  # the first is a warm-up
+        start = time.perf_counter()
+        tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=gen)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(tokens[:, :-1])
+        loss = cross_entropy_sum(logits, tokens[:, 1:]) / (batch * seq)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    return min(times[1:])  # the least disturbed: the machine may be shared
+
+
+def _matmul_rate(shapes: list[tuple[int, int, int]], seconds: float = 0.2) -> float:
+    """FLOP/s of bf16 matmuls at ``shapes`` (m, k, n): total FLOPs over total time, as a step mixes them."""
+    flops = elapsed = 0.0
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16)
+        a @ b  # warm-up
+        iters, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            a @ b
+            iters += 1
+        elapsed += time.perf_counter() - start
+        flops += 2.0 * m * k * n * iters
+    return flops / elapsed
+
+
+def matmul_shapes(specs: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int, int]]:
+    """The projections' shapes of the calibration models (tokens x d_model into d_model and the MLP hidden)."""
+    out = []
+    for d, _, _, batch, seq in specs:
+        hidden = ModelConfig(d_model=d).hidden_dim
+        out += [(batch * seq, d, d), (batch * seq, d, 2 * hidden), (batch * seq, hidden, d)]
+    return out
+
+
+def _compute_worker(rank: int, world_size: int, specs: list, reps: int) -> tuple[float, float, list[float]]:
+    torch.set_num_threads(1)  # as a torchrun worker
+    probe = _time_steps(PROBE_MODEL, reps)  # first, as probe_speed's fresh processes run it
+    return probe, _matmul_rate(matmul_shapes(specs)), [_time_steps(s, reps) for s in specs]
+
+
+def _collective_worker(rank: int, world_size: int, sizes: tuple[float, ...], iters: int) -> list[tuple]:
+    """(op, payload bytes, seconds per call) through meshtrain.comm on a dp mesh group."""
+    torch.set_num_threads(1)
     mesh = Mesh(dp=world_size, device=torch.device("cpu"))
     group = mesh.group("dp", "cp")
-    x = torch.ones(numel)
-    comm.all_reduce(x, group)  # warm-up: connections, buffers
-    comm.barrier(group)
-    start = time.perf_counter()
-    for _ in range(iters):
-        comm.all_reduce(x, group)
-    return (time.perf_counter() - start) / iters
+    out = []
+    for nbytes in sizes:
+        n = max(world_size, int(nbytes / 4) // world_size * world_size)
+        full, part = torch.ones(n), torch.ones(n // world_size)
+        calls = {  # the tensors are bound as defaults: each dict is used only in this iteration anyway
+            "all_reduce": lambda f=full: comm.all_reduce(f, group),
+            "all_gather": lambda f=full, p=part: comm.all_gather(f, p, group),
+            "reduce_scatter": lambda f=full, p=part: comm.reduce_scatter(p, f, group),
+            "send": lambda f=full: comm.send(f, 1, group) if rank == 0 else comm.recv(f, 0, group),
+        }
+        for op, call in calls.items():
+            call()  # warm-up
+            comm.barrier(group)
+            start = time.perf_counter()
+            for _ in range(iters):
+                call()
+            out.append((op, n * 4, (time.perf_counter() - start) / iters))
+    # A small all-reduce issued between compute, as training issues its TP/SP, CP and loss collectives: it also
+    # pays the peers' skew (one rank waits for the other's compute jitter) and the wake-up of a busy process.
+    a, small = torch.randn(128, 128), torch.ones(1024)
+    def work() -> None:
+        for _ in range(8):
+            a @ a
+    times = {}
+    for name, body in (("compute", work), ("compute+all_reduce", lambda: (work(), comm.all_reduce(small, group)))):
+        comm.barrier(group)
+        start = time.perf_counter()
+        for _ in range(5 * iters):
+            body()
+        times[name] = (time.perf_counter() - start) / (5 * iters)
+    out.append(("inline_all_reduce", small.numel() * 4, max(0.0, times["compute+all_reduce"] - times["compute"])))
+    return out
 
 
-def measure_allreduce_bandwidth(world_size: int = 2, mbytes: float = 32.0, iters: int = 5) -> tuple[float, float]:
-    """(bytes/s, seconds per call): gloo all-reduce on ``world_size`` local processes (meshtrain.testing.spawn),
-    as per-device egress bandwidth: the ring sends 2 (n-1)/n x the tensor per device."""
-    numel = int(mbytes * 1e6 / 4)
-    secs = max(spawn(_allreduce_worker, world_size, (numel, iters), timeout=300.0))
-    wire = 2 * (world_size - 1) / world_size * numel * 4
-    return wire / secs, secs
+def _probe_worker(rank: int, world_size: int, reps: int) -> float:
+    torch.set_num_threads(1)
+    return _time_steps(PROBE_MODEL, reps)
+
+
+def probe_speed(processes: int | None = None, reps: int = 5) -> float:
+    """Seconds of one reference training step (``PROBE_MODEL``) on ``processes`` (default: the cores) concurrent
+    one-thread processes, the slowest's fastest of ``reps``. A shared machine's speed drifts (other users, a
+    virtual CPU's neighbours); the profile keeps the probe's time at calibration, so a later probe says how much
+    faster or slower the machine is now (``benchmarks/steptime_check.py``). At calibration the reference step is
+    timed in the same processes, just before the calibration steps (``_compute_worker``): a separate probe taken
+    after the other measurements read about 2x slower than the steps it was to stand for."""
+    return max(spawn(_probe_worker, processes or os.cpu_count() or 1, (reps,), timeout=300.0))
+
+
+def measure_step_costs(processes: int, reps: int = 5) -> tuple[StepCosts, float, list[tuple], float]:
+    """Fit the step-cost terms on ``processes`` concurrent one-thread processes; (costs, RMS relative error of the
+    fit, [(model spec, measured s, fitted s)], the reference step's seconds in the same processes and moment)."""
+    per_rank = spawn(_compute_worker, processes, (CALIBRATION_MODELS, reps), timeout=600.0)
+    probe = max(r[0] for r in per_rank)
+    rate = min(r[1] for r in per_rank)
+    seconds = [max(r[2][i] for r in per_rank) for i in range(len(CALIBRATION_MODELS))]
+    rows = [step_features(ModelConfig(d_model=d, n_layers=L, n_heads=h, n_kv_heads=max(1, h // 2), vocab_size=257,
+                                      max_seq_len=T), b, T) for d, L, h, b, T in CALIBRATION_MODELS]
+    costs, err = fit_step_costs(rows, seconds, rate)
+    return costs, err, [(s, t, costs.seconds(r)) for s, t, r in zip(CALIBRATION_MODELS, seconds, rows, strict=True)], \
+        probe
+
+
+def measure_collectives(world_size: int = 2, iters: int = 10) -> tuple[float, float, float]:
+    """(latency s per tree level, per-process egress bandwidth B/s, RMS relative error) of gloo collectives between
+    ``world_size`` local processes, fitted in ``network.collective_time``'s form; the latency is the larger of the
+    fitted one and that of a small all-reduce issued between compute (what training's collectives pay)."""
+    results = spawn(_collective_worker, world_size, (COLLECTIVE_SIZES, iters), timeout=600.0)
+    samples = []
+    for i, (op, nbytes, _) in enumerate(results[0][:-1]):
+        secs = max(r[i][2] for r in results)
+        steps = 1.0 if op == "send" else (2.0 if op == "all_reduce" else 1.0) * (world_size - 1).bit_length()
+        wire = nbytes * wire_factor(op, world_size)
+        samples.append((steps, wire, secs))
+    latency, bw, err = fit_latency_bandwidth(samples)
+    inline = max(r[-1][2] for r in results) / (2.0 * (world_size - 1).bit_length())  # per latency step
+    return max(latency, inline), bw, err
 
 
 def measure_copy_bandwidth(mbytes: float = 256.0, iters: int = 5) -> float:
@@ -52,20 +193,31 @@ def measure_copy_bandwidth(mbytes: float = 256.0, iters: int = 5) -> float:
     return 2 * a.numel() * 4 * iters / (time.perf_counter() - start)
 
 
-def calibrate_cpu_local(path: str | Path | None = None, world_size: int = 2) -> Hardware:
-    """Measure this machine and save the ``cpu-local`` profile: matmul FLOP/s (bf16 and fp32, the larger
-    is what autocast would reach), gloo all-reduce bandwidth between ``world_size`` local processes (both
-    fabrics: every process is on this host), memory-copy bandwidth, and RAM per process."""
-    flops = max(measure_matmul_flops(torch.float32, n=1024, seconds=1.0),
-                measure_matmul_flops(torch.bfloat16, n=1024, seconds=1.0))
-    bw, secs = measure_allreduce_bandwidth(world_size)
+def calibrate_cpu_local(path: str | Path | None = None, world_size: int | None = None,
+                        report: list[str] | None = None) -> Hardware:
+    """Measure this machine and save the ``cpu-local`` profile (see the module docstring). ``world_size``: the
+    processes measured at once (default: the cores). Lines describing the fit are appended to ``report``."""
+    cores = os.cpu_count() or 1
+    procs = world_size or cores
+    costs, fit_err, table, probe = measure_step_costs(procs)
+    latency, bw, comm_err = measure_collectives(max(2, procs))
     mem_bw = measure_copy_bandwidth()
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 8e9
     hw = Hardware(
-        "cpu-local", f"this machine (CPU, {os.cpu_count()} cores, {world_size} gloo processes)", flops,
-        float(ram) / world_size, mem_bw, intra_bw=bw, inter_bw=bw, devices_per_node=world_size, domain=world_size,
-        tp_max=world_size, intra_latency=min(secs, 1e-4), inter_latency=min(secs, 1e-4),
-        source=f"meshtrain plan --calibrate on {time.strftime('%Y-%m-%d %H:%M')}: torch matmul n=1024, "
-               f"gloo all-reduce of 32 MB over {world_size} processes via meshtrain.comm, tensor copy")
+        "cpu-local", f"this machine (CPU, {cores} cores, one thread per process)", costs.flop_rate,
+        float(ram) / procs, mem_bw, intra_bw=bw, inter_bw=bw, devices_per_node=procs, domain=max(2, procs),
+        tp_max=max(2, procs), intra_latency=latency, inter_latency=latency, cores=cores, elem_s=costs.elem_s,
+        score_s=costs.score_s, block_s=costs.block_s, param_s=costs.param_s, step_s=costs.step_s, probe_s=probe,
+        source=f"meshtrain plan --calibrate on {time.strftime('%Y-%m-%d %H:%M')}: {len(table)} bf16 training steps "
+               f"on {procs} one-thread processes at once (fit RMS error {fit_err:.1%}), gloo collectives "
+               f"{COLLECTIVE_SIZES[0] / 1e3:.0f} KB-{COLLECTIVE_SIZES[-1] / 1e6:.0f} MB via meshtrain.comm "
+               f"(fit RMS error {comm_err:.1%}), tensor copy")
     save_profile(hw, path or hardware_cache_dir() / "cpu-local.json")
+    if report is not None:
+        report.append(f"step-cost fit over {len(table)} training steps, RMS relative error {fit_err:.1%}:")
+        for (d, L, _, b, T), got, fit in table:
+            report.append(f"  d_model {d:>3} layers {L} batch {b:>2} x {T:>3}: measured {got * 1e3:8.2f} ms, "
+                          f"fitted {fit * 1e3:8.2f} ms")
+        report.append(f"collectives: latency {latency * 1e6:.0f} us per step, {bw / 1e9:.2f} GB/s "
+                      f"(fit RMS error {comm_err:.1%})")
     return hw

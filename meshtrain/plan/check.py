@@ -5,18 +5,23 @@ each (axis, collective) in one steady-state training step and the live bytes of 
 gradients and optimizer state. ``predict_rank`` computes the same from the config alone with the
 cost model (``plan/comm_bytes.py``, ``plan/memory.py``), using the rank's mesh coordinates: its tensor-parallel
 shard of each unit (``plan/units.py``), and under pipeline parallelism only its stages' units and its p2p transfers.
-``check_run`` prints the two side by side.
+``check_run`` prints the two side by side, and below them the step time: the planner's prediction for the run's
+layout on a hardware profile (by default the calibrated ``cpu-local`` one, ``meshtrain plan --calibrate``) against the
+median ``step_time_s`` of the run's ``metrics.jsonl`` (``step_time_check``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
 from meshtrain.config import Config, resolve_dp, update_from_dict
 from meshtrain.plan.comm_bytes import cp_comm_bytes, dp_comm_bytes, ep_comm_bytes, pp_p2p_bytes, tp_comm_bytes
-from meshtrain.plan.memory import DTYPE_BYTES, dp_state_bytes
+from meshtrain.plan.hardware import Hardware, get_hardware
+from meshtrain.plan.memory import DTYPE_BYTES, dp_state_bytes, run_precision
 from meshtrain.plan.partition import partition_model
 from meshtrain.plan.schedules import build_schedule
 from meshtrain.plan.units import expert_params_per_rank, norm_elems_held, unit_numels
@@ -125,9 +130,76 @@ def _moe_bytes(cfg: Config, dp: int, tokens: int, micro: int, layers: int, compu
     return out
 
 
-def check_run(run_dir: str | Path) -> tuple[str, bool, bool]:
-    """Side-by-side table of predicted and measured bytes for a finished run;
-    (text, every byte count equal, every state size within 5%)."""
+WARMUP_STEPS = 2  # steps left out of the measured median: the first ones build buffers, connections, caches
+
+
+def layout_of(cfg: Config, world_size: int):
+    """The planner's ``Layout`` of a run config (the inverse of ``search.to_config``)."""
+    from meshtrain.plan.problem import Layout
+
+    p, t = cfg.parallel, cfg.train
+    return Layout(dp=resolve_dp(cfg, world_size), tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero,
+                  dp_shard=p.dp_shard, sp=p.sp, schedule=p.schedule if p.pp > 1 else "1f1b",
+                  virtual=p.virtual_stages if p.pp > 1 else 1,
+                  microbatches=p.microbatches if p.pp > 1 else t.grad_accum, recompute=t.recompute)
+
+
+def predict_step_time(cfg: Config, world_size: int, hw: Hardware):
+    """The planner's ``Estimate`` for a run config on ``world_size`` processes of ``hw`` (all on one host of
+    ``world_size`` devices, as ``meshtrain train --nproc`` runs them)."""
+    from meshtrain.plan.problem import Problem
+    from meshtrain.plan.steptime import evaluate
+
+    model = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or 257)
+    host = dataclasses.replace(hw, devices_per_node=world_size, domain=max(hw.domain, world_size))
+    problem = Problem(model, cfg.train.seq_len, cfg.train.global_batch, host, 1, model_name="run",
+                      precision=run_precision(cfg.train.dtype, cfg.parallel.reduce_dtype))
+    return evaluate(problem, layout_of(cfg, world_size))
+
+
+def measured_step_time(run_dir: str | Path) -> tuple[float, int]:
+    """(median ``step_time_s``, steps counted) of a run's ``metrics.jsonl``, its first ``WARMUP_STEPS`` left out."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no metrics.jsonl in the run folder")
+    times = []
+    for line in path.read_text().splitlines():
+        rec = json.loads(line) if line.strip().startswith("{") else {}
+        if "step_time_s" in rec and rec.get("step", 0) > WARMUP_STEPS:
+            times.append(float(rec["step_time_s"]))
+    if not times:
+        raise ValueError(f"{path}: no step_time_s after the first {WARMUP_STEPS} steps (run more steps)")
+    return statistics.median(times), len(times)
+
+
+def step_time_check(run_dir: str | Path, cfg: Config, world_size: int, hardware: str = "cpu-local"
+                    ) -> tuple[str, float | None, float | None]:
+    """The step-time row of ``check_run``: (line, predicted s, measured s); a line saying why when either side
+    is missing (no calibrated profile, no metrics)."""
+    try:
+        measured, n = measured_step_time(run_dir)
+    except (FileNotFoundError, ValueError) as e:
+        return f"step time: not measured ({e})", None, None
+    try:
+        hw = get_hardware(hardware)
+    except (FileNotFoundError, ValueError) as e:
+        return f"step time: measured {measured * 1e3:.1f} ms (median of {n} steps); no prediction: {e}", None, measured
+    try:
+        est = predict_step_time(cfg, world_size, hw)
+    except Exception as e:  # noqa: BLE001 - a display row: a layout the step-time model cannot price must not hide
+        #                     the byte check above it; the row names why
+        return (f"step time: measured {measured * 1e3:.1f} ms (median of {n} steps); no prediction: "
+                f"{type(e).__name__}: {e}", None, measured)
+    err = est.step_s / measured - 1.0
+    line = (f"{'step':>4}  {'time/step (' + hardware + ')':<28} {est.step_s * 1e3:>11.1f} ms {measured * 1e3:>11.1f} ms"
+            f"  {err:+.0%} (median of {n} steps after {WARMUP_STEPS}; layout {est.layout.describe()})")
+    return line, est.step_s, measured
+
+
+def check_run(run_dir: str | Path, hardware: str = "cpu-local") -> tuple[str, bool, bool]:
+    """Side-by-side table of predicted and measured bytes for a finished run, and the step time (predicted on
+    ``hardware`` against the run's median); (text, every byte count equal, every state size within 5%). The step
+    time is shown, not judged: it depends on the machine and its load."""
     run = Path(run_dir)
     for f in ("config.yaml", "comm.json"):
         if not (run / f).is_file():
@@ -169,4 +241,5 @@ def check_run(run_dir: str | Path) -> tuple[str, bool, bool]:
         exact &= ok
         lines.append(f"ep group pp={pp} tp={tp} edp={edp}: ep/all_to_all summed {want:,} predicted"
                      f"{' (at most, capacity drops)' if capped else ''}, {got:,} measured  {'yes' if ok else 'NO'}")
+    lines.append(step_time_check(run, cfg, world, hardware)[0])
     return "\n".join(lines), exact, memory_ok

@@ -147,9 +147,14 @@ def main(argv: list[str]) -> int:
     if args.calibrate:  # measured (processes, collectives): meshtrain/calibrate.py
         from meshtrain.calibrate import calibrate_cpu_local
 
-        hw = calibrate_cpu_local()
-        print(f"wrote {hardware_cache_dir() / 'cpu-local.json'}: matmul {hw.bf16_flops / 1e9:.1f} GFLOP/s, "
-              f"all-reduce {hw.intra_bw / 1e9:.2f} GB/s per process, memory copy {hw.hbm_bw / 1e9:.1f} GB/s")
+        report: list[str] = []
+        hw = calibrate_cpu_local(report=report)
+        print("\n".join(report))
+        print(f"wrote {hardware_cache_dir() / 'cpu-local.json'}: matmul {hw.bf16_flops / 1e9:.1f} GFLOP/s per "
+              f"process, non-matmul {hw.elem_s * 1e9:.2f} ns/element, "
+              f"{hw.score_s * 1e9:.2f} ns/attention score, {hw.block_s * 1e6:.0f} us/block, optimizer "
+              f"{hw.param_s * 1e9:.2f} ns/parameter, {hw.step_s * 1e3:.2f} ms/step; gloo {hw.intra_bw / 1e9:.2f} "
+              f"GB/s per process, {hw.intra_latency * 1e6:.0f} us latency; memory copy {hw.hbm_bw / 1e9:.1f} GB/s")
         return 0
     if args.list_hardware:
         for key, hw in HARDWARE.items():
@@ -200,8 +205,9 @@ def main(argv: list[str]) -> int:
           f"{problem.batch_tokens:,} tokens per step ({problem.sequences} x {problem.seq_len}) on "
           f"{problem.nodes} x {problem.hw.devices_per_node} {problem.hw.name} = {problem.devices} devices")
     reduced = "bf16" if problem.precision.reduce == 2 else "fp32"
-    print(f"assumptions: {args.precision} precision (gradients reduced in {reduced}), matmuls at "
-          f"{problem.efficiency:.0%} of peak, "
+    speed = "measured step costs (--calibrate)" if problem.hw.measured_steps else \
+        f"matmuls at {problem.efficiency:.0%} of peak"
+    print(f"assumptions: {args.precision} precision (gradients reduced in {reduced}), {speed}, "
           f"{problem.memory_fraction:.0%} of device memory usable, mixed FSDP+TP revision {problem.revision}")
     print(f"{result.tried:,} layouts tried, {len(result.ranked):,} fit in "
           f"{problem.memory_budget / 1e9:.1f} GB per device")

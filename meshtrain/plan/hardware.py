@@ -108,10 +108,43 @@ class Hardware:
     intra_latency: float = 5e-6  # seconds per tree level of a collective
     inter_latency: float = 1e-5
     source: str = ""
+    # Measured step costs (``meshtrain plan --calibrate``, ``plan/costfit.py``); all 0 for the datasheet presets,
+    # whose compute is the roofline at --efficiency x peak. With them ``bf16_flops`` is the matmul rate reached
+    # at small shapes (efficiency 1), and processes beyond ``cores`` share the cores (each slowed devices/cores).
+    cores: int = 0
+    elem_s: float = 0.0  # seconds per non-matmul activation element (forward + backward)
+    score_s: float = 0.0  # seconds per causal attention score (forward + backward)
+    block_s: float = 0.0  # seconds per block forward + backward call (dispatch overhead)
+    param_s: float = 0.0  # seconds per parameter of gradient clipping + the optimizer step
+    step_s: float = 0.0  # fixed seconds per optimizer step
+    probe_s: float = 0.0  # seconds of calibrate.probe_speed's reference step when measured (drift check)
 
     @property
     def torus(self) -> bool:
         return bool(self.mesh_axes)
+
+    @property
+    def measured_steps(self) -> bool:
+        """Whether the profile carries measured step costs (``--calibrate``) rather than a datasheet peak."""
+        return any(x > 0 for x in (self.elem_s, self.block_s, self.param_s, self.step_s))
+
+    def oversubscription(self, devices: int) -> float:
+        """How much slower each of ``devices`` processes runs when they share ``cores`` (1 for real devices)."""
+        return max(1.0, devices / self.cores) if self.cores > 0 else 1.0
+
+    def shared_by(self, devices: int) -> Hardware:
+        """This profile as each of ``devices`` processes sees it when they share ``cores``: every rate divided
+        and every cost multiplied by ``oversubscription`` (gloo's collectives are CPU work too). Unchanged for
+        real devices and up to one process per core."""
+        from dataclasses import replace
+
+        k = self.oversubscription(devices)
+        if k == 1.0:
+            return self
+        return replace(self, bf16_flops=self.bf16_flops / k, hbm_bw=self.hbm_bw / k, intra_bw=self.intra_bw / k,
+                       inter_bw=self.inter_bw / k, intra_latency=self.intra_latency * k,
+                       inter_latency=self.inter_latency * k, elem_s=self.elem_s * k, score_s=self.score_s * k,
+                       block_s=self.block_s * k, param_s=self.param_s * k, step_s=self.step_s * k)
 
     def to_dict(self) -> dict:
         from dataclasses import asdict

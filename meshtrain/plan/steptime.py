@@ -10,12 +10,18 @@
   backward, ZeRO-3 gathers with forward and backward), what does not fit and the last bucket are exposed;
   ZeRO-1/2's all-gather of updated parameters after the optimizer step is exposed (the runtime does it then);
 - the optimizer step reads and writes the local parameters, gradients and moments at HBM bandwidth.
+
+A calibrated profile (``meshtrain plan --calibrate``: ``hw.measured_steps``) replaces the roofline by the measured
+step costs of ``plan/costfit.py`` (matmul FLOPs at the measured rate, non-matmul elements, attention scores, block
+calls; parameters and a fixed cost for the optimizer step), divides each process's share of the machine when more
+processes than cores run (``Hardware.shared_by``), and hides no communication behind compute when every core is busy
+computing (``overlaps``).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meshtrain.config import ModelConfig
 from meshtrain.plan.comm_bytes import (
@@ -25,7 +31,9 @@ from meshtrain.plan.comm_bytes import (
     pp_p2p_bytes,
     tp_layer_collectives,
 )
+from meshtrain.plan.costfit import StepCosts, block_features, head_features
 from meshtrain.plan.flops import attention_flops_per_token, flops_per_token, layer_flops, param_count, stage_part_flops
+from meshtrain.plan.hardware import Hardware
 from meshtrain.plan.memory import activation_bytes, activation_elems_per_token, state_bytes
 from meshtrain.plan.network import Link, calls_time, collective_time, dp_axes, exposed, group_link
 from meshtrain.plan.pipeline_cost import pipeline_sim_fast, stage_partition
@@ -47,6 +55,18 @@ def layer_compute_time(cfg: ModelConfig, tokens: int, seq_len: int, flops: float
     traffic = block_params(cfg) / tp * weight_bytes + 2 * tokens * activation_elems_per_token(cfg, "none", tp) \
         * act_bytes
     return max(t_flops, traffic / hbm_bw)
+
+
+def overlaps(hw: Hardware, devices: int) -> bool:
+    """Whether communication can run beside compute: on GPUs (the copy engines, NCCL's own SMs) it can; processes
+    sharing CPU cores (a calibrated profile with at least one process per core) have no idle core for gloo's
+    work, so a collective waits for, and is waited for by, the compute beside it."""
+    return not (hw.cores and devices >= hw.cores)
+
+
+def step_costs(hw: Hardware) -> StepCosts:
+    """The measured step-cost terms a calibrated profile carries (``plan/costfit.py``)."""
+    return StepCosts(hw.bf16_flops, hw.elem_s, hw.score_s, hw.block_s, hw.param_s, hw.step_s)
 
 
 @dataclass
@@ -87,25 +107,32 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
     and the collectives on the critical path (TP/SP, EP all-to-alls, the CP ring not hidden by attention)."""
     cfg, hw, prec = problem.model, problem.hw, problem.precision
     T, tp, cp = problem.seq_len, lay.tp, lay.cp
-    C, eff = hw.bf16_flops, problem.efficiency
+    C, eff = hw.bf16_flops, (1.0 if hw.measured_steps else problem.efficiency)  # a measured rate is reached
     d = cfg.d_model
 
     # --- compute of one stage action (the slowest stage; interleaved ranks run v chunks of it)
     n_stages = lay.pp * lay.virtual
     blocks, _ = stage_partition(cfg, T, n_stages) if n_stages > 1 else ([cfg.n_layers], [0.0])
     _, _, head_flops = stage_part_flops(cfg, T)
-    t_layer = layer_compute_time(cfg, t, T, C, hw.hbm_bw, tp, eff, prec.act, prec.act)
-    t_head = t * head_flops / tp / (C * eff)
+    redo = activation_elems_per_token(cfg, "none", tp, lay.sp) - activation_elems_per_token(
+        cfg, "selective", tp, lay.sp)  # element-wise work selective recompute reruns, per token and block
+    if hw.measured_steps:  # measured costs (--calibrate): the features costfit.py fitted, forward = 1/3
+        costs = step_costs(hw)
+        t_layer = costs.seconds(block_features(cfg, t, T, tp, lay.sp)) / 3
+        t_head = costs.seconds(head_features(cfg, t, T, tp)) / 3
+        redo_s = max(redo, 0.0) * t * costs.elem_s / 3
+    else:
+        t_layer = layer_compute_time(cfg, t, T, C, hw.hbm_bw, tp, eff, prec.act, prec.act)
+        t_head = t * head_flops / tp / (C * eff)
+        redo_s = 2 * max(redo, 0.0) * t * prec.act / hw.hbm_bw  # HBM-bound
     stage_f = [blocks[s] * t_layer + (t_head if s == n_stages - 1 else 0.0) for s in range(n_stages)]
     f_c = max(stage_f)
     layers_max = max(blocks)
     b_c = 2 * f_c
     if lay.recompute == "full":
         b_c += f_c
-    elif lay.recompute == "selective":  # element-wise ops rerun: HBM-bound
-        redo = activation_elems_per_token(cfg, "none", tp, lay.sp) - activation_elems_per_token(
-            cfg, "selective", tp, lay.sp)
-        b_c += layers_max * 2 * max(redo, 0.0) * t * prec.act / hw.hbm_bw
+    elif lay.recompute == "selective":  # element-wise ops rerun
+        b_c += layers_max * redo_s
     if cfg.moe_experts and tp > 1 and not lay.sp:
         # MoE blocks are not split by tp: without SP every tp rank runs them on the same tokens.
         t_layer += t * 2.0 * param_count(cfg).active_mlp / cfg.n_layers * (1 - 1 / tp) / (C * eff)
@@ -141,8 +168,9 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
     cp_link = group_link(hw, cp, tp, 1)
     ring = cp_ring_bytes(t, cfg, cp, tp, prec.act)
     attn_f = t * attention_flops_per_token(cfg, T) / cfg.n_layers / tp / (C * eff)
-    cp_f = layers_max * max(0.0, collective_time("send", ring["fwd"], cp_link) - attn_f) if cp > 1 else 0.0
-    cp_b = layers_max * max(0.0, collective_time("send", ring["bwd"], cp_link) - 2 * attn_f) if cp > 1 else 0.0
+    hide = attn_f if overlaps(hw, problem.devices) else 0.0  # what attention can hide of the ring
+    cp_f = layers_max * max(0.0, collective_time("send", ring["fwd"], cp_link) - hide) if cp > 1 else 0.0
+    cp_b = layers_max * max(0.0, collective_time("send", ring["bwd"], cp_link) - 2 * hide) if cp > 1 else 0.0
     return StageAction(blocks, f_c, b_c, tp_f, tp_b, ep_f, ep_b, cp_f, cp_b, tp_link, cp_link, ring, attn_f)
 
 
@@ -190,6 +218,8 @@ def data_parallel_time(problem: Problem, lay: Layout, act: StageAction) -> tuple
     tp, pp, cp, v, mc = lay.tp, lay.pp, lay.cp, lay.virtual, lay.microbatches
     blocks, layers_max = act.blocks, act.layers
     F, B = act.forward, act.backward
+    if not overlaps(hw, problem.devices):  # no idle core to run gloo on: every collective is on the critical path
+        F = B = 0.0
     first_units = unit_numels(cfg, tp, range(blocks[0] if pp > 1 else cfg.n_layers), True, pp == 1, lay.ep)
     last_units = unit_numels(cfg, tp, range(blocks[-1]), False, True, lay.ep) if pp > 1 else first_units
     if pp > 1 and v > 1:  # interleaved / V: a rank holds v chunks; count the heaviest rank's blocks
@@ -287,6 +317,9 @@ def memory(problem: Problem, lay: Layout, t: int, act: StageAction, units: list[
 
 def evaluate(problem: Problem, layout: Layout, with_collectives: bool = False) -> Estimate:
     """Predict step time and per-device memory of ``layout`` (see the module docstring for the model)."""
+    peak = problem.hw.bf16_flops  # the MFU denominator: one device's (one core's) rate, not its shared slice
+    if problem.hw.oversubscription(problem.devices) > 1:  # processes sharing the cores: each runs on a slice
+        problem = replace(problem, hw=problem.hw.shared_by(problem.devices))
     cfg, hw, prec, lay = problem.model, problem.hw, problem.precision, layout
     t = problem.sequences // lay.dp // lay.microbatches * problem.seq_len // lay.cp  # tokens per rank per microbatch
     act = stage_action(problem, lay, t)
@@ -298,11 +331,14 @@ def evaluate(problem: Problem, layout: Layout, with_collectives: bool = False) -
     shard, edp = lay.shard * lay.cp, lay.dp * lay.cp // lay.ep
     experts = expert_params_per_rank(cfg, lay.ep, act.layers * lay.virtual)
     local = psi / (shard if lay.zero >= 1 else 1) + experts / (edp if lay.zero >= 1 else 1)
-    step.optimizer = local * (2 * prec.param + prec.grad + 2 * prec.optim) / hw.hbm_bw
+    if hw.measured_steps:  # measured: gradient clipping + AdamW per parameter, and the step's fixed cost
+        step.optimizer = local * hw.param_s + hw.step_s
+    else:
+        step.optimizer = local * (2 * prec.param + prec.grad + 2 * prec.optim) / hw.hbm_bw
     inflight = max(peaks) if lay.pp > 1 else 1  # (mb, stage chunk) pairs held at once, from the simulator
     mem = memory(problem, lay, t, act, dp.units, inflight)
     est = Estimate(lay, step, mem, problem.memory_budget, flops_per_token(cfg, problem.seq_len) * problem.batch_tokens,
-                   problem.devices, hw.bf16_flops, problem.batch_tokens)
+                   problem.devices, peak, problem.batch_tokens)
     if with_collectives:
         est.collectives = _collectives(problem, lay, t, act.layers, act.tp_link, act.cp_link, dp.bytes, dp.units,
                                        dp.shard_link, dp.dp_link, dp.rep_link, p2p_t, act.ring, act.attn_f)

@@ -1,0 +1,145 @@
+"""The calibrated step-time model (issue 15, point 3): the fit of the step-cost terms on synthetic measurements,
+how a measured profile prices a layout, and the step-time row of ``meshtrain plan --check-run``. No timing is
+asserted here: benchmarks/steptime_check.py compares predictions with real runs."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from meshtrain import cli
+from meshtrain.calibrate import CALIBRATION_MODELS
+from meshtrain.config import Config, ModelConfig, load_config, resolve_dp, save_config
+from meshtrain.plan.check import WARMUP_STEPS, layout_of, predict_rank, predict_step_time
+from meshtrain.plan.costfit import (
+    TERMS,
+    StepCosts,
+    block_features,
+    fit_latency_bandwidth,
+    fit_nonnegative,
+    fit_step_costs,
+    head_features,
+    step_features,
+)
+from meshtrain.plan.hardware import Hardware, save_profile
+from meshtrain.plan.memory import MESHTRAIN_BF16
+from meshtrain.plan.problem import Layout, Problem
+from meshtrain.plan.steptime import evaluate
+
+TRUE = StepCosts(flop_rate=2e11, elem_s=3e-9, score_s=1e-8, block_s=8e-4, param_s=1e-8, step_s=2e-3)
+
+
+def _rows() -> list[dict[str, float]]:
+    return [step_features(ModelConfig(d_model=d, n_layers=L, n_heads=h, n_kv_heads=max(1, h // 2), vocab_size=257,
+                                      max_seq_len=T), b, T) for d, L, h, b, T in CALIBRATION_MODELS]
+
+
+def test_fit_recovers_known_costs():
+    """Times made from known costs give those costs back: exactly without noise, within a few % with +-3% noise;
+    the calibration models vary every term independently enough for that."""
+    rows = _rows()
+    exact = [TRUE.seconds(r) for r in rows]
+    costs, err = fit_step_costs(rows, exact, TRUE.flop_rate)
+    assert err < 1e-9
+    for name in ("elem_s", "score_s", "block_s", "param_s", "step_s"):
+        assert getattr(costs, name) == pytest.approx(getattr(TRUE, name), rel=1e-6), name
+    noise = np.random.default_rng(0).uniform(-0.03, 0.03, len(rows))
+    noisy, err = fit_step_costs(rows, [t * (1 + e) for t, e in zip(exact, noise, strict=True)], TRUE.flop_rate)
+    assert 0 < err < 0.05
+    for name in ("elem_s", "score_s", "param_s"):  # the large terms; block_s and step_s are small parts of a step
+        assert getattr(noisy, name) == pytest.approx(getattr(TRUE, name), rel=0.25), name
+    # with every term free (the flop rate fitted too), the noise-free fit is exact as well
+    coef, err = fit_nonnegative(rows, exact)
+    assert err < 1e-6 and StepCosts.from_coefficients(coef).flop_rate == pytest.approx(TRUE.flop_rate, rel=1e-4)
+
+
+def test_fit_keeps_coefficients_non_negative():
+    """A term that would fit negative (time falling as it grows) is dropped, not given a negative cost."""
+    rows = [{"flops": float(i), "elems": float((7 * i) % 5 + 1), "steps": 1.0} for i in range(1, 9)]
+    seconds = [2.0 * r["flops"] - 0.3 * r["elems"] + 5.0 for r in rows]
+    x = np.array([[r[k] for k in ("flops", "elems", "steps")] for r in rows])
+    free = np.linalg.lstsq(x / np.array(seconds)[:, None], np.ones(len(rows)), rcond=None)[0]
+    assert free[1] < 0  # unconstrained, the elements would get a negative cost
+    coef, err = fit_nonnegative(rows, seconds)
+    assert (coef >= 0).all() and coef[TERMS.index("elems")] == 0.0 and err < 0.1
+    with pytest.raises(ValueError):
+        fit_nonnegative(rows, seconds[:-1])
+
+
+def test_fit_latency_bandwidth():
+    lat, bw = 2e-4, 1.5e9
+    samples = [(steps, wire, steps * lat + wire / bw) for steps in (1, 2) for wire in (4e3, 1e6, 1.6e7)]
+    got_lat, got_bw, err = fit_latency_bandwidth(samples)
+    assert got_lat == pytest.approx(lat, rel=1e-6) and got_bw == pytest.approx(bw, rel=1e-6) and err < 1e-9
+
+
+def _profile(cores: int = 2) -> Hardware:
+    return Hardware("cpu-local", "test", TRUE.flop_rate, 8e9, 2e10, 1e9, 1e9, 2, 2, tp_max=2, cores=cores,
+                    elem_s=TRUE.elem_s, score_s=TRUE.score_s, block_s=TRUE.block_s, param_s=TRUE.param_s,
+                    step_s=TRUE.step_s, source="test")
+
+
+def test_measured_profile_prices_the_fitted_terms():
+    """dp2 on a measured profile: compute is the fitted terms of the rank's blocks and head (no efficiency
+    factor), the optimizer row is its parameters and the fixed step cost; 4 processes on 2 cores run each at half
+    speed, so dp4 (half the tokens each) costs about what dp2 does."""
+    cfg = load_config("configs/small.yaml").model
+    cfg = replace(cfg, vocab_size=257)
+    T, seqs = 256, 16
+    hw = _profile()
+    problem = Problem(cfg, T, seqs, hw, 1, precision=MESHTRAIN_BF16, efficiency=0.5)
+    est = evaluate(problem, Layout(dp=2))
+    t = seqs // 2 * T
+    want = sum(cfg.n_layers * block_features(cfg, t, T)[k] + head_features(cfg, t, T).get(k, 0.0)
+               for k in ("flops",)) / TRUE.flop_rate
+    want += TRUE.seconds({k: cfg.n_layers * block_features(cfg, t, T).get(k, 0.0)
+                          + head_features(cfg, t, T).get(k, 0.0) for k in ("elems", "scores", "blocks")})
+    assert est.step.compute == pytest.approx(want, rel=1e-9)
+    assert est.step.optimizer > TRUE.step_s
+    four = evaluate(replace(problem, nodes=2), Layout(dp=4))
+    assert four.step.compute == pytest.approx(est.step.compute * (1 - 0.5 * TRUE.block_s * cfg.n_layers
+                                                                   / est.step.compute), rel=0.05)
+    assert hw.shared_by(4).elem_s == 2 * hw.elem_s and hw.shared_by(2) is hw
+
+
+def _fake_run(path, cfg: Config, world: int, times: list[float]) -> None:
+    """A finished run's folder: its config, comm.json with the bytes and state the cost model predicts (this test
+    is about the step-time row), and metrics.jsonl with the given step times."""
+    path.mkdir()
+    save_config(cfg, path / "config.yaml")
+    dp = resolve_dp(cfg, world)
+    ranks = []
+    for r in range(world):
+        coords = {"pp": 0, "dp": r % dp, "cp": 0, "tp": 0, "edp": r % dp, "ep": 0}
+        pred, state = predict_rank(cfg, world, coords)
+        ranks.append({"rank": r, "coords": coords, "bytes": {f"{a}/{o}": v for (a, o), v in pred.items()},
+                      "state": {k: int(v) for k, v in state.items()}})
+    (path / "comm.json").write_text(json.dumps({"step": 3, "ranks": ranks}))
+    lines = ["meshtrain: a log line"] + [json.dumps({"step": i + 1, "loss": 1.0, "step_time_s": t})
+                                         for i, t in enumerate(times)]
+    (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_check_run_shows_step_time_row(tmp_path, monkeypatch, capsys):
+    """``meshtrain plan --check-run`` prints the step-time row: the planner's prediction on the cpu-local profile
+    for the run's layout, and the median step time of its metrics after the warm-up steps."""
+    monkeypatch.setenv("MESHTRAIN_CACHE", str(tmp_path / "cache"))
+    cfg = load_config("tiny")
+    cfg.model.vocab_size = 257
+    cfg.parallel.zero = 3
+    times = [5.0, 4.0, 0.31, 0.29, 0.35, 0.30, 0.90]
+    _fake_run(tmp_path / "run", cfg, 2, times)
+    assert cli.main(["plan", "--check-run", str(tmp_path / "run")]) == 0
+    row = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ")]
+    assert len(row) == 1 and "no prediction" in row[0] and "--calibrate" in row[0]  # no profile yet: said so
+    save_profile(_profile(), tmp_path / "cache" / "hardware" / "cpu-local.json")
+    assert cli.main(["plan", "--check-run", str(tmp_path / "run")]) == 0
+    row = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ")][0]
+    measured = statistics.median(times[WARMUP_STEPS:])
+    predicted = predict_step_time(cfg, 2, _profile()).step_s
+    assert f"{predicted * 1e3:.1f} ms" in row and f"{measured * 1e3:.1f} ms" in row
+    assert f"{predicted / measured - 1:+.0%}" in row and layout_of(cfg, 2).describe() in row
