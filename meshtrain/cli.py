@@ -314,7 +314,7 @@ def _plan(argv: list[str]) -> int:
 def _demo(argv: list[str]) -> int:
     from meshtrain.demo import main
 
-    return main(argv)
+    return main(argv, launch=_train, sample=sample_checkpoint)
 
 
 COMMANDS = {"train": _train, "prepare-data": _prepare, "generate": _generate, "convert": _convert,

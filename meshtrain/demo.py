@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from meshtrain.config import Config, ConfigError, load_config, save_config
@@ -113,8 +114,10 @@ def _problem(cfg: Config, hw: Hardware, name: str) -> Problem:
     return Problem(model, cfg.train.seq_len, cfg.train.global_batch, hw, 1, model_name=name, precision=precision)
 
 
-def main(argv: list[str]) -> int:
-    """Parse ``argv`` (without the command name), plan, train, check and report; 0 when all of it worked."""
+def main(argv: list[str], launch: Callable[[list[str]], int], sample: Callable[..., str]) -> int:
+    """Parse ``argv`` (without the command name), plan, train, check and report; 0 when all of it worked.
+    ``launch`` is ``meshtrain train``'s (argv -> exit code) and ``sample`` ``cli.sample_checkpoint``: passed in by
+    the command line, which imports this module."""
     ap = argparse.ArgumentParser(prog="meshtrain demo", description="Plan a layout for this machine, train under "
                                  "it on several processes, then compare with the prediction and write a report.")
     ap.add_argument("--config", default="configs/small.yaml", help="YAML config or preset (default: the demo's)")
@@ -133,7 +136,6 @@ def main(argv: list[str]) -> int:
                           f"run `meshtrain train --nproc {nproc}` to train under your own.")
     import matplotlib  # noqa: F401  (the report's figure: refused now, not after the training)
 
-    from meshtrain.cli import _train, sample_checkpoint
     from meshtrain.train.report import RunFiles, summary_lines, write_report
     from meshtrain.train.trainer import check_before_launch
 
@@ -165,19 +167,19 @@ def main(argv: list[str]) -> int:
             "ranked": [e.to_dict() for e, _ in ranked[:5]]}
     (out / "plan.json").write_text(json.dumps(plan, indent=1))
 
-    code = _train(["--config", str(run_yaml), "--out", str(out), "--nproc", str(nproc)])
+    code = launch(["--config", str(run_yaml), "--out", str(out), "--nproc", str(nproc)])
     if code:
         return code
     from meshtrain.plan.check import check_run
 
-    text, _, _ = check_run(out)
-    print(f"\npredicted against measured (meshtrain plan --check-run {out}):\n{text}\n")
+    table, _, _ = check_run(out)
+    print(f"\npredicted against measured (meshtrain plan --check-run {out}):\n{table}\n")
     for line in summary_lines(RunFiles(out)):
         print(line)
-    sample = None
+    generated = None
     if sample_tokens and run_cfg.data.source == "files":
-        sample = sample_prompt + sample_checkpoint(out, sample_prompt, sample_tokens, seed=run_cfg.train.seed)
-        print(f"\nsample:\n{sample}")
-    report = write_report(out, sample)
+        generated = sample_prompt + sample(out, sample_prompt, sample_tokens, seed=run_cfg.train.seed)
+        print(f"\nsample:\n{generated}")
+    report = write_report(out, generated)
     print(f"\nwrote {report} and {out / 'loss.png'}")
     return 0
