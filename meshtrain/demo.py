@@ -99,8 +99,10 @@ def why(best: Estimate, runner_up: Estimate | None) -> str:
                 f"{best.step_s * 1e3:.1f} ms per step and needs less memory ({best.memory_total / 1e6:.0f} MB "
                 f"against {runner_up.memory_total / 1e6:.0f} MB per process); {bound}.")
     part = max(diffs, key=lambda k: diffs[k])
+    share = gap / runner_up.step_s
+    share_text = f"{share:.1%}" if share >= 1e-3 else "under 0.1%"
     return (f"{best.layout.describe()} is predicted at {best.step_s * 1e3:.1f} ms per step, {gap * 1e3:.2f} ms "
-            f"({gap / runner_up.step_s:.1%}) faster than the runner-up {runner_up.layout.describe()}, which spends "
+            f"({share_text}) faster than the runner-up {runner_up.layout.describe()}, which spends "
             f"{diffs[part] * 1e3:.2f} ms more on {_PARTS[part]}; {bound}.")
 
 
