@@ -54,7 +54,8 @@ def machine_profile(nproc: int, recalibrate: bool = False) -> tuple[Hardware, st
             return hw, f"calibration of {when} cached in {path}; --recalibrate measures again"
     from meshtrain.calibrate import calibrate_cpu_local
 
-    print(f"calibrating this machine for {nproc} processes (matmul, gloo all-reduce, memory copy) ...", flush=True)
+    print(f"calibrating this machine for {nproc} process{'es' if nproc > 1 else ''} (matmul, gloo all-reduce, "
+          f"memory copy) ...", flush=True)
     hw = calibrate_cpu_local(path, world_size=nproc)
     return hw, f"calibrated just now, cached in {path}"
 
@@ -96,8 +97,8 @@ def why(best: Estimate, runner_up: Estimate | None) -> str:
     gap = runner_up.step_s - best.step_s
     if gap <= 1e-9 * max(best.step_s, 1e-12):
         return (f"{best.layout.describe()} ties with the runner-up {runner_up.layout.describe()} at "
-                f"{best.step_s * 1e3:.1f} ms per step and needs less memory ({best.memory_total / 1e6:.0f} MB "
-                f"against {runner_up.memory_total / 1e6:.0f} MB per process); {bound}.")
+                f"{best.step_s * 1e3:.1f} ms per step and needs less memory ({best.memory_total / 1e6:.2f} MB "
+                f"against {runner_up.memory_total / 1e6:.2f} MB per process); {bound}.")
     part = max(diffs, key=lambda k: diffs[k])
     share = gap / runner_up.step_s
     share_text = f"{share:.1%}" if share >= 1e-3 else "under 0.1%"
@@ -154,7 +155,8 @@ def main(argv: list[str], launch: Callable[[list[str]], int], sample: Callable[.
                           f"--nproc 1, or a global batch divisible by {nproc}.")
     (best, run_cfg), runner = ranked[0], next((e for e, _ in ranked[1:] if e.layout != ranked[0][0].layout), None)
     reason = why(best, runner)
-    print(f"planner: {tried} layouts tried, {len(ranked)} fit and run {args.config} on {nproc} processes; the "
+    print(f"planner: {tried} layouts tried, {len(ranked)} fit and run {args.config} on {nproc} "
+          f"process{'es' if nproc > 1 else ''}; the "
           f"fastest predicted:\n")
     print(format_table(problem, [e for e, _ in ranked[:5]]))
     print(f"\nchosen: {best.layout.describe()}\nwhy: {reason}\n", flush=True)

@@ -67,7 +67,7 @@ def _mb(x: float) -> str:
 
 
 def _ms(x: float) -> str:
-    return f"{x * 1e3:,.1f} ms"
+    return f"{x * 1e3:,.1f} ms" if x == x else "not recorded"  # nan: a run from before comm_wait_s was logged
 
 
 def step_time_summary(run: RunFiles) -> dict[str, float]:
