@@ -166,6 +166,10 @@ def main(argv: list[str], launch: Callable[[list[str]], int], sample: Callable[.
     sample_tokens, sample_prompt = run_cfg.train.sample_tokens, run_cfg.train.sample_prompt
     run_cfg.train.sample_tokens = 0  # sampled below from the checkpoint, on one process, whatever the layout
     save_config(run_cfg, run_yaml)
+    run_yaml.write_text(f"# meshtrain demo: {args.config} under the planner's layout {best.layout.describe()} "
+                        f"(predicted {best.step_s * 1e3:.1f} ms per step), sampled afterwards from the checkpoint\n"
+                        f"# again: meshtrain train --config {run_yaml} --nproc {nproc} --out OTHER_DIR\n"
+                        + run_yaml.read_text())
     plan = {"hardware": hw.to_dict(), "hardware_note": note, "tried": tried, "runnable": len(ranked), "why": reason,
             "chosen": best.to_dict(), "runner_up": runner.to_dict() if runner else None,
             "ranked": [e.to_dict() for e, _ in ranked[:5]]}
