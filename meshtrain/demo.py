@@ -4,7 +4,8 @@
 
 1. calibrate this machine once (``meshtrain plan --calibrate``'s function; the profile is cached and reused);
 2. ask the planner for the fastest layout of the config's model and batch on N local processes, keeping only
-   layouts this config runs (``validate_layout`` on the merged config), and say why it beat the runner-up;
+   layouts this config runs (``validate_layout`` on the merged config), and say why it beat the runner-up
+   (the planner's own sentence, ``plan.explain.why_best``);
 3. train under it with ``meshtrain train --nproc N`` (the config written as ``<out>/run.yaml``);
 4. print predicted against measured bytes, memory and step time, a sample from the last checkpoint, and write
    ``report.md`` and ``loss.png`` into the run folder (``meshtrain/train/report.py``).
@@ -25,16 +26,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from meshtrain.config import Config, ConfigError, load_config, save_config
-from meshtrain.plan.explain import format_table
+from meshtrain.plan.explain import format_table, why_best
 from meshtrain.plan.hardware import Hardware, hardware_cache_dir, load_profile
 from meshtrain.plan.memory import DTYPE_BYTES, MESHTRAIN_BF16
 from meshtrain.plan.problem import Estimate, Problem
-from meshtrain.plan.search import search, to_config
+from meshtrain.plan.search import SearchResult, search, to_config
 from meshtrain.plan.validate import validate_layout
-
-_PARTS = {"compute": "compute", "dp": "data-parallel communication", "tp": "tensor-parallel communication",
-          "cp": "context-parallel communication", "ep": "expert all-to-alls", "p2p": "pipeline sends",
-          "bubble": "the pipeline bubble", "optimizer": "the optimizer step"}
 
 
 def default_nproc() -> int:
@@ -86,25 +83,12 @@ def runnable_ranked(problem: Problem, cfg: Config, nproc: int) -> tuple[list[tup
     return out, result.tried
 
 
-def why(best: Estimate, runner_up: Estimate | None) -> str:
-    """One sentence: why the chosen layout beat the runner-up, from the two estimates' parts."""
-    s = best.step
-    bound = f"the step is bound by {s.bound()} ({s.compute / s.total:.0%} compute)"
-    if runner_up is None:
-        return f"{best.layout.describe()} is the only layout this config runs on these processes; {bound}."
-    r = runner_up.step
-    diffs = {k: getattr(r, k) - getattr(s, k) for k in _PARTS}
-    gap = runner_up.step_s - best.step_s
-    if gap <= 1e-9 * max(best.step_s, 1e-12):
-        return (f"{best.layout.describe()} ties with the runner-up {runner_up.layout.describe()} at "
-                f"{best.step_s * 1e3:.1f} ms per step and needs less memory ({best.memory_total / 1e6:.2f} MB "
-                f"against {runner_up.memory_total / 1e6:.2f} MB per process); {bound}.")
-    part = max(diffs, key=lambda k: diffs[k])
-    share = gap / runner_up.step_s
-    share_text = f"{share:.1%}" if share >= 1e-3 else "under 0.1%"
-    return (f"{best.layout.describe()} is predicted at {best.step_s * 1e3:.1f} ms per step, {gap * 1e3:.2f} ms "
-            f"({share_text}) faster than the runner-up {runner_up.layout.describe()}, which spends "
-            f"{diffs[part] * 1e3:.2f} ms more on {_PARTS[part]}; {bound}.")
+def why(problem: Problem, ranked: list[Estimate], tried: int) -> str:
+    """The planner's one sentence on why the first of ``ranked`` (the runnable layouts, fastest first) beats the
+    second (``plan.explain.why_best``), or that it is the only one."""
+    if len(ranked) < 2:
+        return f"{ranked[0].layout.describe()} is the only layout that fits and runs on these processes."
+    return why_best(problem, SearchResult(ranked, tried, None))
 
 
 def _problem(cfg: Config, hw: Hardware, name: str) -> Problem:
@@ -153,13 +137,13 @@ def main(argv: list[str], launch: Callable[[list[str]], int], sample: Callable[.
     if not ranked:
         raise ConfigError(f"the planner found no layout of {args.config} that runs on {nproc} processes: try "
                           f"--nproc 1, or a global batch divisible by {nproc}.")
-    (best, run_cfg), runner = ranked[0], next((e for e, _ in ranked[1:] if e.layout != ranked[0][0].layout), None)
-    reason = why(best, runner)
+    (best, run_cfg), runner = ranked[0], (ranked[1][0] if len(ranked) > 1 else None)
+    reason = why(problem, [e for e, _ in ranked], tried)
     print(f"planner: {tried} layouts tried, {len(ranked)} fit and run {args.config} on {nproc} "
           f"process{'es' if nproc > 1 else ''}; the "
           f"fastest predicted:\n")
     print(format_table(problem, [e for e, _ in ranked[:5]]))
-    print(f"\nchosen: {best.layout.describe()}\nwhy: {reason}\n", flush=True)
+    print(f"\nchosen: {best.layout.describe()}\n{reason}\n", flush=True)
 
     out.mkdir(parents=True, exist_ok=True)
     run_yaml = out / "run.yaml"

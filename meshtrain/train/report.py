@@ -156,7 +156,7 @@ def _layout_section(run: RunFiles) -> list[str]:
         c = run.plan["chosen"]
         out += [f"Chosen by the planner (`meshtrain plan`) as **{c['describe']}** from {run.plan['tried']} layouts "
                 f"tried on the `{run.plan['hardware']['key']}` profile ({run.plan['hardware']['name']}; "
-                f"{run.plan['hardware_note']}).", "", f"Why: {run.plan['why']}", ""]
+                f"{run.plan['hardware_note']}).", "", run.plan["why"], ""]
         if run.plan.get("ranked"):
             out += ["| # | layout | predicted step | MFU |", "|---|---|---|---|"]
             out += [f"| {i + 1} | {e['describe']} | {_ms(e['step_s'])} | {e['mfu']:.1%} |"
