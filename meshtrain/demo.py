@@ -51,8 +51,8 @@ def machine_profile(nproc: int, recalibrate: bool = False) -> tuple[Hardware, st
             return hw, f"calibration of {when} cached in {path}; --recalibrate measures again"
     from meshtrain.calibrate import calibrate_cpu_local
 
-    print(f"calibrating this machine for {nproc} process{'es' if nproc > 1 else ''} (matmul, gloo all-reduce, "
-          f"memory copy) ...", flush=True)
+    print(f"calibrating this machine for {nproc} process{'es' if nproc > 1 else ''} (training steps, gloo "
+          f"collectives, memory copy) ...", flush=True)
     hw = calibrate_cpu_local(path, world_size=nproc)
     return hw, f"calibrated just now, cached in {path}"
 
