@@ -8,6 +8,7 @@
     meshtrain convert --ckpt DIR --out HF_DIR [--max-shard-size 5GB]   (a checkpoint -> a HuggingFace Llama folder)
     meshtrain schedule --pp 4 --microbatches 8 --schedule 1f1b [--png out.png]
     meshtrain plan --model llama3-70b --hardware h100 --nodes 128 --batch-tokens 4M [--emit run.yaml] [--json]
+    meshtrain demo [--config configs/small.yaml] [--out runs/small] [--nproc N]   (plan, train, check, report)
 """
 
 from __future__ import annotations
@@ -223,23 +224,29 @@ def _generate(argv: list[str]) -> int:
     ap.add_argument("--top-k", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    print(args.prompt + sample_checkpoint(args.ckpt, args.prompt, args.tokens, args.temperature, args.top_k,
+                                          args.seed))
+    return 0
 
+
+def sample_checkpoint(ckpt: str | Path, prompt: str, tokens: int, temperature: float = 0.8, top_k: int = 40,
+                      seed: int = 0) -> str:
+    """The text sampled after ``prompt`` from a checkpoint (a step_* folder or a run folder: its latest), on one
+    process, whatever layout wrote it."""
     from meshtrain.generate import sample
     from meshtrain.model.llama import Llama
     from meshtrain.model.source import load_full
     from meshtrain.train.checkpoint import CheckpointReader
     from meshtrain.train.tokenizer import load_tokenizer
 
-    path, meta, cfg = _find_checkpoint(args.ckpt)
+    path, meta, cfg = _find_checkpoint(str(ckpt))
     if not meta.get("tokenizer"):
         raise CheckpointError(f"{path} was trained on synthetic data: there is no tokenizer to decode with.")
     tok = load_tokenizer("hf" if meta["tokenizer"] == "hf" else meta["tokenizer"], path)
     model = Llama(cfg.model)
     load_full(model, CheckpointReader(path))
-    ids = sample(model, tok.encode(args.prompt), args.tokens, cfg.train.seq_len, args.temperature, args.top_k,
-                 args.seed)
-    print(args.prompt + tok.decode(ids))
-    return 0
+    ids = sample(model, tok.encode(prompt), tokens, cfg.train.seq_len, temperature, top_k, seed)
+    return tok.decode(ids)
 
 
 def _checkpoint_source(path: Path) -> TensorSource:
@@ -304,8 +311,14 @@ def _plan(argv: list[str]) -> int:
     return main(argv)
 
 
+def _demo(argv: list[str]) -> int:
+    from meshtrain.demo import main
+
+    return main(argv, launch=_train, sample=sample_checkpoint)
+
+
 COMMANDS = {"train": _train, "prepare-data": _prepare, "generate": _generate, "convert": _convert,
-            "schedule": _schedule, "plan": _plan}
+            "schedule": _schedule, "plan": _plan, "demo": _demo}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -126,6 +126,10 @@ class CommMeter:
         """Payload bytes summed over the matching (axis, op) entries."""
         return sum(s.bytes for (a, o), s in self.stats.items() if (axis in (None, a)) and (op in (None, o)))
 
+    def seconds(self) -> float:
+        """Seconds this process has been blocked in collectives (waits and blocking calls) since the last reset."""
+        return sum(s.seconds for s in self.stats.values())
+
     def calls(self, axis: str | None = None, op: str | None = None) -> int:
         return sum(s.calls for (a, o), s in self.stats.items() if (axis in (None, a)) and (op in (None, o)))
 

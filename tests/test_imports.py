@@ -30,8 +30,8 @@ ALLOWED: dict[str, set[str]] = {
     "cli": {"config", "rules", "mesh", "comm", "model", "plan", "parallel", "train", "cli", "testing", "jax"},
     "testing": {"config", "rules", "mesh", "comm", "model", "plan", "parallel", "train", "cli", "testing"},
 }
-CLI_MODULES = {"meshtrain.cli", "meshtrain.__main__", "meshtrain.calibrate", "meshtrain.launch", "meshtrain.plan.cli",
-               "meshtrain.plan.schedule_cli"}
+CLI_MODULES = {"meshtrain.cli", "meshtrain.__main__", "meshtrain.calibrate", "meshtrain.demo", "meshtrain.launch",
+               "meshtrain.plan.cli", "meshtrain.plan.schedule_cli"}
 
 
 def layer(module: str) -> str:

@@ -456,21 +456,26 @@ class Trainer:
                 measure = self.step == min(2, t.steps - 1)  # a steady-state step (after warm-up)
                 if measure:
                     comm.METER.reset()
+                waited = comm.METER.seconds()
                 rec = self.train_step(self.step)
-                if measure:
-                    self._record_comm()
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 elapsed = time.perf_counter() - start
+                comm_wait = comm.METER.seconds() - waited  # this rank blocked in collectives (the run report)
+                if measure:
+                    self._record_comm(elapsed, comm_wait)
                 self.step += 1
                 tps = tokens_per_step / elapsed
                 rec = {"step": self.step, **rec, "tokens_per_s": tps,
                        "mfu": mfu(tps / self.mesh.world_size, cfg.model, t.seq_len, self.peak),
-                       "step_time_s": elapsed, "peak_mem_bytes": peak_memory_bytes(self.device)}
+                       "step_time_s": elapsed, "comm_wait_s": comm_wait,
+                       "peak_mem_bytes": peak_memory_bytes(self.device)}
                 last = self.step == t.steps
                 if self.can_validate and ((t.eval_every and self.step % t.eval_every == 0) or last):
                     rec["val_loss"] = self.evaluate()
                 rec["skipped_steps"] = self.skipped_steps + bool(rec.get("skipped"))
+                if not records and self.is_logger:  # once: what the report's loss curve is measured against
+                    rec["unigram_loss"] = self.baseline
                 if self.step % t.log_every == 0 or last or "val_loss" in rec or rec.get("skipped"):
                     log.log(rec)
                 records.append(rec)
@@ -513,13 +518,17 @@ class Trainer:
         self.checkpointer.wait()  # the last save is on disk (and, on rank 0, committed) before train returns
         return records
 
-    def _record_comm(self) -> None:
+    def _record_comm(self, step_s: float, wait_s: float) -> None:
         """Write ``comm.json``: every rank's collective bytes (per axis and op) of one training step and
-        its live parameter/gradient/optimizer bytes, for ``meshtrain plan --check-run``."""
+        its live parameter/gradient/optimizer bytes, for ``meshtrain plan --check-run``; and, for the run
+        report, the step's seconds and the seconds this rank was blocked in each (axis, op)."""
+        snap = comm.METER.snapshot()
         mine = {
             "rank": self.mesh.rank, "coords": {k: int(v) for k, v in self.mesh.coords.items()},
-            "bytes": {f"{axis}/{op}": v["bytes"] for axis, ops in comm.METER.snapshot().items()
-                      for op, v in ops.items() if op != "metrics"},
+            "bytes": {f"{axis}/{op}": v["bytes"] for axis, ops in snap.items() for op, v in ops.items()
+                      if op != "metrics"},
+            "wait_s": {f"{axis}/{op}": v["seconds"] for axis, ops in snap.items() for op, v in ops.items()},
+            "step_time_s": step_s, "comm_wait_s": wait_s,
             "state": self.parallel.state_bytes(self.optimizer),
         }
         everyone = comm.gather_objects(mine, self.mesh.group("world"))
