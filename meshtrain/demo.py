@@ -42,11 +42,12 @@ def default_nproc() -> int:
 
 def machine_profile(nproc: int, recalibrate: bool = False) -> tuple[Hardware, str]:
     """The calibrated ``cpu-local`` profile for ``nproc`` processes: the cached one when it was measured with as
-    many, else measured now (seconds) and cached; and a note saying which."""
+    many and carries measured step costs (a profile from an older calibration does not), else measured now
+    (seconds) and cached; and a note saying which."""
     path = hardware_cache_dir() / "cpu-local.json"
     if path.is_file() and not recalibrate:
         hw = load_profile(path)
-        if hw.devices_per_node == nproc:
+        if hw.devices_per_node == nproc and hw.measured_steps:
             when = time.strftime("%Y-%m-%d %H:%M", time.localtime(path.stat().st_mtime))
             return hw, f"calibration of {when} cached in {path}; --recalibrate measures again"
     from meshtrain.calibrate import calibrate_cpu_local

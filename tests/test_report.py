@@ -80,7 +80,8 @@ def test_demo_plans_trains_two_processes_and_reports_from_the_run_files(tmp_path
     prepare_data(Path(email.__file__).parent, data, val_fraction=0.2)
     cache = tmp_path / "cache"  # a profile for 2 processes, as `meshtrain plan --calibrate` leaves it
     save_profile(Hardware("cpu-local", "test machine", 5e10, 4e9, 1e10, intra_bw=1e9, inter_bw=1e9,
-                          devices_per_node=2, domain=2, tp_max=2, source="test"), cache / "hardware" / "cpu-local.json")
+                          devices_per_node=2, domain=2, tp_max=2, source="test", cores=2, elem_s=1e-9, block_s=1e-4,
+                          param_s=1e-9, step_s=1e-3), cache / "hardware" / "cpu-local.json")
     out = tmp_path / "run"
     env = {**os.environ, "MESHTRAIN_CACHE": str(cache),
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
@@ -113,3 +114,18 @@ def test_demo_plans_trains_two_processes_and_reports_from_the_run_files(tmp_path
     assert f"| blocked in collectives (and the bubble) | {t['comm_wait_s'] * 1e3:,.1f} ms |" in text
     assert "every byte count equal" in text and plan["why"] in text
     assert t["predicted_s"] == pytest.approx(plan["chosen"]["step_s"])
+
+
+def test_demo_recalibrates_a_cached_profile_without_measured_step_costs(tmp_path, monkeypatch):
+    """A profile from before the step-cost calibration (datasheet-style: no elem/block/param/step costs) is not
+    reused: the demo measures again rather than plan with a model it no longer has."""
+    from meshtrain import calibrate, demo
+
+    monkeypatch.setenv("MESHTRAIN_CACHE", str(tmp_path))
+    old = Hardware("cpu-local", "old", 5e10, 4e9, 1e10, intra_bw=1e9, inter_bw=1e9, devices_per_node=2, domain=2,
+                   source="old")
+    save_profile(old, tmp_path / "hardware" / "cpu-local.json")
+    calls = []
+    monkeypatch.setattr(calibrate, "calibrate_cpu_local", lambda path, world_size: calls.append(world_size) or old)
+    _, note = demo.machine_profile(2)
+    assert calls == [2] and "calibrated just now" in note
