@@ -43,7 +43,8 @@ from meshtrain import comm
 from meshtrain.config import ModelConfig
 from meshtrain.mesh import AxisGroup, Mesh
 from meshtrain.model.axes import param_axes
-from meshtrain.model.llama import Attention, Block, FeedForward, apply_rope
+from meshtrain.model.kv_cache import LayerKV
+from meshtrain.model.llama import Attention, Block, FeedForward, apply_rope, attend
 from meshtrain.parallel.pieces import Placement, Placements, TPSlice
 from meshtrain.rules import Rules, check_executable, tp_dim
 
@@ -281,7 +282,8 @@ class ParallelAttention(nn.Module):
         self.q_rows, self.kv_rows = self.wq.weight.shape[0], self.wk.weight.shape[0]
         self.core = attn.core  # causal SDPA, or context parallelism's ring
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: LayerKV | None = None) -> torch.Tensor:
         # one entry collective serves q, k and v
         qkv = self.wq.matmul(x, torch.cat([self.wq.weight, self.wk.weight, self.wv.weight]))
         b, t, _ = qkv.shape
@@ -290,7 +292,7 @@ class ParallelAttention(nn.Module):
         k = k.view(b, t, -1, self.head_dim).transpose(1, 2)
         v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = self.core(q, k, v)
+        y = attend(self.core, q, k, v, cache)  # with a cache: this rank's kv heads only (kv_cache.py)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
