@@ -38,7 +38,7 @@ GENERATE_OPTIONS = ("parallel.tp", "train.device", "train.threads", "train.colle
 def generation_config(saved: Config, overrides: list[str]) -> Config:
     """The checkpoint's model with a generation layout: tp (default 1) and the device from ``overrides``; the
     training layout and options it was saved with do not apply. One ``error:`` line for any other option."""
-    cfg = Config(model=saved.model, train=TrainConfig(seed=saved.train.seed))
+    cfg = Config(model=saved.model, train=TrainConfig(seed=saved.train.seed, seq_len=saved.train.seq_len))
     for item in overrides:
         section, key, value = parse_override(item)
         if f"{section}.{key}" not in GENERATE_OPTIONS:
