@@ -193,8 +193,7 @@ def _generate(argv: list[str]) -> int:
                                  "docs/generation.md).")
     ap.add_argument("--ckpt", required=True, help="a checkpoint folder (step_NNNNNN) or a run folder (--out)")
     ap.add_argument("--prompt", action="append", help="a prompt; repeat for a batch (default: 'def ')")
-    ap.add_argument("--tokens", type=int, default=None,
-                    help="new tokens per prompt (default 200, or as many as fit in the model's max_seq_len)")
+    ap.add_argument("--tokens", type=int, default=200, help="new tokens per prompt")
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--top-k", type=int, default=40, help="sample from the k most likely tokens (0: all)")
     ap.add_argument("--greedy", action="store_true", help="the most likely token each step (temperature 0)")
@@ -217,15 +216,13 @@ def _generate(argv: list[str]) -> int:
     prompts = args.prompt or ["def "]
     ids = [tok.encode(p) for p in prompts]
     world = args.nproc or int(os.environ.get("WORLD_SIZE", "1"))
-    longest = max(max(len(i) for i in ids), 1)
-    tokens = args.tokens if args.tokens is not None else min(200, max(1, cfg.model.max_seq_len - longest))
-    check_generation(cfg, world, longest, tokens)
+    check_generation(cfg, world, args.tokens)
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
                "-m", "meshtrain.cli", "generate", *_without_option(argv, "--nproc")]
         return _run_torchrun(cmd, None)
     gm = load_for_generation(cfg, path)
-    run = run_generation(gm, ids, tokens, 0.0 if args.greedy else args.temperature, args.top_k, args.seed,
+    run = run_generation(gm, ids, args.tokens, 0.0 if args.greedy else args.temperature, args.top_k, args.seed,
                          tok.eos_id)
     from meshtrain import comm
 

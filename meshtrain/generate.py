@@ -49,29 +49,39 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, vo
 
     ``vocab`` says which vocabulary columns ``model``'s logits hold (``VocabSlice.whole`` on one device, the
     head's slice and tp group under tensor parallelism). ``temperature`` 0 is greedy; else sampling from the
-    top ``top_k`` (0: whole vocabulary) with a generator seeded by ``seed``. The prompts and the new tokens must
-    fit the model's ``max_seq_len`` (the RoPE tables; the cache does not slide).
+    top ``top_k`` (0: whole vocabulary) with a generator seeded by ``seed``.
+
+    The context is at most the model's ``max_seq_len`` positions (its RoPE tables): a longer prompt keeps its
+    last ``max_seq_len`` tokens, and when the cache is full the context restarts from each row's last
+    ``max_seq_len // 2`` tokens (a new prefill), since cached keys carry their positions' rotation and cannot
+    slide. Within ``max_seq_len`` the tokens are those of ``sample``'s recompute loop.
     """
     was_training = model.training
     model.eval()
     device = next(iter(model.buffers())).device  # buffers stay whole under every sharding
-    tokens, pad = left_pad(prompts)
-    b, t = tokens.shape
-    capacity = t + max_new_tokens
     limit = model.rope_cos.shape[0]
-    if capacity > limit:
-        raise ValueError(f"the longest prompt ({t} tokens) plus {max_new_tokens} new tokens exceed the model's "
-                         f"max_seq_len={limit}: ask for fewer tokens or a shorter prompt.")
-    cache = KVCache(b, capacity, pad, device)
+    history = [list(p) or [0] for p in prompts]  # an empty prompt predicts from token 0, as in ``sample``
+    b = len(history)
+
+    def window(keep: int, remaining: int) -> tuple[KVCache, torch.Tensor]:
+        tokens, pad = left_pad([h[-keep:] for h in history])
+        # the last new token is never fed back: the cache holds the prompt and remaining - 1 tokens
+        return KVCache(b, min(limit, tokens.shape[1] + remaining - 1), pad, device), tokens.to(device)
+
+    cache, step_in = window(limit, max_new_tokens)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     out: list[list[int]] = [[] for _ in range(b)]
     done = [False] * b
-    step_in, forwards = tokens.to(device), 0
-    for _ in range(max_new_tokens):
+    forwards, kv_bytes = 0, 0
+    for step in range(max_new_tokens):
+        if cache.length + step_in.shape[1] > cache.capacity:  # full: restart from the recent half
+            kv_bytes = max(kv_bytes, cache.nbytes())
+            cache, step_in = window(max(1, limit // 2), max_new_tokens - step)
         logits = model(step_in, cache=cache, last_only=True)[:, -1]
         forwards += 1
         nxt = greedy(logits, vocab) if temperature <= 0 else sample_next(logits, vocab, temperature, top_k, gen)
         for i, token in enumerate(nxt.tolist()):
+            history[i].append(token)
             if done[i] or (stop_id is not None and token == stop_id):
                 done[i] = True
                 continue
@@ -80,7 +90,7 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, vo
             break
         step_in = nxt.view(b, 1).to(device)
     model.train(was_training)
-    return Generated(out, cache.nbytes(), forwards)
+    return Generated(out, max(kv_bytes, cache.nbytes()), forwards)
 
 
 @torch.no_grad()

@@ -59,14 +59,23 @@ def test_cached_greedy_equals_the_recompute_loop():
     assert out.forwards == 20  # one prefill and 19 one-position steps, not 20 passes over the context
 
 
-def test_cache_bytes_are_exact_and_overflow_is_refused():
+def test_cache_bytes_are_exact():
     m = _model()
     out = generate(m, PROMPTS, 5, VocabSlice.whole(MODEL["vocab_size"]))
     head_dim = MODEL["d_model"] // MODEL["n_heads"]
-    capacity = max(len(p) for p in PROMPTS) + 5
+    capacity = max(len(p) for p in PROMPTS) + 5 - 1  # the last new token is never fed back
     assert out.kv_bytes == len(PROMPTS) * MODEL["n_kv_heads"] * capacity * head_dim * 4 * 2 * MODEL["n_layers"]
-    with pytest.raises(ValueError, match="max_seq_len=64"):
-        generate(m, PROMPTS, 60, VocabSlice.whole(MODEL["vocab_size"]))
+
+
+def test_past_max_seq_len_the_context_restarts():
+    """max_seq_len 64, longest prompt 7: the cache fills after 58 new tokens; then the context restarts from
+    each row's last 32 tokens (a second prefill). Before that, the recompute loop's tokens."""
+    m = _model()
+    out = generate(m, PROMPTS, 70, VocabSlice.whole(MODEL["vocab_size"]))
+    assert [len(t) for t in out.tokens] == [70] * len(PROMPTS)
+    assert out.forwards == 70
+    for prompt, got in zip(PROMPTS, out.tokens, strict=True):
+        assert got[:58] == sample(m, prompt, 58, MODEL["max_seq_len"], temperature=0)
 
 
 def test_stop_token_ends_a_row_only():
@@ -164,7 +173,7 @@ def test_cli_refuses_bad_generation_input_with_one_line(run_folder, tmp_path):
         (["--ckpt", str(run_folder), "--nproc", "3", "parallel.tp=3"], "parallel.tp=3 must divide model.n_heads=8"),
         (["--ckpt", str(run_folder), "--nproc", "2", "parallel.tp=4"], "pass parallel.tp=2"),
         (["--ckpt", str(run_folder), "parallel.pp=2"], "drop parallel.pp=2"),
-        (["--ckpt", str(run_folder), "--tokens", "500"], "max_seq_len=64"),
+        (["--ckpt", str(run_folder), "--tokens", "0"], "--tokens 0"),
     ]
     for args, message in cases:
         r = _cli("generate", *args)

@@ -49,9 +49,9 @@ def generation_config(saved: Config, overrides: list[str]) -> Config:
     return cfg
 
 
-def check_generation(cfg: Config, world_size: int, prompt_tokens: int, new_tokens: int) -> None:
+def check_generation(cfg: Config, world_size: int, new_tokens: int) -> None:
     """What can be refused before any process starts: the layout (tp divides the heads, the MLP; --nproc equals
-    tp), the device (a GPU per process), and the length (prompt plus new tokens within ``max_seq_len``)."""
+    tp), the device (a GPU per process), the number of tokens."""
     tp = cfg.parallel.tp
     if world_size != tp:
         raise ConfigError(f"--nproc {world_size} with parallel.tp={tp}: generation runs one process per "
@@ -63,10 +63,6 @@ def check_generation(cfg: Config, world_size: int, prompt_tokens: int, new_token
     if device.type == "cuda" and torch.cuda.device_count() < world_size:
         raise ConfigError(f"--nproc {world_size} runs one process per GPU but {torch.cuda.device_count()} GPU(s) "
                           f"are visible: pass --nproc {torch.cuda.device_count()}, or train.device=cpu.")
-    if prompt_tokens + new_tokens > cfg.model.max_seq_len:
-        raise ConfigError(f"the longest prompt ({prompt_tokens} tokens) plus --tokens {new_tokens} exceed the "
-                          f"model's max_seq_len={cfg.model.max_seq_len} (the KV cache does not slide): ask for at "
-                          f"most {max(0, cfg.model.max_seq_len - prompt_tokens)} tokens.")
 
 
 @dataclass
