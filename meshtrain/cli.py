@@ -4,7 +4,7 @@
     meshtrain train ... --nproc N --nnodes M --node-rank R --rdzv-endpoint HOST:PORT   (one node of M: multi-node.md)
     meshtrain prepare-data [--src DIR|FILE] [--out DIR] [--format auto|text|jsonl|parquet] [--field text]
                            [--tokenizer byte|tokenizer.json]
-    meshtrain generate --ckpt DIR [--prompt TEXT] [--tokens N]
+    meshtrain generate --ckpt DIR [--prompt TEXT ...] [--tokens N] [--greedy] [--nproc N parallel.tp=N]
     meshtrain convert --ckpt DIR --out HF_DIR [--max-shard-size 5GB]   (a checkpoint -> a HuggingFace Llama folder)
     meshtrain schedule --pp 4 --microbatches 8 --schedule 1f1b [--png out.png]
     meshtrain plan --model llama3-70b --hardware h100 --nodes 128 --batch-tokens 4M [--emit run.yaml] [--json]
@@ -216,16 +216,59 @@ def _find_checkpoint(arg: str) -> tuple[Path, dict, Config]:
 
 
 def _generate(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="meshtrain generate", description="Sample text from a checkpoint.")
+    ap = argparse.ArgumentParser(prog="meshtrain generate", description="Generate text from a checkpoint "
+                                 "(KV cache, batched prompts, tensor parallel with --nproc N parallel.tp=N; "
+                                 "docs/generation.md).")
     ap.add_argument("--ckpt", required=True, help="a checkpoint folder (step_NNNNNN) or a run folder (--out)")
-    ap.add_argument("--prompt", default="def ")
-    ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--prompt", action="append", help="a prompt; repeat for a batch (default: 'def ')")
+    ap.add_argument("--tokens", type=int, default=200, help="new tokens per prompt")
     ap.add_argument("--temperature", type=float, default=0.8)
-    ap.add_argument("--top-k", type=int, default=40)
+    ap.add_argument("--top-k", type=int, default=40, help="sample from the k most likely tokens (0: all)")
+    ap.add_argument("--greedy", action="store_true", help="the most likely token each step (temperature 0)")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    print(args.prompt + sample_checkpoint(args.ckpt, args.prompt, args.tokens, args.temperature, args.top_k,
-                                          args.seed))
+    ap.add_argument("--nproc", type=int, default=None, help="relaunch under torchrun with N tensor-parallel ranks")
+    ap.add_argument("--stats", action="store_true", help="print tokens/s and KV cache bytes per rank (a last line)")
+    ap.add_argument("overrides", nargs="*", help=f"generation options: {', '.join(_generate_options())}")
+    args = ap.parse_intermixed_args(argv)
+
+    from meshtrain.train.inference import check_generation, generation_config, load_for_generation, run_generation
+    from meshtrain.train.tokenizer import load_tokenizer
+
+    if args.nproc is not None and args.nproc < 1:
+        raise ConfigError(f"--nproc {args.nproc}: launch at least 1 process (--nproc N, N >= 1).")
+    path, meta, saved = _find_checkpoint(args.ckpt)
+    if not meta.get("tokenizer"):
+        raise CheckpointError(f"{path} was trained on synthetic data: there is no tokenizer to decode with.")
+    tok = load_tokenizer("hf" if meta["tokenizer"] == "hf" else meta["tokenizer"], path)
+    cfg = generation_config(saved, args.overrides)
+    prompts = args.prompt or ["def "]
+    ids = [tok.encode(p) for p in prompts]
+    world = args.nproc or int(os.environ.get("WORLD_SIZE", "1"))
+    check_generation(cfg, world, args.tokens)
+    if args.nproc is not None and "LOCAL_RANK" not in os.environ:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+               "-m", "meshtrain.cli", "generate", *_without_option(argv, "--nproc")]
+        return _run_torchrun(cmd, None)
+    gm = load_for_generation(cfg, path)
+    run = run_generation(gm, ids, args.tokens, 0.0 if args.greedy else args.temperature, args.top_k, args.seed,
+                         tok.eos_id)
+    from meshtrain import comm
+
+    kv = comm.gather_objects(run.out.kv_bytes, gm.mesh.group("world")) if gm.mesh.world_size > 1 else [run.out.kv_bytes]
+    if gm.mesh.rank == 0:
+        print("\n---\n".join(p + tok.decode(t) for p, t in zip(prompts, run.out.tokens, strict=True)))
+        if args.stats:
+            print(f"generated {run.new_tokens} tokens ({len(prompts)} prompt(s)) in {run.seconds:.3f} s: "
+                  f"{run.tokens_per_s:,.1f} tokens/s on tp={cfg.parallel.tp}; KV cache bytes per rank "
+                  f"{', '.join(f'{b:,}' for b in kv)}")
+    sys.stdout.flush()
+    if gm.mesh.world_size > 1:  # an orderly shutdown, as a training worker's (see _train)
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
@@ -247,6 +290,12 @@ def sample_checkpoint(ckpt: str | Path, prompt: str, tokens: int, temperature: f
     load_full(model, CheckpointReader(path))
     ids = sample(model, tok.encode(prompt), tokens, cfg.train.seq_len, temperature, top_k, seed)
     return tok.decode(ids)
+
+
+def _generate_options() -> tuple[str, ...]:
+    from meshtrain.train.inference import GENERATE_OPTIONS
+
+    return GENERATE_OPTIONS
 
 
 def _checkpoint_source(path: Path) -> TensorSource:
@@ -337,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         message = _user_error(e, argv)
         if message is None or os.environ.get("MESHTRAIN_DEBUG"):
             raise
-        if argv[0] == "train" and "LOCAL_RANK" in os.environ:
+        if argv[0] in ("train", "generate") and "LOCAL_RANK" in os.environ:
             # A torchrun worker: its line goes to the launcher's log, marked with its rank as torch marks
             # tracebacks; the launcher prints it once. Leave now, as a finished worker does (see _train), so
             # that gloo's teardown cannot hang or abort it.

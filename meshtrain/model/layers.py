@@ -32,7 +32,10 @@ def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of x [B, H, T, D] by position-dependent angles (cos/sin [T, D/2])."""
+    """Rotate pairs (x[2i], x[2i+1]) of x [B, H, T, D] by position-dependent angles (cos/sin [T, D/2], or
+    [B, T, D/2] when each row has its own positions: left-padded generation, ``kv_cache.py``)."""
+    if cos.dim() == 3:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     xf = x.float().unflatten(-1, (-1, 2))
     x0, x1 = xf[..., 0], xf[..., 1]
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
@@ -56,10 +59,16 @@ class FeedForward(nn.Module):
 class CausalAttention(nn.Module):
     """The attention core: causal softmax attention over [B, H, T, D] after RoPE, key/value heads shared by
     groups of query heads (GQA). A module without parameters, so context parallelism can swap it for its
-    ring or all-gather version (``parallel/context.py``) the way tensor parallelism swaps Linears."""
+    ring or all-gather version (``parallel/context.py``) the way tensor parallelism swaps Linears.
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    ``mask`` [B, 1, Tq, Tk] (True: may attend) replaces the plain causal mask when decoding from a KV cache,
+    where the queries are the last Tq of Tk positions and rows may start with padding (``kv_cache.py``)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         if k.shape[1] != q.shape[1]:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if mask is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)

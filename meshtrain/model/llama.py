@@ -19,11 +19,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtrain.config import ModelConfig
+from meshtrain.model.kv_cache import KVCache, LayerKV
 from meshtrain.model.layers import CausalAttention, FeedForward, RMSNorm, apply_rope, rope_tables
 from meshtrain.model.moe import MoEFeedForward
 from meshtrain.model.source import Box, full_box, relative
 
-__all__ = ["Attention", "Block", "CausalAttention", "FeedForward", "Llama", "RMSNorm", "apply_rope", "build_model",
+__all__ = ["Attention", "Block", "CausalAttention", "FeedForward", "KVCache", "Llama", "RMSNorm", "apply_rope",
+           "attend", "build_model",
            "cross_entropy_sum", "decoder_forward", "init_rows", "init_weights", "rope_tables", "InitSource"]
 
 
@@ -41,15 +43,26 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=False)
         self.core = CausalAttention()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: LayerKV | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         # Head counts come from the weights, so a tensor-parallel shard (fewer heads) runs unchanged.
         q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = self.core(q, k, v)
+        y = attend(self.core, q, k, v, cache)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def attend(core: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           cache: LayerKV | None) -> torch.Tensor:
+    """The attention core over this step's keys/values, or, with a cache, over every cached position too
+    (shared by the plain and the tensor-parallel attention: the cache holds whatever kv heads the module has)."""
+    if cache is None:
+        return core(q, k, v)
+    k, v = cache.update(k, v)
+    return core(q, k, v, cache.mask)
 
 
 class Block(nn.Module):
@@ -65,8 +78,9 @@ class Block(nn.Module):
         else:
             self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: LayerKV | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -92,27 +106,42 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [B, T] (or hidden states [B, T, D] when this module has no embedding) -> logits."""
-        return decoder_forward(self, tokens, positions)
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
+        """tokens [B, T] (or hidden states [B, T, D] when this module has no embedding) -> logits. With ``cache``
+        the tokens follow the cached positions (``kv_cache.py``); ``last_only``: the last position's only."""
+        return decoder_forward(self, tokens, positions, cache, last_only)
 
 
-def decoder_forward(m: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+def decoder_forward(m: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                    cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
     """The decoder's forward over whatever parts ``m`` holds (a ``Llama`` or a pipeline stage of one):
     ``tok_embeddings`` (or None: the input is already hidden states), ``layers``, ``norm`` and ``output`` (or
     None: hidden states out), ``seq_shards`` and the RoPE tables.
 
     ``positions`` [T] gives each token's position in its sequence; by default 0..T-1 (context parallelism
     instead puts the rows of this rank's positions into the tables, so the default reads them).
+
+    ``cache`` (a ``KVCache``): the tokens come after the cached positions; each row's positions and the attention
+    mask come from the cache, each layer appends its keys and values to it, and it advances by T at the end.
+    ``last_only``: the output of the last position only, [B, 1, ...] (a prompt's prefill needs no other logits).
     """
     h = m.tok_embeddings(tokens) if m.tok_embeddings is not None else tokens
     t = tokens.shape[1] if tokens.dim() == 2 else h.shape[1] * m.seq_shards
+    if cache is not None:
+        if positions is not None or m.seq_shards != 1:
+            raise ValueError("a KV cache decodes whole sequences from position 0: no positions, no sequence shards.")
+        positions = cache.begin(t)
     if positions is None:
         cos, sin = m.rope_cos[:t], m.rope_sin[:t]
     else:
         cos, sin = m.rope_cos[positions], m.rope_sin[positions]
-    for layer in m.layers.values():
-        h = layer(h, cos, sin)
+    for key, layer in m.layers.items():
+        h = layer(h, cos, sin) if cache is None else layer(h, cos, sin, cache.layer(key))
+    if cache is not None:
+        cache.advance(t)
+    if last_only:
+        h = h[:, -1:]
     if m.norm is not None:
         h = m.norm(h)
     return m.output(h) if m.output is not None else h

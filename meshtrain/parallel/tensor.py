@@ -43,7 +43,8 @@ from meshtrain import comm
 from meshtrain.config import ModelConfig
 from meshtrain.mesh import AxisGroup, Mesh
 from meshtrain.model.axes import param_axes
-from meshtrain.model.llama import Attention, Block, FeedForward, apply_rope
+from meshtrain.model.kv_cache import LayerKV
+from meshtrain.model.llama import Attention, Block, FeedForward, apply_rope, attend
 from meshtrain.parallel.pieces import Placement, Placements, TPSlice
 from meshtrain.rules import Rules, check_executable, tp_dim
 
@@ -281,16 +282,20 @@ class ParallelAttention(nn.Module):
         self.q_rows, self.kv_rows = self.wq.weight.shape[0], self.wk.weight.shape[0]
         self.core = attn.core  # causal SDPA, or context parallelism's ring
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # one entry collective serves q, k and v
-        qkv = self.wq.matmul(x, torch.cat([self.wq.weight, self.wk.weight, self.wv.weight]))
-        b, t, _ = qkv.shape
-        q, k, v = qkv.split([self.q_rows, self.kv_rows, self.kv_rows], dim=-1)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: LayerKV | None = None) -> torch.Tensor:
+        if torch.is_grad_enabled():  # one entry collective and one matmul serve q, k and v
+            qkv = self.wq.matmul(x, torch.cat([self.wq.weight, self.wk.weight, self.wv.weight]))
+            q, k, v = qkv.split([self.q_rows, self.kv_rows, self.kv_rows], dim=-1)
+        else:  # evaluation, generation: no fused copy of the weights per call (a decode step's few rows make the
+            h = self.wq.enter(x)  # copy cost more than the matmuls); still one entry collective
+            q, k, v = (F.linear(h, w) for w in (self.wq.weight, self.wk.weight, self.wv.weight))
+        b, t = q.shape[:2]
         q = q.view(b, t, -1, self.head_dim).transpose(1, 2)
         k = k.view(b, t, -1, self.head_dim).transpose(1, 2)
         v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = self.core(q, k, v)
+        y = attend(self.core, q, k, v, cache)  # with a cache: this rank's kv heads only (kv_cache.py)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -306,7 +311,11 @@ class ParallelFeedForward(nn.Module):
         self.hidden = self.w1.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w1.matmul(x, torch.cat([self.w1.weight, self.w3.weight])).split(self.hidden, dim=-1)
+        if torch.is_grad_enabled():
+            gate, up = self.w1.matmul(x, torch.cat([self.w1.weight, self.w3.weight])).split(self.hidden, dim=-1)
+        else:  # as ParallelAttention: no per-call copy of the fused weight without autograd
+            h = self.w1.enter(x)
+            gate, up = F.linear(h, self.w1.weight), F.linear(h, self.w3.weight)
         return self.w2(F.silu(gate) * up)
 
 

@@ -1,0 +1,155 @@
+"""Generation with a KV cache against the recompute-everything loop, and tensor-parallel generation (issue 17).
+
+1. **One device, cached vs recompute**: the same model and prompt, greedy; ``generate`` (KV cache: one prefill,
+   then one position per step) against ``sample`` (the earlier loop: the whole context again for every token).
+   Rounds alternate cached/recompute/recompute/cached/... so drift of a shared machine hits both; every round
+   asserts both produce the same tokens. Reported: tokens/s of each (median over rounds), the speed-up
+   cached/recompute per round (median, min-max).
+2. **Tensor parallel**: a batch of prompts through ``meshtrain.train.inference`` (each rank loads only its pieces)
+   on 1 and on ``--tp`` spawned processes (gloo on CPU, alternating tp1/tpN/tpN/tp1/...), asserting every rank's
+   tokens equal one device's; reported: tokens/s (slowest rank) of each and KV cache bytes per rank against one
+   device's.
+
+    python benchmarks/generate_kv.py [--d-model 256] [--layers 4] [--prompt 32] [--tokens 128] [--rounds 5]
+                                     [--tp 2] [--batch 4] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import time
+
+import torch
+
+from meshtrain.config import Config, ModelConfig, ParallelConfig
+from meshtrain.generate import generate, sample
+from meshtrain.model.llama import InitSource, build_model
+from meshtrain.parallel.next_token import VocabSlice
+from meshtrain.testing.spawn import spawn
+
+SEED = 0
+
+
+def _model_cfg(args) -> ModelConfig:
+    return ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
+                       n_kv_heads=args.kv_heads, max_seq_len=args.prompt + args.tokens, init_std=0.2)
+
+
+def _prompts(args, batch: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    # different lengths: the batch is left-padded to the longest (args.prompt)
+    return [torch.randint(0, args.vocab, (args.prompt - 3 * i,), generator=g).tolist() for i in range(batch)]
+
+
+def _timed(fn, device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
+
+
+def cached_vs_recompute(args) -> dict:
+    device = torch.device(args.device)
+    model = build_model(_model_cfg(args), SEED, device).eval()
+    prompt = _prompts(args, 1)[0]
+    whole = VocabSlice.whole(args.vocab)
+    sides = {"cached": lambda: generate(model, [prompt], args.tokens, whole).tokens[0],
+             "recompute": lambda: sample(model, prompt, args.tokens, args.prompt + args.tokens, temperature=0)}
+    for fn in sides.values():  # warm-up
+        fn()
+    times: dict[str, list[float]] = {"cached": [], "recompute": []}
+    for r in range(args.rounds):
+        order = ("cached", "recompute", "recompute", "cached") if r % 2 == 0 else \
+            ("recompute", "cached", "cached", "recompute")
+        outs = {}
+        for side in order:
+            outs[side], seconds = _timed(sides[side], device)
+            times[side].append(seconds)
+        assert outs["cached"] == outs["recompute"], "cached and recompute generation disagree"
+    # per round: the two timings of each side, median ratio of their tokens/s
+    per_round = []
+    for r in range(args.rounds):
+        c = statistics.median(times["cached"][2 * r: 2 * r + 2])
+        p = statistics.median(times["recompute"][2 * r: 2 * r + 2])
+        per_round.append(p / c)
+    return {"cached_tok_s": args.tokens / statistics.median(times["cached"]),
+            "recompute_tok_s": args.tokens / statistics.median(times["recompute"]),
+            "speedup": statistics.median(per_round), "speedup_min": min(per_round), "speedup_max": max(per_round)}
+
+
+def _tp_worker(rank: int, world: int, args, rounds: int) -> dict:
+    from meshtrain.train.inference import load_for_generation, run_generation
+
+    cfg = Config(model=_model_cfg(args), parallel=ParallelConfig(tp=world))
+    cfg.train.device, cfg.train.seed = args.device, SEED
+    shapes = {n: tuple(p.shape) for n, p in build_model(cfg.model, SEED, meta=True).named_parameters()}
+    gm = load_for_generation(cfg, None, source=InitSource(cfg.model, SEED, shapes))
+    prompts = _prompts(args, args.batch)
+    run_generation(gm, prompts, 4, 0.0, 0, 0)  # warm-up
+    runs = [run_generation(gm, prompts, args.tokens, 0.0, 0, 0) for _ in range(rounds)]
+    return {"tokens": runs[0].out.tokens, "seconds": [r.seconds for r in runs], "new": runs[0].new_tokens,
+            "kv_bytes": runs[0].out.kv_bytes, "param_bytes": gm.param_bytes}
+
+
+def tensor_parallel(args) -> dict:
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    secs: dict[int, list[float]] = {1: [], args.tp: []}
+    results: dict[int, list[dict]] = {}
+    for r in range(args.tp_rounds):
+        for world in ((1, args.tp) if r % 2 == 0 else (args.tp, 1)):
+            ranks = spawn(_tp_worker, world, (args, 3), timeout=3000, backend=backend, threads=args.threads)
+            results[world] = ranks
+            secs[world] += [max(s) for s in zip(*(x["seconds"] for x in ranks), strict=True)]  # slowest rank
+    one = results[1][0]
+    for x in results[args.tp]:
+        assert x["tokens"] == one["tokens"], "tensor-parallel tokens differ from one device's"
+    tok_s = {w: one["new"] / statistics.median(s) for w, s in secs.items()}
+    return {"tok_s_1": tok_s[1], "tok_s_tp": tok_s[args.tp], "kv_1": one["kv_bytes"],
+            "kv_tp": [x["kv_bytes"] for x in results[args.tp]], "param_1": one["param_bytes"],
+            "param_tp": [x["param_bytes"] for x in results[args.tp]]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--prompt", type=int, default=32, help="tokens of the (longest) prompt")
+    ap.add_argument("--tokens", type=int, default=128, help="new tokens per prompt")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--tp-rounds", type=int, default=2, help="alternating tp1/tpN launches (each 3 timed runs)")
+    ap.add_argument("--batch", type=int, default=4, help="prompts in the tensor-parallel batch")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per spawned rank")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--skip-tp", action="store_true", help="only the one-device comparison (one GPU: no tp)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)  # as each spawned rank: the one-device side gets no more cores than a rank
+    now = datetime.datetime.now(datetime.UTC)
+    print(f"# {now:%Y-%m-%d %H:%M} UTC, device {args.device}, torch {torch.__version__}; "
+          f"model d={args.d_model} L={args.layers} heads={args.heads} kv={args.kv_heads} vocab={args.vocab}; "
+          f"prompt {args.prompt}, {args.tokens} new tokens, greedy")
+    c = cached_vs_recompute(args)
+    print(f"one device, batch 1: cached {c['cached_tok_s']:,.1f} tok/s, recompute {c['recompute_tok_s']:,.1f} tok/s; "
+          f"cached/recompute speed-up {c['speedup']:.2f}x (rounds {c['speedup_min']:.2f}-{c['speedup_max']:.2f}, "
+          f"{args.rounds} rounds, same tokens asserted)")
+    if args.skip_tp:
+        return
+    t = tensor_parallel(args)
+    kv_share = ", ".join(f"{b / t['kv_1']:.3f}" for b in t["kv_tp"])
+    print(f"batch {args.batch}: tp=1 {t['tok_s_1']:,.1f} tok/s, tp={args.tp} {t['tok_s_tp']:,.1f} tok/s "
+          f"(ratio {t['tok_s_tp'] / t['tok_s_1']:.2f}; same tokens asserted on every rank)")
+    print(f"KV cache bytes: one device {t['kv_1']:,}; per tp rank {', '.join(f'{b:,}' for b in t['kv_tp'])} "
+          f"(= {kv_share} of one device's); parameters per rank {', '.join(f'{b:,}' for b in t['param_tp'])} "
+          f"vs {t['param_1']:,}")
+
+
+if __name__ == "__main__":
+    main()

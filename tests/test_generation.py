@@ -1,0 +1,196 @@
+"""Generation with a KV cache, batched prompts, and tensor parallelism (docs/generation.md).
+
+One device: the cached, left-padded batch gives each prompt the logits of the plain model on that prompt alone
+(1e-5) and the same greedy tokens as the recompute-everything loop (``sample``); the cache's bytes are exactly
+B x kv_heads x capacity x head_dim x 4 x 2 x layers. Tensor parallel (spawned gloo processes): greedy and top-k
+sampled tokens equal one device's for a batch of prompts, with kv heads divisible by tp (the cache is 1/tp per
+rank) and fewer than tp (replicated: 1/kv_heads per rank), and a vocabulary tp does not divide; the global
+argmax breaks ties across ranks as ``argmax`` does. The CLI refuses bad input with one line before launching.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from meshtrain.config import Config, ModelConfig, ParallelConfig
+from meshtrain.generate import generate, left_pad, sample
+from meshtrain.model.kv_cache import KVCache
+from meshtrain.model.llama import InitSource, build_model
+from meshtrain.parallel.next_token import VocabSlice
+from meshtrain.testing.spawn import spawn
+
+# init_std 0.2: logits far from uniform, so greedy choices are not decided by rounding
+MODEL = dict(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, init_std=0.2)
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [1, 2], [40, 41, 42, 43, 3], []]
+SEED = 3
+
+
+def _model(**kw):
+    return build_model(ModelConfig(**{**MODEL, **kw}), SEED)
+
+
+def test_cached_batch_gives_each_prompt_its_own_logits():
+    """Prefill of the left-padded batch, then decode steps fed fixed tokens: every step's last-position logits
+    equal the plain model's on that row's unpadded sequence (fp32, 1e-5)."""
+    m = _model().eval()
+    tokens, pad = left_pad(PROMPTS)
+    follow = torch.tensor([[3, 14], [15, 92], [65, 35], [89, 7]])  # two decode steps
+    cache = KVCache(len(PROMPTS), tokens.shape[1] + follow.shape[1], pad)
+    with torch.no_grad():
+        steps = [m(tokens, cache=cache)[:, -1]] + [m(follow[:, i: i + 1], cache=cache)[:, -1] for i in range(2)]
+        for row, prompt in enumerate(PROMPTS):
+            seq = (prompt or [0]) + follow[row].tolist()
+            full = m(torch.tensor([seq]))[0]
+            n = len(prompt or [0])
+            for i, got in enumerate(steps):
+                torch.testing.assert_close(got[row], full[n - 1 + i], rtol=1e-5, atol=1e-5)
+
+
+def test_cached_greedy_equals_the_recompute_loop():
+    m = _model()
+    out = generate(m, PROMPTS, 20, VocabSlice.whole(MODEL["vocab_size"]))
+    for prompt, got in zip(PROMPTS, out.tokens, strict=True):
+        assert got == sample(m, prompt, 20, MODEL["max_seq_len"], temperature=0)
+    assert out.forwards == 20  # one prefill and 19 one-position steps, not 20 passes over the context
+
+
+def test_cache_bytes_are_exact():
+    m = _model()
+    out = generate(m, PROMPTS, 5, VocabSlice.whole(MODEL["vocab_size"]))
+    head_dim = MODEL["d_model"] // MODEL["n_heads"]
+    capacity = max(len(p) for p in PROMPTS) + 5 - 1  # the last new token is never fed back
+    assert out.kv_bytes == len(PROMPTS) * MODEL["n_kv_heads"] * capacity * head_dim * 4 * 2 * MODEL["n_layers"]
+
+
+def test_past_max_seq_len_the_context_restarts():
+    """max_seq_len 64, longest prompt 7: the cache fills after 58 new tokens; then the context restarts from
+    each row's last 32 tokens (a second prefill). Before that, the recompute loop's tokens."""
+    m = _model()
+    out = generate(m, PROMPTS, 70, VocabSlice.whole(MODEL["vocab_size"]))
+    assert [len(t) for t in out.tokens] == [70] * len(PROMPTS)
+    assert out.forwards == 70
+    for prompt, got in zip(PROMPTS, out.tokens, strict=True):
+        assert got[:58] == sample(m, prompt, 58, MODEL["max_seq_len"], temperature=0)
+
+
+def test_stop_token_ends_a_row_only():
+    m = _model()
+    full = generate(m, PROMPTS, 8, VocabSlice.whole(MODEL["vocab_size"])).tokens
+    stop = full[0][3]
+    got = generate(m, PROMPTS, 8, VocabSlice.whole(MODEL["vocab_size"]), stop_id=stop).tokens
+    for want, have in zip(full, got, strict=True):
+        cut = want.index(stop) if stop in want else len(want)
+        assert have == want[:cut]
+
+
+# ----------------------------------------------------------------------------- tensor parallel
+
+
+def _generate_on_layout(rank: int, world: int, model: dict, temperature: float, top_k: int) -> tuple:
+    from meshtrain.train.inference import load_for_generation, run_generation
+
+    cfg = Config(model=ModelConfig(**model), parallel=ParallelConfig(tp=world))
+    cfg.train.device, cfg.train.seed = "cpu", SEED
+    shapes = {n: tuple(p.shape) for n, p in build_model(cfg.model, SEED, meta=True).named_parameters()}
+    gm = load_for_generation(cfg, None, source=InitSource(cfg.model, SEED, shapes))
+    run = run_generation(gm, PROMPTS, 16, temperature, top_k, seed=7)
+    return run.out.tokens, run.out.kv_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,kv_heads,vocab", [(2, 2, 97), (4, 2, 101)], ids=["tp2 kv2", "tp4 kv2 replicated"])
+def test_tensor_parallel_generation_equals_one_device(tp, kv_heads, vocab):
+    """Greedy and top-k sampling: every rank returns one device's tokens; KV bytes per rank are one device's
+    times (kv heads a rank holds / kv heads)."""
+    model = {**MODEL, "n_kv_heads": kv_heads, "vocab_size": vocab}
+    for temperature, top_k in ((0.0, 0), (0.8, 5)):
+        one = spawn(_generate_on_layout, 1, (model, temperature, top_k))[0]
+        ranks = spawn(_generate_on_layout, tp, (model, temperature, top_k))
+        held = max(1, kv_heads // tp)
+        for tokens, kv_bytes in ranks:
+            assert tokens == one[0]
+            assert kv_bytes * kv_heads == one[1] * held
+        assert len({len(t) for t in one[0]}) == 1 and len(one[0][0]) == 16
+
+
+def _greedy_with_ties(rank: int, world: int) -> list[int]:
+    from meshtrain.mesh import Mesh
+    from meshtrain.parallel.next_token import greedy
+
+    mesh = Mesh(tp=world)
+    # vocab 7 over 2 ranks of 4 columns (rank 1's last column is padding, set high to prove it is masked)
+    full = torch.tensor([[0.0, 5.0, 1.0, 2.0, 5.0, 0.0, 3.0, 9.0],   # tie across ranks: index 1 (rank 0) wins
+                         [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 9.0],   # tie within rank 1: index 5
+                         [7.0, 1.0, 1.0, 7.0, 2.0, 4.0, 4.0, 9.0]])  # tie within rank 0: index 0
+    local = full[:, rank * 4: rank * 4 + 4]
+    return greedy(local, VocabSlice(rank * 4, 4 if rank == 0 else 3, 7, mesh.group("tp"))).tolist()
+
+
+@pytest.mark.slow
+def test_global_argmax_breaks_ties_like_argmax():
+    full = torch.tensor([[0.0, 5.0, 1.0, 2.0, 5.0, 0.0, 3.0], [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0],
+                         [7.0, 1.0, 1.0, 7.0, 2.0, 4.0, 4.0]])
+    assert spawn(_greedy_with_ties, 2) == [full.argmax(-1).tolist()] * 2 == [[1, 5, 0]] * 2
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def _cli(*args, timeout=180):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "meshtrain.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def run_folder(tmp_path_factory):
+    """A run folder with a checkpoint of the tiny model (8 query heads, 2 kv heads) on a small byte corpus."""
+    from meshtrain.config import load_config
+    from meshtrain.train.prepare import prepare_data
+    from meshtrain.train.trainer import Trainer
+
+    root = tmp_path_factory.mktemp("gen")
+    (root / "src").mkdir()
+    for i in range(4):
+        (root / "src" / f"m{i}.py").write_text(f"def f{i}(x):\n    return x * {i}\n" * 100)
+    prepare_data(root / "src", root / "prepared")
+    cfg = load_config("tiny", [f"data.path={root / 'prepared'}", "train.steps=2", "train.progress=false",
+                               "train.tensorboard=false", "model.d_model=64", "model.n_heads=8", "model.n_kv_heads=2",
+                               "train.peak_flops=1e11"])
+    Trainer(cfg, root / "run").train()
+    return root / "run"
+
+
+@pytest.mark.slow
+def test_cli_refuses_bad_generation_input_with_one_line(run_folder, tmp_path):
+    cases = [
+        (["--ckpt", str(tmp_path / "none")], "does not exist"),
+        (["--ckpt", str(run_folder), "--nproc", "3", "parallel.tp=3"], "parallel.tp=3 must divide model.n_heads=8"),
+        (["--ckpt", str(run_folder), "--nproc", "2", "parallel.tp=4"], "pass parallel.tp=2"),
+        (["--ckpt", str(run_folder), "parallel.pp=2"], "drop parallel.pp=2"),
+        (["--ckpt", str(run_folder), "--tokens", "0"], "--tokens 0"),
+    ]
+    for args, message in cases:
+        r = _cli("generate", *args)
+        assert r.returncode == 2, (args, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (args, r.stderr)
+
+
+@pytest.mark.slow
+def test_cli_tensor_parallel_greedy_equals_one_device(run_folder):
+    args = ["generate", "--ckpt", str(run_folder), "--prompt", "def f", "--prompt", "    return", "--prompt", "d",
+            "--tokens", "24", "--greedy", "--stats"]
+    one, two = _cli(*args), _cli(*args, "--nproc", "2", "parallel.tp=2")
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    *text1, stats1 = one.stdout.strip().splitlines()
+    *text2, stats2 = two.stdout.strip().splitlines()
+    assert text1 == text2 and text1[0].startswith("def f") and text1.count("---") == 2
+    b1 = int(stats1.rsplit(" ", 1)[1].replace(",", ""))
+    b2 = [int(x.replace(",", "")) for x in stats2.split("per rank ")[1].split(", ")]
+    assert b2 == [b1 // 2, b1 // 2] and "tp=2" in stats2
