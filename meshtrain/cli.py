@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shlex
@@ -26,7 +25,7 @@ from pathlib import Path
 
 from meshtrain import launch
 from meshtrain.comm import CommError
-from meshtrain.config import Config, ConfigError, load_config
+from meshtrain.config import ArgumentParser, Config, ConfigError, load_config
 from meshtrain.model.source import TensorSource
 from meshtrain.train.checkpoint import CheckpointError
 from meshtrain.train.trainer import NonFiniteError
@@ -46,7 +45,7 @@ def _without_option(argv: list[str], name: str) -> list[str]:
 
 
 def _train(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="meshtrain train", description="Train a model.")
+    ap = ArgumentParser(prog="meshtrain train", description="Train a model.")
     ap.add_argument("--config", help="YAML config file or preset name (tiny, small, llama3-8b, ...)")
     ap.add_argument("--out", help="run folder: config.yaml, metrics.jsonl, tb/, checkpoints/")
     ap.add_argument("--nproc", type=int, default=None, help="relaunch under torchrun with N >= 1 local processes")
@@ -216,7 +215,7 @@ def _find_checkpoint(arg: str) -> tuple[Path, dict, Config]:
 
 
 def _generate(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="meshtrain generate", description="Generate text from a checkpoint "
+    ap = ArgumentParser(prog="meshtrain generate", description="Generate text from a checkpoint "
                                  "(KV cache, batched prompts, tensor parallel with --nproc N parallel.tp=N; "
                                  "docs/generation.md).")
     ap.add_argument("--ckpt", required=True, help="a checkpoint folder (step_NNNNNN) or a run folder (--out)")
@@ -320,7 +319,7 @@ def _parse_size(text: str) -> int:
 
 
 def _convert(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="meshtrain convert",
+    ap = ArgumentParser(prog="meshtrain convert",
                                  description="Export a checkpoint as a HuggingFace LlamaForCausalLM folder "
                                              "(config.json + safetensors; docs/huggingface.md).")
     ap.add_argument("--ckpt", required=True, help="a checkpoint folder (step_NNNNNN) or a run folder (--out)")

@@ -8,6 +8,7 @@ get a message that names the option and the fix.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import math
@@ -31,6 +32,14 @@ REDUCE_DTYPES = ("fp32", "bf16")  # parallel.reduce_dtype (meshtrain/parallel/gr
 
 class ConfigError(ValueError):
     """A configuration mistake, with a message that names the option and the fix."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for every ``meshtrain`` command: a bad argument is a ``ConfigError`` (one ``error:`` line from the
+    command's error path, exit 2) instead of argparse's usage block followed by its own error line."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise ConfigError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
 @dataclass

@@ -16,7 +16,6 @@ steps that a plain ``train`` (also used under SLURM, with restarts) must not tak
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import json
@@ -25,7 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from meshtrain.config import Config, ConfigError, load_config, save_config
+from meshtrain.config import ArgumentParser, Config, ConfigError, load_config, save_config
 from meshtrain.plan.explain import format_table, why_best
 from meshtrain.plan.hardware import Hardware, hardware_cache_dir, load_profile
 from meshtrain.plan.memory import DTYPE_BYTES, MESHTRAIN_BF16
@@ -106,7 +105,7 @@ def main(argv: list[str], launch: Callable[[list[str]], int], sample: Callable[.
     """Parse ``argv`` (without the command name), plan, train, check and report; 0 when all of it worked.
     ``launch`` is ``meshtrain train``'s (argv -> exit code) and ``sample`` ``cli.sample_checkpoint``: passed in by
     the command line, which imports this module."""
-    ap = argparse.ArgumentParser(prog="meshtrain demo", description="Plan a layout for this machine, train under "
+    ap = ArgumentParser(prog="meshtrain demo", description="Plan a layout for this machine, train under "
                                  "it on several processes, then compare with the prediction and write a report.")
     ap.add_argument("--config", default="configs/small.yaml", help="YAML config or preset (default: the demo's)")
     ap.add_argument("--out", default="runs/small", help="the run folder (must hold no earlier run's checkpoints)")

@@ -812,3 +812,23 @@ def test_checkpoint_without_config_still_names_the_tensor(tmp_path):
     cfg.model.n_layers = 3
     with pytest.raises(CheckpointError, match=r"layers\.2\.\S+ is not in the checkpoint.*model section"):
         check_checkpoint_model(cfg.model, CheckpointReader(path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, named", [
+    (["train", "--bogus"], ["meshtrain train", "--bogus", "--help"]),
+    (["plan", "--devices", "abc"], ["meshtrain plan", "--devices", "'abc'"]),
+    (["plan", "min-devices", "--devices", "x"], ["meshtrain plan min-devices", "--devices"]),
+    (["schedule", "--pp", "x"], ["meshtrain schedule", "--pp"]),
+    (["prepare-data", "--format", "nope"], ["meshtrain prepare-data", "--format", "'nope'"]),
+    (["generate"], ["meshtrain generate", "--ckpt"]),
+    (["convert", "--ckpt", "x"], ["meshtrain convert", "--out"]),
+    (["demo", "--nproc", "x"], ["meshtrain demo", "--nproc"])],
+    ids=["train", "plan", "plan query", "schedule", "prepare-data", "generate", "convert", "demo"])
+def test_a_bad_command_line_argument_is_one_line_not_a_usage_block(args, named):
+    """Every command's argparse mistake goes through meshtrain's error path: exit 2, one `error:` line naming the
+    command and the argument, no usage block (argparse's own would print `usage:` lines first)."""
+    r = _meshtrain(*args)
+    assert r.returncode == 2
+    _one_error_line(r, *named)
+    assert "usage:" not in r.stderr

@@ -15,7 +15,7 @@ import dataclasses
 import json
 import sys
 
-from meshtrain.config import REDUCE_DTYPES, ConfigError, load_config
+from meshtrain.config import REDUCE_DTYPES, ArgumentParser, ConfigError, load_config
 from meshtrain.plan.book import DEFAULT_REVISION, MIXED_REVISIONS
 from meshtrain.plan.explain import explain, format_table, why_best
 from meshtrain.plan.figure import plot_comm_vs_compute
@@ -93,7 +93,7 @@ def main(argv: list[str]) -> int:
         from meshtrain.plan.query_cli import main as query_main
 
         return query_main(argv)
-    ap = argparse.ArgumentParser(prog="meshtrain plan", description="Search parallel layouts by predicted step time. "
+    ap = ArgumentParser(prog="meshtrain plan", description="Search parallel layouts by predicted step time. "
                                  "Queries: " + ", ".join(f"`meshtrain plan {q}` ({d})" for q, d in QUERIES.items()))
     ap.add_argument("--model", default="llama3-8b", help="preset name (llama3-70b, ...) or a YAML config")
     ap.add_argument("--hardware", default="h100", help=f"one of {', '.join(HARDWARE)}, cpu-local or a profile .json")

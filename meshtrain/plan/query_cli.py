@@ -12,10 +12,9 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
-from meshtrain.config import load_config
+from meshtrain.config import ArgumentParser, load_config
 from meshtrain.plan import queries
 from meshtrain.plan.book_memory import REMAT_POLICIES
 from meshtrain.plan.hardware import HARDWARE, get_hardware
@@ -33,11 +32,6 @@ QUERIES = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line through meshtrain's error path, not argparse's usage dump
-        raise ValueError(f"meshtrain plan {self.prog.split()[-1]}: {message} (see --help)")
-
-
 def _positive(name: str, value: float) -> float:
     if not value > 0:
         raise ValueError(f"--{name} must be positive, got {value:g}")
@@ -47,7 +41,7 @@ def _positive(name: str, value: float) -> float:
 def main(argv: list[str]) -> int:
     """Run the query named by ``argv[0]`` with the options after it; print text or JSON; return 0."""
     name = argv[0]
-    ap = _Parser(prog=f"meshtrain plan {name}", description=QUERIES[name])
+    ap = ArgumentParser(prog=f"meshtrain plan {name}", description=QUERIES[name])
     ap.add_argument("--model", default="llama3-8b", help="preset name or YAML config")
     ap.add_argument("--hardware", default="h100", help=f"one of {', '.join(HARDWARE)}, or a profile .json")
     ap.add_argument("--devices", type=int, default=0, help="devices (default: one node; 4096 for a TPU)")

@@ -6,16 +6,14 @@
 
 from __future__ import annotations
 
-import argparse
-
-from meshtrain.config import SCHEDULES
+from meshtrain.config import SCHEDULES, ArgumentParser
 from meshtrain.plan.schedules import DEFAULT_VIRTUAL, build_schedule
 from meshtrain.plan.simulator import check_schedule, png_chart, simulate, text_chart
 
 
 def main(argv: list[str]) -> int:
     """Parse ``argv`` (without the command name), print the simulated schedule, write the PNG if asked; return 0."""
-    ap = argparse.ArgumentParser(prog="meshtrain schedule",
+    ap = ArgumentParser(prog="meshtrain schedule",
                                  description="Simulate a pipeline schedule and draw its timeline.")
     ap.add_argument("--pp", type=int, default=4, help="pipeline ranks")
     ap.add_argument("--microbatches", type=int, default=8, help="microbatches per step")

@@ -9,7 +9,6 @@ standard library is used, so training works out of the box with no download.
 
 from __future__ import annotations
 
-import argparse
 import glob
 import hashlib
 import json
@@ -27,6 +26,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from meshtrain.config import ArgumentParser
 from meshtrain.train.paths import unwritable_reason
 from meshtrain.train.sources import (  # noqa: F401  (list_source_files: re-exported)
     DEFAULT_EXCLUDE_DIRS,
@@ -400,7 +400,7 @@ def ensure_prepared(path: str | None, tokenizer: str = "byte", val_fraction: flo
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``meshtrain prepare-data`` (``argv`` excludes the subcommand name)."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="meshtrain prepare-data",
         description="Tokenize text files, JSONL or Parquet into train.bin/val.bin (+ document offsets) for training.",
     )
