@@ -757,9 +757,10 @@ def test_prepare_data_finding_no_files_names_the_extension_option(tmp_path, caps
     from meshtrain.train.prepare import main
 
     (tmp_path / "notes.txt").write_text("text, not .py")
-    assert main(["--src", str(tmp_path), "--out", str(tmp_path / "out")]) == 1
+    assert main(["--src", str(tmp_path), "--out", str(tmp_path / "out")]) == 2  # a user error: exit 2, as every command
     err = capsys.readouterr().err
-    assert "no files with extensions .py" in err and "--ext" in err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert "no files with extensions .py" in err and "--ext" in err and not (tmp_path / "out").exists()
 
 
 def test_resume_required_needs_resume():
