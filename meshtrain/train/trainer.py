@@ -515,10 +515,13 @@ class Trainer:
 
     def _record_comm(self) -> None:
         """Write ``comm.json``: every rank's collective bytes (per axis and op) of one training step and
+        the calls behind them (``plan/comm_bytes.py::collective_calls``), and
         its live parameter/gradient/optimizer bytes, for ``meshtrain plan --check-run``."""
         mine = {
             "rank": self.mesh.rank, "coords": {k: int(v) for k, v in self.mesh.coords.items()},
             "bytes": {f"{axis}/{op}": v["bytes"] for axis, ops in comm.METER.snapshot().items()
+                      for op, v in ops.items() if op != "metrics"},
+            "calls": {f"{axis}/{op}": v["calls"] for axis, ops in comm.METER.snapshot().items()
                       for op, v in ops.items() if op != "metrics"},
             "state": self.parallel.state_bytes(self.optimizer),
         }
