@@ -8,8 +8,11 @@ way a worker does:
    models whose FLOPs, activation elements, blocks and parameters vary independently; the step-cost terms
    (matmul rate, seconds per non-matmul element, per block, per parameter, per step: ``plan/costfit.py``) are the
    non-negative least-squares fit of those times;
-2. gloo all-reduce, all-gather, reduce-scatter and send at sizes from 4 KB to 16 MB through ``meshtrain.comm``;
-   latency and bandwidth are the fit of ``network.collective_time``'s form to them;
+2. gloo all-reduce, all-gather, reduce-scatter, all-to-all and send at sizes from 4 KB to 16 MB through
+   ``meshtrain.comm``; latency and bandwidth are the fit of ``network.collective_time``'s form to them, for all
+   ops together and for each op on its own (``collective_fits``, what the planner prices); and a small
+   all-reduce issued right after compute, as training issues its collectives: what it costs beyond the same
+   call back to back is the host work of one call (``call_s``), which the planner charges per call;
 3. a large tensor copy (the memory bandwidth, for the planner's HBM-bound terms).
 
 More processes than cores share them: the planner slows every process by ``devices / cores`` (``plan/steptime.py``).
@@ -29,7 +32,13 @@ from meshtrain import comm
 from meshtrain.config import ModelConfig
 from meshtrain.mesh import Mesh
 from meshtrain.model.llama import build_model, cross_entropy_sum
-from meshtrain.plan.costfit import StepCosts, fit_latency_bandwidth, fit_step_costs, step_features
+from meshtrain.plan.costfit import (
+    StepCosts,
+    fit_collective_ops,
+    fit_latency_bandwidth,
+    fit_step_costs,
+    step_features,
+)
 from meshtrain.plan.hardware import Hardware, hardware_cache_dir, save_profile
 from meshtrain.plan.network import wire_factor
 from meshtrain.testing.spawn import spawn
@@ -98,42 +107,54 @@ def _compute_worker(rank: int, world_size: int, specs: list, reps: int) -> tuple
     return probe, _matmul_rate(matmul_shapes(specs)), [_time_steps(s, reps) for s in specs]
 
 
-def _collective_worker(rank: int, world_size: int, sizes: tuple[float, ...], iters: int) -> list[tuple]:
-    """(op, payload bytes, seconds per call) through meshtrain.comm on a dp mesh group."""
+def _collective_worker(rank: int, world_size: int, sizes: tuple[float, ...], iters: int, rounds: int = 5
+                       ) -> list[tuple]:
+    """(op, payload bytes, seconds per call) through meshtrain.comm on a dp mesh group: the median over ``rounds``
+    rounds (every op and size once per round, ``iters`` calls each) of the mean per call. On a shared machine a
+    small call takes either ~0.1 ms or a scheduler time slice (~1-2 ms) when a peer is descheduled; one round's
+    mean swings by 10x, the median of rounds much less. Last, ("call_between_compute", bytes, seconds): what a
+    small all-reduce issued right after compute costs beyond the same call back to back (``Hardware.call_s``)."""
     torch.set_num_threads(1)
     mesh = Mesh(dp=world_size, device=torch.device("cpu"))
     group = mesh.group("dp", "cp")
-    out = []
-    for nbytes in sizes:
-        n = max(world_size, int(nbytes / 4) // world_size * world_size)
-        full, part = torch.ones(n), torch.ones(n // world_size)
-        calls = {  # the tensors are bound as defaults: each dict is used only in this iteration anyway
-            "all_reduce": lambda f=full: comm.all_reduce(f, group),
-            "all_gather": lambda f=full, p=part: comm.all_gather(f, p, group),
-            "reduce_scatter": lambda f=full, p=part: comm.reduce_scatter(p, f, group),
-            "send": lambda f=full: comm.send(f, 1, group) if rank == 0 else comm.recv(f, 0, group),
-        }
-        for op, call in calls.items():
-            call()  # warm-up
-            comm.barrier(group)
-            start = time.perf_counter()
-            for _ in range(iters):
-                call()
-            out.append((op, n * 4, (time.perf_counter() - start) / iters))
-    # A small all-reduce issued between compute, as training issues its TP/SP, CP and loss collectives: it also
-    # pays the peers' skew (one rank waits for the other's compute jitter) and the wake-up of a busy process.
+    timed: dict[tuple[str, int], list[float]] = {}
+    # A small all-reduce issued between compute, as training issues its TP/SP, CP and loss collectives, also pays
+    # the peers' skew (one rank waits for the other's compute jitter) and the wake-up of a busy process.
     a, small = torch.randn(128, 128), torch.ones(1024)
     def work() -> None:
         for _ in range(8):
             a @ a
-    times = {}
-    for name, body in (("compute", work), ("compute+all_reduce", lambda: (work(), comm.all_reduce(small, group)))):
-        comm.barrier(group)
-        start = time.perf_counter()
-        for _ in range(5 * iters):
-            body()
-        times[name] = (time.perf_counter() - start) / (5 * iters)
-    out.append(("inline_all_reduce", small.numel() * 4, max(0.0, times["compute+all_reduce"] - times["compute"])))
+    inline = {"compute": work, "compute+call": lambda: (work(), comm.all_reduce(small, group)),
+              "call": lambda: comm.all_reduce(small, group)}
+    for _ in range(rounds):
+        for nbytes in sizes:
+            n = max(world_size, int(nbytes / 4) // world_size * world_size)
+            full, part, out_a2a = torch.ones(n), torch.ones(n // world_size), torch.empty(n)
+            calls = {  # the tensors are bound as defaults: each dict is used only in this iteration anyway
+                "all_reduce": lambda f=full: comm.all_reduce(f, group),
+                "all_gather": lambda f=full, p=part: comm.all_gather(f, p, group),
+                "reduce_scatter": lambda f=full, p=part: comm.reduce_scatter(p, f, group),
+                "all_to_all": lambda f=full, o=out_a2a: comm.all_to_all(o, f, group),
+                "send": lambda f=full: comm.send(f, 1, group) if rank == 0 else comm.recv(f, 0, group),
+            }
+            for op, call in calls.items():
+                call()  # warm-up
+                comm.barrier(group)
+                start = time.perf_counter()
+                for _ in range(iters):
+                    call()
+                timed.setdefault((op, n * 4), []).append((time.perf_counter() - start) / iters)
+        for name, body in inline.items():
+            comm.barrier(group)
+            start = time.perf_counter()
+            for _ in range(2 * iters):
+                body()
+            timed.setdefault((name, 0), []).append((time.perf_counter() - start) / (2 * iters))
+    med = {k: sorted(v)[len(v) // 2] for k, v in timed.items()}
+    out = [(op, nbytes, sec) for (op, nbytes), sec in med.items() if nbytes]
+    extra = [tc - c - b for tc, c, b in zip(timed[("compute+call", 0)], timed[("compute", 0)], timed[("call", 0)],
+                                            strict=True)]
+    out.append(("call_between_compute", small.numel() * 4, max(0.0, sorted(extra)[len(extra) // 2])))
     return out
 
 
@@ -166,20 +187,24 @@ def measure_step_costs(processes: int, reps: int = 5) -> tuple[StepCosts, float,
         probe
 
 
-def measure_collectives(world_size: int = 2, iters: int = 10) -> tuple[float, float, float]:
-    """(latency s per tree level, per-process egress bandwidth B/s, RMS relative error) of gloo collectives between
-    ``world_size`` local processes, fitted in ``network.collective_time``'s form; the latency is the larger of the
-    fitted one and that of a small all-reduce issued between compute (what training's collectives pay)."""
+def measure_collectives(world_size: int = 2, iters: int = 10
+                        ) -> tuple[float, float, float, dict[str, tuple[float, float, float]], float]:
+    """Gloo collectives between ``world_size`` local processes, fitted in ``network.collective_time``'s form:
+    (latency s per tree level, per-process egress bandwidth B/s, RMS relative error) over all ops together,
+    each op's own (latency, bandwidth, error), and the host seconds of one call issued between compute beyond
+    the back-to-back call's own time (``Hardware.call_s``: Python, the meter, the peer's skew and wake-up)."""
     results = spawn(_collective_worker, world_size, (COLLECTIVE_SIZES, iters), timeout=600.0)
-    samples = []
+    samples, by_op = [], []
     for i, (op, nbytes, _) in enumerate(results[0][:-1]):
         secs = max(r[i][2] for r in results)
         steps = 1.0 if op == "send" else (2.0 if op == "all_reduce" else 1.0) * (world_size - 1).bit_length()
         wire = nbytes * wire_factor(op, world_size)
         samples.append((steps, wire, secs))
+        by_op.append((op, steps, wire, secs))
     latency, bw, err = fit_latency_bandwidth(samples)
-    inline = max(r[-1][2] for r in results) / (2.0 * (world_size - 1).bit_length())  # per latency step
-    return max(latency, inline), bw, err
+    per_op = fit_collective_ops(by_op)
+    call_s = max(r[-1][2] for r in results)  # the slower rank's: the other waits for it
+    return latency, bw, err, per_op, call_s
 
 
 def measure_copy_bandwidth(mbytes: float = 256.0, iters: int = 5) -> float:
@@ -200,7 +225,7 @@ def calibrate_cpu_local(path: str | Path | None = None, world_size: int | None =
     cores = os.cpu_count() or 1
     procs = world_size or cores
     costs, fit_err, table, probe = measure_step_costs(procs)
-    latency, bw, comm_err = measure_collectives(max(2, procs))
+    latency, bw, comm_err, per_op, call_s = measure_collectives(max(2, procs))
     mem_bw = measure_copy_bandwidth()
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 8e9
     hw = Hardware(
@@ -208,6 +233,7 @@ def calibrate_cpu_local(path: str | Path | None = None, world_size: int | None =
         float(ram) / procs, mem_bw, intra_bw=bw, inter_bw=bw, devices_per_node=procs, domain=max(2, procs),
         tp_max=max(2, procs), intra_latency=latency, inter_latency=latency, cores=cores, elem_s=costs.elem_s,
         score_s=costs.score_s, block_s=costs.block_s, param_s=costs.param_s, step_s=costs.step_s, probe_s=probe,
+        collective_fits={op: [lat, b] for op, (lat, b, _) in per_op.items()}, call_s=call_s,
         source=f"meshtrain plan --calibrate on {time.strftime('%Y-%m-%d %H:%M')}: {len(table)} bf16 training steps "
                f"on {procs} one-thread processes at once (fit RMS error {fit_err:.1%}), gloo collectives "
                f"{COLLECTIVE_SIZES[0] / 1e3:.0f} KB-{COLLECTIVE_SIZES[-1] / 1e6:.0f} MB via meshtrain.comm "
@@ -219,5 +245,9 @@ def calibrate_cpu_local(path: str | Path | None = None, world_size: int | None =
             report.append(f"  d_model {d:>3} layers {L} batch {b:>2} x {T:>3}: measured {got * 1e3:8.2f} ms, "
                           f"fitted {fit * 1e3:8.2f} ms")
         report.append(f"collectives: latency {latency * 1e6:.0f} us per step, {bw / 1e9:.2f} GB/s "
-                      f"(fit RMS error {comm_err:.1%})")
+                      f"(fit RMS error {comm_err:.1%}, all ops together); op by op:")
+        for op, (lat, b, e) in per_op.items():
+            report.append(f"  {op:<15} latency {lat * 1e6:6.0f} us per step, {b / 1e9:6.2f} GB/s "
+                          f"(fit RMS error {e:.1%})")
+        report.append(f"host work per collective call between compute: {call_s * 1e6:.0f} us")
     return hw
