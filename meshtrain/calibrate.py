@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -158,6 +159,66 @@ def _collective_worker(rank: int, world_size: int, sizes: tuple[float, ...], ite
     return out
 
 
+# The parallel runtime's own work per axis (``Hardware.axis_block_s``): short runs of one calibration model through
+# the real ``Trainer`` / ``parallelize()`` on 2 processes, each axis against plain DP on the same model. The model
+# is not the demo model the step-time check runs (configs/small.yaml: d_model 256, 4 layers, 16 x 256 tokens).
+AXIS_MODEL = ["model.d_model=128", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=257",
+              "train.seq_len=128", "model.max_seq_len=128", "train.global_batch=8", "train.dtype=bf16",
+              "data.source=synthetic", "train.eval_every=0", "train.sample_tokens=0", "train.progress=false",
+              "train.tensorboard=false", "train.ckpt_every=0"]
+AXIS_RUNS = {"base": ["parallel.zero=0"], "tp": ["parallel.tp=2", "parallel.sp=true"], "cp": ["parallel.cp=2"],
+             "moe": ["model.moe_experts=4", "model.moe_top_k=2", "parallel.ep=2"], "zero3": ["parallel.zero=3"]}
+
+
+def _axis_worker(rank: int, world_size: int, runs: dict[str, list[str]], steps: int, rounds: int
+                 ) -> dict[str, float]:
+    """Seconds per training step of each run (``AXIS_MODEL`` + its overrides): the median over ``rounds`` rounds
+    (the runs interleaved, so a slow moment of the machine spreads over all of them) of each round's median."""
+    from meshtrain.config import load_config
+    from meshtrain.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    trainers = {name: Trainer(load_config(None, [*AXIS_MODEL, *over])) for name, over in runs.items()}
+    for tr in trainers.values():  # warm-up: buffers, buckets, connections
+        tr.train_step(0)
+        tr.train_step(1)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(rounds):
+        for name, tr in trainers.items():
+            per = []
+            for i in range(steps):
+                start = time.perf_counter()
+                tr.train_step(2 + r * steps + i)
+                per.append(time.perf_counter() - start)
+            times[name].append(sorted(per)[len(per) // 2])
+    return {name: sorted(v)[len(v) // 2] for name, v in times.items()}
+
+
+def measure_axis_work(hw: Hardware, steps: int = 3, rounds: int = 3) -> tuple[dict[str, float], list[str]]:
+    """The runtime's own work per block call of each axis (``AXIS_RUNS``) that ``hw``'s step costs and
+    collectives leave unpriced: (axis seconds per block and microbatch, report lines). For each axis,
+    (measured - measured plain DP) - (predicted - predicted plain DP) over the model's blocks: the common error of
+    the plain model cancels, what is left is the axis's work the model does not count. Never negative."""
+    from meshtrain.config import load_config
+    from meshtrain.plan.check import predict_step_time
+
+    measured = spawn(_axis_worker, 2, (AXIS_RUNS, steps, rounds), timeout=600.0)
+    secs = {name: max(r[name] for r in measured) for name in AXIS_RUNS}
+    cfgs = {name: load_config(None, [*AXIS_MODEL, *over]) for name, over in AXIS_RUNS.items()}
+    pred = {name: predict_step_time(cfgs[name], 2, hw).step_s for name in AXIS_RUNS}
+    blocks = cfgs["base"].model.n_layers
+    out, lines = {}, []
+    for name in AXIS_RUNS:
+        if name == "base":
+            continue
+        extra = (secs[name] - secs["base"]) - (pred[name] - pred["base"])
+        out[name] = max(0.0, extra / blocks)
+        lines.append(f"  {name:<6} measured {secs[name] * 1e3:6.1f} ms (plain DP {secs['base'] * 1e3:6.1f}), "
+                     f"predicted {pred[name] * 1e3:6.1f} ms ({pred['base'] * 1e3:6.1f}): "
+                     f"{out[name] * 1e3:.2f} ms per block")
+    return out, lines
+
+
 def _probe_worker(rank: int, world_size: int, reps: int) -> float:
     torch.set_num_threads(1)
     return _time_steps(PROBE_MODEL, reps)
@@ -238,6 +299,8 @@ def calibrate_cpu_local(path: str | Path | None = None, world_size: int | None =
                f"on {procs} one-thread processes at once (fit RMS error {fit_err:.1%}), gloo collectives "
                f"{COLLECTIVE_SIZES[0] / 1e3:.0f} KB-{COLLECTIVE_SIZES[-1] / 1e6:.0f} MB via meshtrain.comm "
                f"(fit RMS error {comm_err:.1%}), tensor copy")
+    axis_work, axis_lines = measure_axis_work(hw)
+    hw = replace(hw, axis_block_s=axis_work)
     save_profile(hw, path or hardware_cache_dir() / "cpu-local.json")
     if report is not None:
         report.append(f"step-cost fit over {len(table)} training steps, RMS relative error {fit_err:.1%}:")
@@ -250,4 +313,7 @@ def calibrate_cpu_local(path: str | Path | None = None, world_size: int | None =
             report.append(f"  {op:<15} latency {lat * 1e6:6.0f} us per step, {b / 1e9:6.2f} GB/s "
                           f"(fit RMS error {e:.1%})")
         report.append(f"host work per collective call between compute: {call_s * 1e6:.0f} us")
+        report.append("the parallel runtime's own work per block (2 processes through parallelize(), each axis "
+                      "against plain DP, beyond what the model above prices):")
+        report += axis_lines
     return hw

@@ -123,6 +123,9 @@ class Hardware:
     # and the host work of one collective call issued between compute (Python, the comm meter, waking a peer).
     collective_fits: dict = field(default_factory=dict)
     call_s: float = 0.0
+    # The parallel runtime's own work per block call and microbatch that the single-process steps do not contain
+    # (``--calibrate`` times short runs through ``parallelize()`` on 2 processes): {"tp", "cp", "moe", "zero3": s}.
+    axis_block_s: dict = field(default_factory=dict)
 
     @property
     def torus(self) -> bool:
@@ -150,7 +153,7 @@ class Hardware:
                        inter_bw=self.inter_bw / k, intra_latency=self.intra_latency * k,
                        inter_latency=self.inter_latency * k, elem_s=self.elem_s * k, score_s=self.score_s * k,
                        block_s=self.block_s * k, param_s=self.param_s * k, step_s=self.step_s * k,
-                       call_s=self.call_s * k,
+                       call_s=self.call_s * k, axis_block_s={a: v * k for a, v in self.axis_block_s.items()},
                        collective_fits={op: [lat * k, bw / k] for op, (lat, bw) in self.collective_fits.items()})
 
     def to_dict(self) -> dict:

@@ -79,6 +79,19 @@ def op_time(hw: Hardware, op: str, payload: float, link: Link, calls: int = 1, m
     return calls * collective_time(op, payload / calls, link) + (calls if metered is None else metered) * hw.call_s
 
 
+def axis_block_time(hw: Hardware, lay: Layout, cfg: ModelConfig) -> float:
+    """Seconds per block forward + backward of the parallel runtime's own work for ``lay``'s axes, as
+    ``--calibrate`` measured it through ``parallelize()`` (``hw.axis_block_s``; empty for the datasheet presets):
+    TP's autograd functions and the vocab-parallel pieces, ring attention's per-chunk attention and merges, MoE
+    routing and the expert exchange's bookkeeping, ZeRO-3's flat-buffer gathers and reshards."""
+    work = hw.axis_block_s
+    if not work:
+        return 0.0
+    used = {"tp": lay.tp > 1, "cp": lay.cp > 1, "moe": bool(cfg.moe_experts) and lay.ep > 1,
+            "zero3": lay.zero == 3 and lay.dp * lay.cp > 1}
+    return sum(work.get(axis, 0.0) for axis, on in used.items() if on)
+
+
 def step_costs(hw: Hardware) -> StepCosts:
     """The measured step-cost terms a calibrated profile carries (``plan/costfit.py``)."""
     return StepCosts(hw.bf16_flops, hw.elem_s, hw.score_s, hw.block_s, hw.param_s, hw.step_s)
@@ -140,6 +153,7 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
         t_layer = layer_compute_time(cfg, t, T, C, hw.hbm_bw, tp, eff, prec.act, prec.act)
         t_head = t * head_flops / tp / (C * eff)
         redo_s = 2 * max(redo, 0.0) * t * prec.act / hw.hbm_bw  # HBM-bound
+    t_layer += axis_block_time(hw, lay, cfg) / 3  # the parallel runtime's own work, a third of it forward
     stage_f = [blocks[s] * t_layer + (t_head if s == n_stages - 1 else 0.0) for s in range(n_stages)]
     f_c = max(stage_f)
     layers_max = max(blocks)
