@@ -220,3 +220,17 @@ def test_predicted_calls_equal_counted_calls_live(tmp_path):
         for rank in json.loads((out / "comm.json").read_text())["ranks"]:
             pred = {f"{a}/{o}": v for (a, o), v in predict_rank_calls(cfg, 2, rank["coords"]).items()}
             assert pred == rank["calls"], (name, rank["coords"])
+
+
+def test_axis_work_is_priced_per_block_of_the_axes_used():
+    """The runtime's own work per axis (``axis_block_s``, measured by ``--calibrate`` through parallelize) adds its
+    seconds to every block call of a layout that uses the axis, and nothing to one that does not."""
+    cfg = replace(load_config("configs/small.yaml").model, vocab_size=257)
+    work = {"tp": 1e-3, "cp": 2e-3, "zero3": 4e-3}
+    plain = Problem(cfg, 256, 16, _profile(), 1, precision=MESHTRAIN_BF16)
+    priced = replace(plain, hw=replace(_profile(), axis_block_s=work))
+    for lay, want in ((Layout(dp=2), 0.0), (Layout(dp=1, tp=2, sp=True), work["tp"]),
+                      (Layout(dp=1, cp=2), work["cp"]), (Layout(dp=2, zero=3), work["zero3"]),
+                      (Layout(dp=1, tp=2, sp=True, microbatches=2), 2 * work["tp"])):
+        extra = evaluate(priced, lay).step.compute - evaluate(plain, lay).step.compute
+        assert extra == pytest.approx(cfg.n_layers * want, rel=1e-9, abs=1e-12), lay.describe()
