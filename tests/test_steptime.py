@@ -234,3 +234,26 @@ def test_axis_work_is_priced_per_block_of_the_axes_used():
                       (Layout(dp=1, tp=2, sp=True, microbatches=2), 2 * work["tp"])):
         extra = evaluate(priced, lay).step.compute - evaluate(plain, lay).step.compute
         assert extra == pytest.approx(cfg.n_layers * want, rel=1e-9, abs=1e-12), lay.describe()
+
+
+def test_check_run_compares_calls(tmp_path):
+    """``--check-run`` lists the predicted against the counted calls where comm.json has them, and a count that
+    differs fails the check."""
+    from meshtrain.plan.check import check_run
+
+    cfg = load_config("tiny")
+    cfg.model.vocab_size = 257
+    cfg.parallel.zero = 3
+    _fake_run(tmp_path / "run", cfg, 2, [0.3] * 4)
+    comm_json = tmp_path / "run" / "comm.json"
+    doc = json.loads(comm_json.read_text())
+    for r in doc["ranks"]:
+        r["calls"] = {f"{a}/{o}": v for (a, o), v in predict_rank_calls(cfg, 2, r["coords"]).items()}
+    comm_json.write_text(json.dumps(doc))
+    text, exact, _ = check_run(tmp_path / "run", hardware="h100")
+    assert exact and "calls dp_shard_cp/all_gather" in text
+    doc["ranks"][1]["calls"]["dp_shard_cp/all_gather"] += 1
+    comm_json.write_text(json.dumps(doc))
+    text, exact, _ = check_run(tmp_path / "run", hardware="h100")
+    assert not exact and any(ln.startswith("   1  calls dp_shard_cp/all_gather") and ln.endswith("NO")
+                             for ln in text.splitlines())
