@@ -237,8 +237,8 @@ def test_axis_work_is_priced_per_block_of_the_axes_used():
 
 
 def test_check_run_compares_calls(tmp_path):
-    """``--check-run`` lists the predicted against the counted calls where comm.json has them, and a count that
-    differs fails the check."""
+    """``--check-run`` lists the predicted against the counted calls where comm.json has them, and marks a count
+    that differs (shown, not judged: the check's verdict stays the bytes')."""
     from meshtrain.plan.check import check_run
 
     cfg = load_config("tiny")
@@ -255,5 +255,5 @@ def test_check_run_compares_calls(tmp_path):
     doc["ranks"][1]["calls"]["dp_shard_cp/all_gather"] += 1
     comm_json.write_text(json.dumps(doc))
     text, exact, _ = check_run(tmp_path / "run", hardware="h100")
-    assert not exact and any(ln.startswith("   1  calls dp_shard_cp/all_gather") and ln.endswith("NO")
+    assert exact and any(ln.startswith("   1  calls dp_shard_cp/all_gather") and ln.endswith("NO")
                              for ln in text.splitlines())

