@@ -194,7 +194,7 @@ def _axis_worker(rank: int, world_size: int, runs: dict[str, list[str]], steps: 
     return {name: sorted(v)[len(v) // 2] for name, v in times.items()}
 
 
-def measure_axis_work(hw: Hardware, steps: int = 3, rounds: int = 3) -> tuple[dict[str, float], list[str]]:
+def measure_axis_work(hw: Hardware, steps: int = 4, rounds: int = 5) -> tuple[dict[str, float], list[str]]:
     """The runtime's own work per block call of each axis (``AXIS_RUNS``) that ``hw``'s step costs and
     collectives leave unpriced: (axis seconds per block and microbatch, report lines). For each axis,
     (measured - measured plain DP) - (predicted - predicted plain DP) over the model's blocks: the common error of
