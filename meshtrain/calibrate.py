@@ -1,6 +1,6 @@
 """``meshtrain plan --calibrate``: measure what a training step costs on this machine -> the ``cpu-local`` profile.
 
-Three measurements, each in as many local processes as the machine has cores, one thread each (what
+Four measurements, the first three in as many local processes as the machine has cores, one thread each (what
 ``meshtrain train --nproc N`` runs: torchrun gives every worker one thread), so each process sees the machine the
 way a worker does:
 
@@ -13,7 +13,11 @@ way a worker does:
    ops together and for each op on its own (``collective_fits``, what the planner prices); and a small
    all-reduce issued right after compute, as training issues its collectives: what it costs beyond the same
    call back to back is the host work of one call (``call_s``), which the planner charges per call;
-3. a large tensor copy (the memory bandwidth, for the planner's HBM-bound terms).
+3. a large tensor copy (the memory bandwidth, for the planner's HBM-bound terms);
+4. the parallel runtime's own work per axis (``measure_axis_work``): a calibration model trained a few steps through
+   the real ``Trainer`` / ``parallelize()`` on 2 processes as plain DP and with tp+SP, ring cp, MoE+ep and ZeRO-3;
+   what each axis costs beyond plain DP and beyond what the terms above price for it, per block, is
+   ``Hardware.axis_block_s``.
 
 More processes than cores share them: the planner slows every process by ``devices / cores`` (``plan/steptime.py``).
 Measuring needs processes and collectives (``meshtrain.testing.spawn``, ``meshtrain.comm``), so this module sits at

@@ -15,7 +15,9 @@ A calibrated profile (``meshtrain plan --calibrate``: ``hw.measured_steps``) rep
 step costs of ``plan/costfit.py`` (matmul FLOPs at the measured rate, non-matmul elements, attention scores, block
 calls; parameters and a fixed cost for the optimizer step), divides each process's share of the machine when more
 processes than cores run (``Hardware.shared_by``), and hides no communication behind compute when every core is busy
-computing (``overlaps``).
+computing (``overlaps``). There every collective costs its op's own measured latency and bandwidth plus the host
+work of each call the comm meter counts (``op_time``; the calls per step are ``comm_bytes.py``'s ``*_calls``), and
+each block of a layout using tp, cp, MoE+ep or ZeRO-3 the runtime's own work that axis adds (``axis_block_time``).
 """
 
 from __future__ import annotations
