@@ -1,6 +1,6 @@
 """``meshtrain plan --calibrate``: measure what a training step costs on this machine -> the ``cpu-local`` profile.
 
-Three measurements, each in as many local processes as the machine has cores, one thread each (what
+Four measurements, the first three in as many local processes as the machine has cores, one thread each (what
 ``meshtrain train --nproc N`` runs: torchrun gives every worker one thread), so each process sees the machine the
 way a worker does:
 
@@ -8,9 +8,16 @@ way a worker does:
    models whose FLOPs, activation elements, blocks and parameters vary independently; the step-cost terms
    (matmul rate, seconds per non-matmul element, per block, per parameter, per step: ``plan/costfit.py``) are the
    non-negative least-squares fit of those times;
-2. gloo all-reduce, all-gather, reduce-scatter and send at sizes from 4 KB to 16 MB through ``meshtrain.comm``;
-   latency and bandwidth are the fit of ``network.collective_time``'s form to them;
-3. a large tensor copy (the memory bandwidth, for the planner's HBM-bound terms).
+2. gloo all-reduce, all-gather, reduce-scatter, all-to-all and send at sizes from 4 KB to 16 MB through
+   ``meshtrain.comm``; latency and bandwidth are the fit of ``network.collective_time``'s form to them, for all
+   ops together and for each op on its own (``collective_fits``, what the planner prices); and a small
+   all-reduce issued right after compute, as training issues its collectives: what it costs beyond the same
+   call back to back is the host work of one call (``call_s``), which the planner charges per call;
+3. a large tensor copy (the memory bandwidth, for the planner's HBM-bound terms);
+4. the parallel runtime's own work per axis (``measure_axis_work``): a calibration model trained a few steps through
+   the real ``Trainer`` / ``parallelize()`` on 2 processes as plain DP and with tp+SP, ring cp, MoE+ep and ZeRO-3;
+   what each axis costs beyond plain DP and beyond what the terms above price for it, per block, is
+   ``Hardware.axis_block_s``.
 
 More processes than cores share them: the planner slows every process by ``devices / cores`` (``plan/steptime.py``).
 Measuring needs processes and collectives (``meshtrain.testing.spawn``, ``meshtrain.comm``), so this module sits at
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,7 +37,13 @@ from meshtrain import comm
 from meshtrain.config import ModelConfig
 from meshtrain.mesh import Mesh
 from meshtrain.model.llama import build_model, cross_entropy_sum
-from meshtrain.plan.costfit import StepCosts, fit_latency_bandwidth, fit_step_costs, step_features
+from meshtrain.plan.costfit import (
+    StepCosts,
+    fit_collective_ops,
+    fit_latency_bandwidth,
+    fit_step_costs,
+    step_features,
+)
 from meshtrain.plan.hardware import Hardware, hardware_cache_dir, save_profile
 from meshtrain.plan.network import wire_factor
 from meshtrain.testing.spawn import spawn
@@ -98,43 +112,115 @@ def _compute_worker(rank: int, world_size: int, specs: list, reps: int) -> tuple
     return probe, _matmul_rate(matmul_shapes(specs)), [_time_steps(s, reps) for s in specs]
 
 
-def _collective_worker(rank: int, world_size: int, sizes: tuple[float, ...], iters: int) -> list[tuple]:
-    """(op, payload bytes, seconds per call) through meshtrain.comm on a dp mesh group."""
+def _collective_worker(rank: int, world_size: int, sizes: tuple[float, ...], iters: int, rounds: int = 5
+                       ) -> list[tuple]:
+    """(op, payload bytes, seconds per call) through meshtrain.comm on a dp mesh group: the median over ``rounds``
+    rounds (every op and size once per round, ``iters`` calls each) of the mean per call. On a shared machine a
+    small call takes either ~0.1 ms or a scheduler time slice (~1-2 ms) when a peer is descheduled; one round's
+    mean swings by 10x, the median of rounds much less. Last, ("call_between_compute", bytes, seconds): what a
+    small all-reduce issued right after compute costs beyond the same call back to back (``Hardware.call_s``)."""
     torch.set_num_threads(1)
     mesh = Mesh(dp=world_size, device=torch.device("cpu"))
     group = mesh.group("dp", "cp")
-    out = []
-    for nbytes in sizes:
-        n = max(world_size, int(nbytes / 4) // world_size * world_size)
-        full, part = torch.ones(n), torch.ones(n // world_size)
-        calls = {  # the tensors are bound as defaults: each dict is used only in this iteration anyway
-            "all_reduce": lambda f=full: comm.all_reduce(f, group),
-            "all_gather": lambda f=full, p=part: comm.all_gather(f, p, group),
-            "reduce_scatter": lambda f=full, p=part: comm.reduce_scatter(p, f, group),
-            "send": lambda f=full: comm.send(f, 1, group) if rank == 0 else comm.recv(f, 0, group),
-        }
-        for op, call in calls.items():
-            call()  # warm-up
-            comm.barrier(group)
-            start = time.perf_counter()
-            for _ in range(iters):
-                call()
-            out.append((op, n * 4, (time.perf_counter() - start) / iters))
-    # A small all-reduce issued between compute, as training issues its TP/SP, CP and loss collectives: it also
-    # pays the peers' skew (one rank waits for the other's compute jitter) and the wake-up of a busy process.
+    timed: dict[tuple[str, int], list[float]] = {}
+    # A small all-reduce issued between compute, as training issues its TP/SP, CP and loss collectives, also pays
+    # the peers' skew (one rank waits for the other's compute jitter) and the wake-up of a busy process.
     a, small = torch.randn(128, 128), torch.ones(1024)
     def work() -> None:
         for _ in range(8):
             a @ a
-    times = {}
-    for name, body in (("compute", work), ("compute+all_reduce", lambda: (work(), comm.all_reduce(small, group)))):
-        comm.barrier(group)
-        start = time.perf_counter()
-        for _ in range(5 * iters):
-            body()
-        times[name] = (time.perf_counter() - start) / (5 * iters)
-    out.append(("inline_all_reduce", small.numel() * 4, max(0.0, times["compute+all_reduce"] - times["compute"])))
+    inline = {"compute": work, "compute+call": lambda: (work(), comm.all_reduce(small, group)),
+              "call": lambda: comm.all_reduce(small, group)}
+    for _ in range(rounds):
+        for nbytes in sizes:
+            n = max(world_size, int(nbytes / 4) // world_size * world_size)
+            full, part, out_a2a = torch.ones(n), torch.ones(n // world_size), torch.empty(n)
+            calls = {  # the tensors are bound as defaults: each dict is used only in this iteration anyway
+                "all_reduce": lambda f=full: comm.all_reduce(f, group),
+                "all_gather": lambda f=full, p=part: comm.all_gather(f, p, group),
+                "reduce_scatter": lambda f=full, p=part: comm.reduce_scatter(p, f, group),
+                "all_to_all": lambda f=full, o=out_a2a: comm.all_to_all(o, f, group),
+                "send": lambda f=full: comm.send(f, 1, group) if rank == 0 else comm.recv(f, 0, group),
+            }
+            for op, call in calls.items():
+                call()  # warm-up
+                comm.barrier(group)
+                start = time.perf_counter()
+                for _ in range(iters):
+                    call()
+                timed.setdefault((op, n * 4), []).append((time.perf_counter() - start) / iters)
+        for name, body in inline.items():
+            comm.barrier(group)
+            start = time.perf_counter()
+            for _ in range(2 * iters):
+                body()
+            timed.setdefault((name, 0), []).append((time.perf_counter() - start) / (2 * iters))
+    med = {k: sorted(v)[len(v) // 2] for k, v in timed.items()}
+    out = [(op, nbytes, sec) for (op, nbytes), sec in med.items() if nbytes]
+    extra = [tc - c - b for tc, c, b in zip(timed[("compute+call", 0)], timed[("compute", 0)], timed[("call", 0)],
+                                            strict=True)]
+    out.append(("call_between_compute", small.numel() * 4, max(0.0, sorted(extra)[len(extra) // 2])))
     return out
+
+
+# The parallel runtime's own work per axis (``Hardware.axis_block_s``): short runs of one calibration model through
+# the real ``Trainer`` / ``parallelize()`` on 2 processes, each axis against plain DP on the same model. The model
+# is not the demo model the step-time check runs (configs/small.yaml: d_model 256, 4 layers, 16 x 256 tokens).
+AXIS_MODEL = ["model.d_model=128", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=257",
+              "train.seq_len=128", "model.max_seq_len=128", "train.global_batch=8", "train.dtype=bf16",
+              "data.source=synthetic", "train.eval_every=0", "train.sample_tokens=0", "train.progress=false",
+              "train.tensorboard=false", "train.ckpt_every=0"]
+AXIS_RUNS = {"base": ["parallel.zero=0"], "tp": ["parallel.tp=2", "parallel.sp=true"], "cp": ["parallel.cp=2"],
+             "moe": ["model.moe_experts=4", "model.moe_top_k=2", "parallel.ep=2"], "zero3": ["parallel.zero=3"]}
+
+
+def _axis_worker(rank: int, world_size: int, runs: dict[str, list[str]], steps: int, rounds: int
+                 ) -> dict[str, float]:
+    """Seconds per training step of each run (``AXIS_MODEL`` + its overrides): the median over ``rounds`` rounds
+    (the runs interleaved, so a slow moment of the machine spreads over all of them) of each round's median."""
+    from meshtrain.config import load_config
+    from meshtrain.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    trainers = {name: Trainer(load_config(None, [*AXIS_MODEL, *over])) for name, over in runs.items()}
+    for tr in trainers.values():  # warm-up: buffers, buckets, connections
+        tr.train_step(0)
+        tr.train_step(1)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(rounds):
+        for name, tr in trainers.items():
+            per = []
+            for i in range(steps):
+                start = time.perf_counter()
+                tr.train_step(2 + r * steps + i)
+                per.append(time.perf_counter() - start)
+            times[name].append(sorted(per)[len(per) // 2])
+    return {name: sorted(v)[len(v) // 2] for name, v in times.items()}
+
+
+def measure_axis_work(hw: Hardware, steps: int = 4, rounds: int = 5) -> tuple[dict[str, float], list[str]]:
+    """The runtime's own work per block call of each axis (``AXIS_RUNS``) that ``hw``'s step costs and
+    collectives leave unpriced: (axis seconds per block and microbatch, report lines). For each axis,
+    (measured - measured plain DP) - (predicted - predicted plain DP) over the model's blocks: the common error of
+    the plain model cancels, what is left is the axis's work the model does not count. Never negative."""
+    from meshtrain.config import load_config
+    from meshtrain.plan.check import predict_step_time
+
+    measured = spawn(_axis_worker, 2, (AXIS_RUNS, steps, rounds), timeout=600.0)
+    secs = {name: max(r[name] for r in measured) for name in AXIS_RUNS}
+    cfgs = {name: load_config(None, [*AXIS_MODEL, *over]) for name, over in AXIS_RUNS.items()}
+    pred = {name: predict_step_time(cfgs[name], 2, hw).step_s for name in AXIS_RUNS}
+    blocks = cfgs["base"].model.n_layers
+    out, lines = {}, []
+    for name in AXIS_RUNS:
+        if name == "base":
+            continue
+        extra = (secs[name] - secs["base"]) - (pred[name] - pred["base"])
+        out[name] = max(0.0, extra / blocks)
+        lines.append(f"  {name:<6} measured {secs[name] * 1e3:6.1f} ms (plain DP {secs['base'] * 1e3:6.1f}), "
+                     f"predicted {pred[name] * 1e3:6.1f} ms ({pred['base'] * 1e3:6.1f}): "
+                     f"{out[name] * 1e3:.2f} ms per block")
+    return out, lines
 
 
 def _probe_worker(rank: int, world_size: int, reps: int) -> float:
@@ -166,20 +252,24 @@ def measure_step_costs(processes: int, reps: int = 5) -> tuple[StepCosts, float,
         probe
 
 
-def measure_collectives(world_size: int = 2, iters: int = 10) -> tuple[float, float, float]:
-    """(latency s per tree level, per-process egress bandwidth B/s, RMS relative error) of gloo collectives between
-    ``world_size`` local processes, fitted in ``network.collective_time``'s form; the latency is the larger of the
-    fitted one and that of a small all-reduce issued between compute (what training's collectives pay)."""
+def measure_collectives(world_size: int = 2, iters: int = 10
+                        ) -> tuple[float, float, float, dict[str, tuple[float, float, float]], float]:
+    """Gloo collectives between ``world_size`` local processes, fitted in ``network.collective_time``'s form:
+    (latency s per tree level, per-process egress bandwidth B/s, RMS relative error) over all ops together,
+    each op's own (latency, bandwidth, error), and the host seconds of one call issued between compute beyond
+    the back-to-back call's own time (``Hardware.call_s``: Python, the meter, the peer's skew and wake-up)."""
     results = spawn(_collective_worker, world_size, (COLLECTIVE_SIZES, iters), timeout=600.0)
-    samples = []
+    samples, by_op = [], []
     for i, (op, nbytes, _) in enumerate(results[0][:-1]):
         secs = max(r[i][2] for r in results)
         steps = 1.0 if op == "send" else (2.0 if op == "all_reduce" else 1.0) * (world_size - 1).bit_length()
         wire = nbytes * wire_factor(op, world_size)
         samples.append((steps, wire, secs))
+        by_op.append((op, steps, wire, secs))
     latency, bw, err = fit_latency_bandwidth(samples)
-    inline = max(r[-1][2] for r in results) / (2.0 * (world_size - 1).bit_length())  # per latency step
-    return max(latency, inline), bw, err
+    per_op = fit_collective_ops(by_op)
+    call_s = max(r[-1][2] for r in results)  # the slower rank's: the other waits for it
+    return latency, bw, err, per_op, call_s
 
 
 def measure_copy_bandwidth(mbytes: float = 256.0, iters: int = 5) -> float:
@@ -200,7 +290,7 @@ def calibrate_cpu_local(path: str | Path | None = None, world_size: int | None =
     cores = os.cpu_count() or 1
     procs = world_size or cores
     costs, fit_err, table, probe = measure_step_costs(procs)
-    latency, bw, comm_err = measure_collectives(max(2, procs))
+    latency, bw, comm_err, per_op, call_s = measure_collectives(max(2, procs))
     mem_bw = measure_copy_bandwidth()
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 8e9
     hw = Hardware(
@@ -208,10 +298,13 @@ def calibrate_cpu_local(path: str | Path | None = None, world_size: int | None =
         float(ram) / procs, mem_bw, intra_bw=bw, inter_bw=bw, devices_per_node=procs, domain=max(2, procs),
         tp_max=max(2, procs), intra_latency=latency, inter_latency=latency, cores=cores, elem_s=costs.elem_s,
         score_s=costs.score_s, block_s=costs.block_s, param_s=costs.param_s, step_s=costs.step_s, probe_s=probe,
+        collective_fits={op: [lat, b] for op, (lat, b, _) in per_op.items()}, call_s=call_s,
         source=f"meshtrain plan --calibrate on {time.strftime('%Y-%m-%d %H:%M')}: {len(table)} bf16 training steps "
                f"on {procs} one-thread processes at once (fit RMS error {fit_err:.1%}), gloo collectives "
                f"{COLLECTIVE_SIZES[0] / 1e3:.0f} KB-{COLLECTIVE_SIZES[-1] / 1e6:.0f} MB via meshtrain.comm "
                f"(fit RMS error {comm_err:.1%}), tensor copy")
+    axis_work, axis_lines = measure_axis_work(hw)
+    hw = replace(hw, axis_block_s=axis_work)
     save_profile(hw, path or hardware_cache_dir() / "cpu-local.json")
     if report is not None:
         report.append(f"step-cost fit over {len(table)} training steps, RMS relative error {fit_err:.1%}:")
@@ -219,5 +312,12 @@ def calibrate_cpu_local(path: str | Path | None = None, world_size: int | None =
             report.append(f"  d_model {d:>3} layers {L} batch {b:>2} x {T:>3}: measured {got * 1e3:8.2f} ms, "
                           f"fitted {fit * 1e3:8.2f} ms")
         report.append(f"collectives: latency {latency * 1e6:.0f} us per step, {bw / 1e9:.2f} GB/s "
-                      f"(fit RMS error {comm_err:.1%})")
+                      f"(fit RMS error {comm_err:.1%}, all ops together); op by op:")
+        for op, (lat, b, e) in per_op.items():
+            report.append(f"  {op:<15} latency {lat * 1e6:6.0f} us per step, {b / 1e9:6.2f} GB/s "
+                          f"(fit RMS error {e:.1%})")
+        report.append(f"host work per collective call between compute: {call_s * 1e6:.0f} us")
+        report.append("the parallel runtime's own work per block (2 processes through parallelize(), each axis "
+                      "against plain DP, beyond what the model above prices):")
+        report += axis_lines
     return hw

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import statistics
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,11 +15,12 @@ import pytest
 from meshtrain import cli
 from meshtrain.calibrate import CALIBRATION_MODELS
 from meshtrain.config import Config, ModelConfig, load_config, resolve_dp, save_config
-from meshtrain.plan.check import WARMUP_STEPS, layout_of, predict_rank, predict_step_time
+from meshtrain.plan.check import WARMUP_STEPS, layout_of, predict_rank, predict_rank_calls, predict_step_time
 from meshtrain.plan.costfit import (
     TERMS,
     StepCosts,
     block_features,
+    fit_collective_ops,
     fit_latency_bandwidth,
     fit_nonnegative,
     fit_step_costs,
@@ -27,8 +29,9 @@ from meshtrain.plan.costfit import (
 )
 from meshtrain.plan.hardware import Hardware, save_profile
 from meshtrain.plan.memory import MESHTRAIN_BF16
+from meshtrain.plan.network import Link, wire_factor
 from meshtrain.plan.problem import Layout, Problem
-from meshtrain.plan.steptime import evaluate
+from meshtrain.plan.steptime import evaluate, op_time
 
 TRUE = StepCosts(flop_rate=2e11, elem_s=3e-9, score_s=1e-8, block_s=8e-4, param_s=1e-8, step_s=2e-3)
 
@@ -143,3 +146,114 @@ def test_check_run_shows_step_time_row(tmp_path, monkeypatch, capsys):
     predicted = predict_step_time(cfg, 2, _profile()).step_s
     assert f"{predicted * 1e3:.1f} ms" in row and f"{measured * 1e3:.1f} ms" in row
     assert f"{predicted / measured - 1:+.0%}" in row and layout_of(cfg, 2).describe() in row
+
+
+def test_fit_collective_ops_recovers_each_op():
+    """Each op gets its own latency and bandwidth back from samples made with different ones (the form
+    ``--calibrate`` fits: seconds = latency steps x latency + wire bytes / bandwidth), where one pair for all
+    ops cannot fit them."""
+    true = {"all_reduce": (9e-4, 2e9), "all_gather": (2e-4, 1e9), "reduce_scatter": (3e-4, 5e8),
+            "all_to_all": (2e-4, 2e9), "send": (1e-4, 5e9)}
+    samples = []
+    for op, (lat, bw) in true.items():
+        steps = 1.0 if op == "send" else (2.0 if op == "all_reduce" else 1.0)
+        for payload in (4e3, 64e3, 1e6, 4e6, 16e6):
+            wire = payload * wire_factor(op, 2)
+            samples.append((op, steps, wire, steps * lat + wire / bw))
+    fits = fit_collective_ops(samples)
+    assert set(fits) == set(true)
+    for op, (lat, bw) in true.items():
+        assert fits[op][0] == pytest.approx(lat, rel=1e-6) and fits[op][1] == pytest.approx(bw, rel=1e-6), op
+        assert fits[op][2] < 1e-9
+    *_, joint_err = fit_latency_bandwidth([(st, w, sec) for _, st, w, sec in samples])
+    assert joint_err > 0.1  # one pair for all ops fits them badly: why each op has its own
+
+
+def test_op_time_prices_op_fit_and_calls():
+    """A profile's own fit of an op replaces its common latency and bandwidth, and every call the meter counts
+    adds ``call_s``; 4 processes on 2 cores double both (``shared_by``)."""
+    hw = replace(_profile(), collective_fits={"reduce_scatter": [3e-4, 5e8], "send": [1e-4, 4e9]}, call_s=5e-5)
+    link = Link(2, 2, hw.intra_bw, hw.inter_bw, hw.intra_latency, hw.inter_latency)
+    payload = 2e6
+    want = 3 * (3e-4 + payload / 3 * wire_factor("reduce_scatter", 2) / 5e8) + 3 * 5e-5
+    assert op_time(hw, "reduce_scatter", payload, link, calls=3) == pytest.approx(want, rel=1e-12)
+    # a ring hop: one transfer, a send and a receive counted; recv is priced as send
+    assert op_time(hw, "recv", 1e6, link, calls=1, metered=2) == pytest.approx(1e-4 + 1e6 / 4e9 + 2 * 5e-5)
+    # an op without its own fit keeps the profile's common latency (per tree level, twice) and bandwidth
+    common = 2 * hw.intra_latency + 1e6 / hw.intra_bw + 5e-5
+    assert op_time(hw, "all_reduce", 1e6, link) == pytest.approx(common, rel=1e-12)
+    assert op_time(hw, "all_reduce", 0, link) == 0.0
+    four = hw.shared_by(4)
+    assert four.call_s == 2 * hw.call_s and four.collective_fits["send"] == [2e-4, 2e9]
+
+
+def test_predicted_calls_equal_counted_calls():
+    """``predict_rank_calls`` gives, rank by rank, the collective calls per (axis, op) that the comm meter counted
+    in real runs (``comm.json``'s ``calls``) for 16 layouts on 2 and 4 processes: every DP/ZeRO stage with
+    accumulation and HSDP, TP with and without SP and recompute, three pipeline schedules, ring CP with
+    recompute, MoE with EP (and TP+SP). The counts were recorded from the runs the fixture names."""
+    doc = json.loads((Path(__file__).parent / "fixtures" / "comm_calls.json").read_text())
+    assert len(doc["runs"]) >= 16
+    for run in doc["runs"]:
+        cfg = load_config("configs/small.yaml", run["overrides"])
+        for rank in run["ranks"]:
+            pred = {f"{a}/{o}": v for (a, o), v in predict_rank_calls(cfg, run["nproc"], rank["coords"]).items()}
+            assert pred == rank["calls"], (run["name"], rank["coords"])
+
+
+@pytest.mark.slow
+def test_predicted_calls_equal_counted_calls_live(tmp_path):
+    """The same on runs made now: tp2+sp with full recompute and ring cp2 with grad accumulation, through the CLI."""
+    import subprocess
+    import sys
+
+    base = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "train.seq_len=32",
+            "model.max_seq_len=32", "train.global_batch=4", "train.steps=3", "train.eval_every=0",
+            "train.sample_tokens=0", "train.progress=false", "train.tensorboard=false", "train.ckpt_every=0",
+            "data.source=synthetic"]
+    for name, over in (("tp", ["parallel.tp=2", "parallel.sp=true", "train.recompute=full"]),
+                       ("cp", ["parallel.cp=2", "train.grad_accum=2"])):
+        out = tmp_path / name
+        subprocess.run([sys.executable, "-m", "meshtrain", "train", "--nproc", "2", "--config", "configs/small.yaml",
+                        "--out", str(out), *base, *over], check=True, capture_output=True)
+        cfg = load_config("configs/small.yaml", base + over)
+        for rank in json.loads((out / "comm.json").read_text())["ranks"]:
+            pred = {f"{a}/{o}": v for (a, o), v in predict_rank_calls(cfg, 2, rank["coords"]).items()}
+            assert pred == rank["calls"], (name, rank["coords"])
+
+
+def test_axis_work_is_priced_per_block_of_the_axes_used():
+    """The runtime's own work per axis (``axis_block_s``, measured by ``--calibrate`` through parallelize) adds its
+    seconds to every block call of a layout that uses the axis, and nothing to one that does not."""
+    cfg = replace(load_config("configs/small.yaml").model, vocab_size=257)
+    work = {"tp": 1e-3, "cp": 2e-3, "zero3": 4e-3}
+    plain = Problem(cfg, 256, 16, _profile(), 1, precision=MESHTRAIN_BF16)
+    priced = replace(plain, hw=replace(_profile(), axis_block_s=work))
+    for lay, want in ((Layout(dp=2), 0.0), (Layout(dp=1, tp=2, sp=True), work["tp"]),
+                      (Layout(dp=1, cp=2), work["cp"]), (Layout(dp=2, zero=3), work["zero3"]),
+                      (Layout(dp=1, tp=2, sp=True, microbatches=2), 2 * work["tp"])):
+        extra = evaluate(priced, lay).step.compute - evaluate(plain, lay).step.compute
+        assert extra == pytest.approx(cfg.n_layers * want, rel=1e-9, abs=1e-12), lay.describe()
+
+
+def test_check_run_compares_calls(tmp_path):
+    """``--check-run`` lists the predicted against the counted calls where comm.json has them, and marks a count
+    that differs (shown, not judged: the check's verdict stays the bytes')."""
+    from meshtrain.plan.check import check_run
+
+    cfg = load_config("tiny")
+    cfg.model.vocab_size = 257
+    cfg.parallel.zero = 3
+    _fake_run(tmp_path / "run", cfg, 2, [0.3] * 4)
+    comm_json = tmp_path / "run" / "comm.json"
+    doc = json.loads(comm_json.read_text())
+    for r in doc["ranks"]:
+        r["calls"] = {f"{a}/{o}": v for (a, o), v in predict_rank_calls(cfg, 2, r["coords"]).items()}
+    comm_json.write_text(json.dumps(doc))
+    text, exact, _ = check_run(tmp_path / "run", hardware="h100")
+    assert exact and "calls dp_shard_cp/all_gather" in text
+    doc["ranks"][1]["calls"]["dp_shard_cp/all_gather"] += 1
+    comm_json.write_text(json.dumps(doc))
+    text, exact, _ = check_run(tmp_path / "run", hardware="h100")
+    assert exact and any(ln.startswith("   1  calls dp_shard_cp/all_gather") and ln.endswith("NO")
+                             for ln in text.splitlines())

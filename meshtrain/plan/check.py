@@ -19,7 +19,17 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.config import Config, resolve_dp, update_from_dict
-from meshtrain.plan.comm_bytes import cp_comm_bytes, dp_comm_bytes, ep_comm_bytes, pp_p2p_bytes, tp_comm_bytes
+from meshtrain.plan.comm_bytes import (
+    cp_calls,
+    cp_comm_bytes,
+    dp_comm_bytes,
+    dp_family_calls,
+    ep_calls,
+    ep_comm_bytes,
+    pp_p2p_bytes,
+    tp_calls,
+    tp_comm_bytes,
+)
 from meshtrain.plan.hardware import Hardware, get_hardware
 from meshtrain.plan.memory import DTYPE_BYTES, dp_state_bytes, run_precision
 from meshtrain.plan.partition import partition_model
@@ -100,6 +110,55 @@ def predict_rank(cfg: Config, world_size: int, coords: dict[str, int]) -> tuple[
         ex = dp_state_bytes(m, expert_zero, edp, units=expert_units)
         state = {k: state[k] + ex[k] for k in state}
     return out, state
+
+
+def predict_rank_calls(cfg: Config, world_size: int, coords: dict[str, int]) -> dict[tuple[str, str], int]:
+    """Collective calls per (axis, op) of one training step predicted for one rank (what ``comm.json``'s
+    ``calls`` counts), the same cases as ``predict_rank``'s bytes (flat ZeRO layout)."""
+    p, t, m = cfg.parallel, cfg.train, cfg.model
+    dp = resolve_dp(cfg, world_size)
+    layers, first, last, schedule = None, True, True, None
+    if p.pp > 1:
+        schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
+        part = partition_model(m, t.seq_len, schedule.n_stages)
+        mine = [s for s, r in enumerate(schedule.placement) if r == coords["pp"]]
+        layers = [i for s in mine for i in part.layers[s]]
+        first, last = 0 in mine, schedule.n_stages - 1 in mine
+    layers = list(range(m.n_layers)) if layers is None else layers
+    units = unit_numels(m, p.tp, layers, first, last, p.ep)
+    ndp, shard = dp * p.cp, (p.dp_shard * p.cp if p.dp_shard else 0)
+    micro = p.microbatches if p.pp > 1 else t.grad_accum
+    recompute = t.recompute != "none"
+    limit = max(int(p.bucket_mb * 2**20 / 4), 1)  # DataParallel's bucket, in elements (fp32 gradients)
+    out: dict[tuple[str, str], int] = {}
+    _add(out, dp_family_calls(len(units), p.zero, ndp, t.grad_accum, shard, p.reshard_after_forward,
+                              max(1, -(-sum(units) // limit))))
+    if p.tp > 1:
+        n = shard or ndp
+        k = coords["dp"] % (p.dp_shard or dp) * p.cp + coords["cp"]
+        norms = norm_elems_held(m, p.tp, layers, first, last, p.zero, n, k, p.ep)
+        kv = norm_elems_held(m, p.tp, layers, first, last, p.zero, n, k, p.ep, over="tp_kv") \
+            if m.kv_heads < p.tp else 0
+        _add(out, tp_calls(p.tp, p.sp, micro, len(layers), first, last, norms > 0 or bool(m.moe_experts), recompute,
+                           not m.moe_experts, kv > 0, p.sp_regather))
+    _add(out, cp_calls(p.cp, p.cp_attention, len(layers), micro, recompute))
+    if schedule is not None:
+        transfer = pp_p2p_bytes(1, 1)  # bytes of one token's unit: divide it out to count transfers
+        _add(out, {k: v // transfer for k, v in pipeline_rank_p2p(schedule, coords["pp"], transfer).items()})
+    moe_layers = len(layers) if m.moe_experts else 0
+    if moe_layers:
+        _add(out, ep_calls(p.ep, moe_layers, micro, recompute))
+        split = [a for a, x in (("cp", p.cp), ("tp", p.tp if p.sp else 1)) if x > 1]
+        if split and m.moe_aux_loss_coef > 0:
+            _add(out, {("_".join(split), "all_reduce"): micro * moe_layers})
+    experts = expert_params_per_rank(m, p.ep, moe_layers)
+    edp = ndp // p.ep
+    if experts and edp > 1:
+        ez = min(p.zero, 2)
+        for (_, op), v in dp_family_calls(moe_layers, ez, edp, t.grad_accum,
+                                          buckets=max(1, -(-experts // limit))).items():
+            _add(out, {("edp", op): v})
+    return out
 
 
 def _shard_overlap(numel: int, n: int, k: int) -> int:
@@ -197,7 +256,8 @@ def step_time_check(run_dir: str | Path, cfg: Config, world_size: int, hardware:
 
 
 def check_run(run_dir: str | Path, hardware: str = "cpu-local") -> tuple[str, bool, bool]:
-    """Side-by-side table of predicted and measured bytes for a finished run, and the step time (predicted on
+    """Side-by-side table of predicted and measured bytes (and, shown only, collective calls where ``comm.json`` has
+    them) for a finished run, and the step time (predicted on
     ``hardware`` against the run's median); (text, every byte count equal, every state size within 5%). The step
     time is shown, not judged: it depends on the machine and its load."""
     run = Path(run_dir)
@@ -229,6 +289,15 @@ def check_run(run_dir: str | Path, hardware: str = "cpu-local") -> tuple[str, bo
             exact &= want == got
             mark = "yes" if want == got else "NO"
             lines.append(f"{r['rank']:>4}  {axis + '/' + op:<28} {want:>14,} {got:>14,}  {mark}")
+        per_tensor = cfg.parallel.zero in (1, 2) and cfg.parallel.zero_layout == "per_tensor"
+        if "calls" in r and not per_tensor:  # runs whose comm.json records the meter's calls: shown beside the
+            # bytes, not judged (``exact`` is the bytes'): tests/test_steptime.py checks the counts on 16 layouts;
+            # per-tensor ZeRO issues one call per tensor, not counted by predict_rank_calls
+            calls = predict_rank_calls(cfg, world, r["coords"])
+            for axis, op in sorted(set(calls) | {tuple(k.split("/")) for k in r["calls"]}):
+                want, got = calls.get((axis, op), 0), r["calls"].get(f"{axis}/{op}", 0)
+                lines.append(f"{r['rank']:>4}  {'calls ' + axis + '/' + op:<28} {want:>14,} {got:>14,}  "
+                             f"{'yes' if want == got else 'NO'}")
         for kind in ("params", "grads", "optim"):
             want, got = state[kind], r["state"][kind]
             ok = abs(got - want) <= 0.05 * max(want, 1)

@@ -226,3 +226,76 @@ def ep_comm_bytes(tokens: int, cfg: ModelConfig, ep: int, act_bytes: int = 4, re
     rows = tokens * cfg.moe_top_k * cfg.d_model * act_bytes
     counts = 8 * cfg.moe_experts
     return counts + 4 * rows + ((counts + 2 * rows) if recompute else 0)
+
+
+# --- Calls: how many collectives a rank issues per step, beside how many bytes (the comm meter counts both).
+# Each call costs host work (Python, the meter, waking a peer) whatever its size: on a CPU mesh of small tensors
+# that, not the bytes, is most of a collective's time, so the step-time model prices calls (``Hardware.call_s``).
+
+def dp_family_calls(n_units: int, zero: int, dp: int, grad_accum: int = 1, dp_shard: int = 0,
+                    reshard_after_forward: bool = True, buckets: int = 1) -> dict[tuple[str, str], int]:
+    """Calls per rank per step of the data-parallel family, for the same cases as ``dp_family_bytes`` (flat
+    layout): DP all-reduces each of its ``buckets`` once; ZeRO-1/2 reduce-scatter every unit (every microbatch
+    under ZeRO-2) and all-gather it once; ZeRO-3 all-gathers every unit per microbatch in forward and again in
+    backward when resharded, and reduce-scatters it per microbatch; HSDP all-reduces each unit's shard over the
+    replicas once."""
+    if zero == 0:
+        return {("dp_cp", "all_reduce"): buckets} if dp > 1 else {}
+    n = dp_shard or dp
+    out: dict[tuple[str, str], int] = {}
+    if n > 1:
+        out[("dp_shard_cp", "reduce_scatter")] = (grad_accum if zero >= 2 else 1) * n_units
+        out[("dp_shard_cp", "all_gather")] = n_units if zero in (1, 2) else \
+            grad_accum * (2 if reshard_after_forward else 1) * n_units
+    if dp // n > 1:
+        out[("dp_replicate", "all_reduce")] = n_units
+    return out
+
+
+def tp_calls(tp: int, sp: bool, grad_accum: int = 1, layers: int = 1, embedding: bool = True, head: bool = True,
+             norms: bool = True, recompute: bool = False, mlp_tp: bool = True, kv_shared: bool = False,
+             sp_regather: bool = True) -> dict[tuple[str, str], int]:
+    """Calls per rank per step on the tp axis, term by term as ``tp_comm_bytes`` counts its bytes: per microbatch
+    one collective per block entry/exit, embedding and head (each a reduce-scatter + an all-gather under SP),
+    the repeated ones under recompute, SP's re-gathers, the loss's three all-reduces; once per step the
+    replicated norms' gradients (one all-reduce) and the shared kv heads' (one, on ``tp_kv``)."""
+    if tp == 1:
+        return {}
+    per_block = 4 if mlp_tp else 2
+    count = per_block * layers + (1 if embedding else 0) + (1 if head else 0)
+    again = layers if recompute else 0
+    loss = 3 if head else 0
+    if sp:
+        columns = ((2 if mlp_tp else 1) * layers + (1 if head else 0)) if sp_regather else 0
+        out = {("tp", "all_gather"): grad_accum * (count + (2 if mlp_tp else 1) * again + columns),
+               ("tp", "reduce_scatter"): grad_accum * (count + again),
+               ("tp", "all_reduce"): grad_accum * loss + (1 if norms else 0)}
+    else:
+        out = {("tp", "all_reduce"): grad_accum * (count + again + loss) + (1 if norms else 0)}
+    if kv_shared:
+        out[("tp_kv", "all_reduce")] = 1
+    return {k: v for k, v in out.items() if v}
+
+
+def cp_calls(cp: int, attention: str = "ring", layers: int = 1, micro: int = 1, recompute: bool = False
+             ) -> dict[tuple[str, str], int]:
+    """Calls per rank per step on the cp axis (``cp_comm_bytes``' transfers one by one): ring attention sends and
+    receives K/V cp-1 times per block forward, again in backward plus the dK/dV accumulators' cp-1 hops home
+    (and the forward's again under recompute); all-gather attention gathers once per block (twice under
+    recompute) and reduce-scatters dK/dV once."""
+    if cp <= 1:
+        return {}
+    n = layers * micro
+    if attention == "ring":
+        c = n * (cp - 1) * (4 if recompute else 3)
+        return {("cp", "send"): c, ("cp", "recv"): c}
+    return {("cp", "all_gather"): n * (2 if recompute else 1), ("cp", "reduce_scatter"): n}
+
+
+def ep_calls(ep: int, layers: int = 1, micro: int = 1, recompute: bool = False) -> dict[tuple[str, str], int]:
+    """All-to-alls per rank per step under expert parallelism (``ep_comm_bytes``' pieces): per MoE block and
+    microbatch the per-expert counts, dispatch and combine forward, the two row exchanges reversed in
+    backward; recompute repeats the forward three."""
+    if ep <= 1:
+        return {}
+    return {("ep", "all_to_all"): layers * micro * (5 + (3 if recompute else 0))}

@@ -133,3 +133,13 @@ def fit_latency_bandwidth(samples: list[tuple[float, float, float]]) -> tuple[fl
     rows = [{"latency": steps, "bytes": wire} for steps, wire, _ in samples]
     coef, err = fit_nonnegative(rows, [s for *_, s in samples], ("latency", "bytes"))
     return float(coef[0]), (1.0 / coef[1] if coef[1] > 0 else float("inf")), err
+
+
+def fit_collective_ops(samples: list[tuple[str, float, float, float]]) -> dict[str, tuple[float, float, float]]:
+    """Each op's own (latency s per step, bandwidth B/s, RMS relative error) from (op, latency steps, wire bytes,
+    seconds) samples, fitted like ``fit_latency_bandwidth`` but op by op: gloo's ops differ by more than one
+    latency and one bandwidth describe (on this machine all-reduce, all-gather and send differ ~2x per byte)."""
+    out = {}
+    for op in sorted({s[0] for s in samples}):
+        out[op] = fit_latency_bandwidth([(steps, wire, sec) for o, steps, wire, sec in samples if o == op])
+    return out

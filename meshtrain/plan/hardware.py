@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -118,6 +118,14 @@ class Hardware:
     param_s: float = 0.0  # seconds per parameter of gradient clipping + the optimizer step
     step_s: float = 0.0  # fixed seconds per optimizer step
     probe_s: float = 0.0  # seconds of calibrate.probe_speed's reference step when measured (drift check)
+    # Measured collectives (``--calibrate``): each op's own latency per tree level and bandwidth {op: [s, B/s]}
+    # (gloo's all-reduce, all-gather, reduce-scatter, all-to-all and send differ more than one pair describes),
+    # and the host work of one collective call issued between compute (Python, the comm meter, waking a peer).
+    collective_fits: dict = field(default_factory=dict)
+    call_s: float = 0.0
+    # The parallel runtime's own work per block call and microbatch that the single-process steps do not contain
+    # (``--calibrate`` times short runs through ``parallelize()`` on 2 processes): {"tp", "cp", "moe", "zero3": s}.
+    axis_block_s: dict = field(default_factory=dict)
 
     @property
     def torus(self) -> bool:
@@ -144,7 +152,9 @@ class Hardware:
         return replace(self, bf16_flops=self.bf16_flops / k, hbm_bw=self.hbm_bw / k, intra_bw=self.intra_bw / k,
                        inter_bw=self.inter_bw / k, intra_latency=self.intra_latency * k,
                        inter_latency=self.inter_latency * k, elem_s=self.elem_s * k, score_s=self.score_s * k,
-                       block_s=self.block_s * k, param_s=self.param_s * k, step_s=self.step_s * k)
+                       block_s=self.block_s * k, param_s=self.param_s * k, step_s=self.step_s * k,
+                       call_s=self.call_s * k, axis_block_s={a: v * k for a, v in self.axis_block_s.items()},
+                       collective_fits={op: [lat * k, bw / k] for op, (lat, bw) in self.collective_fits.items()})
 
     def to_dict(self) -> dict:
         from dataclasses import asdict

@@ -15,7 +15,9 @@ A calibrated profile (``meshtrain plan --calibrate``: ``hw.measured_steps``) rep
 step costs of ``plan/costfit.py`` (matmul FLOPs at the measured rate, non-matmul elements, attention scores, block
 calls; parameters and a fixed cost for the optimizer step), divides each process's share of the machine when more
 processes than cores run (``Hardware.shared_by``), and hides no communication behind compute when every core is busy
-computing (``overlaps``).
+computing (``overlaps``). There every collective costs its op's own measured latency and bandwidth plus the host
+work of each call the comm meter counts (``op_time``; the calls per step are ``comm_bytes.py``'s ``*_calls``), and
+each block of a layout using tp, cp, MoE+ep or ZeRO-3 the runtime's own work that axis adds (``axis_block_time``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from meshtrain.plan.costfit import StepCosts, block_features, head_features
 from meshtrain.plan.flops import attention_flops_per_token, flops_per_token, layer_flops, param_count, stage_part_flops
 from meshtrain.plan.hardware import Hardware
 from meshtrain.plan.memory import activation_bytes, activation_elems_per_token, state_bytes
-from meshtrain.plan.network import Link, calls_time, collective_time, dp_axes, exposed, group_link
+from meshtrain.plan.network import Link, collective_time, dp_axes, exposed, group_link
 from meshtrain.plan.pipeline_cost import pipeline_sim_fast, stage_partition
 from meshtrain.plan.problem import Collective, Estimate, Layout, Problem, StepTime
 from meshtrain.plan.units import block_params, expert_params_per_rank, unit_numels
@@ -62,6 +64,34 @@ def overlaps(hw: Hardware, devices: int) -> bool:
     sharing CPU cores (a calibrated profile with at least one process per core) have no idle core for gloo's
     work, so a collective waits for, and is waited for by, the compute beside it."""
     return not (hw.cores and devices >= hw.cores)
+
+
+def op_time(hw: Hardware, op: str, payload: float, link: Link, calls: int = 1, metered: int | None = None) -> float:
+    """Seconds of ``calls`` equal ``op`` collectives moving ``payload`` bytes between them over ``link``: each call
+    ``network.collective_time`` at the op's own measured latency and bandwidth where the profile has them
+    (``hw.collective_fits``, ``--calibrate``), plus ``hw.call_s`` of host work per call the comm meter counts
+    (``metered``, default ``calls``: a ring hop is a send and a receive, two counted calls, one transfer)."""
+    if payload <= 0 or link.n <= 1:
+        return 0.0
+    op = "send" if op in ("recv", "p2p") else op  # a receive is the other end of a send
+    fit = hw.collective_fits.get(op)
+    if fit:
+        lat, bw = fit
+        link = replace(link, intra_latency=lat, inter_latency=lat, intra_bw=bw, inter_bw=bw)
+    return calls * collective_time(op, payload / calls, link) + (calls if metered is None else metered) * hw.call_s
+
+
+def axis_block_time(hw: Hardware, lay: Layout, cfg: ModelConfig) -> float:
+    """Seconds per block forward + backward of the parallel runtime's own work for ``lay``'s axes, as
+    ``--calibrate`` measured it through ``parallelize()`` (``hw.axis_block_s``; empty for the datasheet presets):
+    TP's autograd functions and the vocab-parallel pieces, ring attention's per-chunk attention and merges, MoE
+    routing and the expert exchange's bookkeeping, ZeRO-3's flat-buffer gathers and reshards."""
+    work = hw.axis_block_s
+    if not work:
+        return 0.0
+    used = {"tp": lay.tp > 1, "cp": lay.cp > 1, "moe": bool(cfg.moe_experts) and lay.ep > 1,
+            "zero3": lay.zero == 3 and lay.dp * lay.cp > 1}
+    return sum(work.get(axis, 0.0) for axis, on in used.items() if on)
 
 
 def step_costs(hw: Hardware) -> StepCosts:
@@ -125,6 +155,7 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
         t_layer = layer_compute_time(cfg, t, T, C, hw.hbm_bw, tp, eff, prec.act, prec.act)
         t_head = t * head_flops / tp / (C * eff)
         redo_s = 2 * max(redo, 0.0) * t * prec.act / hw.hbm_bw  # HBM-bound
+    t_layer += axis_block_time(hw, lay, cfg) / 3  # the parallel runtime's own work, a third of it forward
     stage_f = [blocks[s] * t_layer + (t_head if s == n_stages - 1 else 0.0) for s in range(n_stages)]
     f_c = max(stage_f)
     layers_max = max(blocks)
@@ -144,14 +175,16 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
     tp_link = group_link(hw, tp, 1)
     tp_f = tp_b = 0.0
     for _, op, nbytes, phase in tp_layer_collectives(t, d, tp, lay.sp, prec.act):
-        dt = collective_time(op, nbytes, tp_link) * layers_max
+        dt = op_time(hw, op, nbytes, tp_link) * layers_max
         if phase == "fwd":
             tp_f += dt
         else:
             tp_b += dt
-    if tp > 1:  # embedding output / head input gradient: one more activation each way
-        tp_f += collective_time("all_reduce", t * d * prec.act, tp_link)
-        tp_b += collective_time("all_reduce", t * d * prec.act, tp_link)
+    if tp > 1:  # embedding output / head input gradient: one more activation each way (under SP a reduce-scatter
+        # and an all-gather, and the head's input re-gathered in backward), and the loss's three small all-reduces
+        tp_f += op_time(hw, "all_reduce", t * d * prec.act, tp_link, metered=2 if lay.sp else 1) \
+            + op_time(hw, "all_reduce", 3 * 4 * t, tp_link, calls=3)
+        tp_b += op_time(hw, "all_reduce", t * d * prec.act, tp_link, metered=3 if lay.sp else 1)
     if lay.recompute == "full":
         tp_b += tp_f  # the recomputed forward repeats its collectives
 
@@ -159,8 +192,9 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
     ep_link = group_link(hw, lay.ep, tp, 1)
     a2a = ep_all_to_all_bytes(t // (tp if lay.sp else 1), d, cfg.moe_top_k, lay.ep, prec.act) \
         if cfg.moe_experts else {"fwd": 0, "bwd": 0}
-    ep_f = layers_max * collective_time("all_to_all", a2a["fwd"], ep_link) if a2a["fwd"] else 0.0
-    ep_b = layers_max * collective_time("all_to_all", a2a["bwd"], ep_link) if a2a["bwd"] else 0.0
+    # forward: the per-expert counts, dispatch and combine (3 calls); backward: the two row exchanges reversed
+    ep_f = layers_max * op_time(hw, "all_to_all", a2a["fwd"], ep_link, calls=2, metered=3)
+    ep_b = layers_max * op_time(hw, "all_to_all", a2a["bwd"], ep_link, calls=2)
     if lay.recompute == "full":
         ep_b += ep_f
 
@@ -169,8 +203,10 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
     ring = cp_ring_bytes(t, cfg, cp, tp, prec.act)
     attn_f = t * attention_flops_per_token(cfg, T) / cfg.n_layers / tp / (C * eff)
     hide = attn_f if overlaps(hw, problem.devices) else 0.0  # what attention can hide of the ring
-    cp_f = layers_max * max(0.0, collective_time("send", ring["fwd"], cp_link) - hide) if cp > 1 else 0.0
-    cp_b = layers_max * max(0.0, collective_time("send", ring["bwd"], cp_link) - 2 * hide) if cp > 1 else 0.0
+    hops = max(cp - 1, 1)  # each hop a send and a receive (two counted calls); backward passes K/V and dK/dV
+    cp_f = layers_max * max(0.0, op_time(hw, "send", ring["fwd"], cp_link, hops, 2 * hops) - hide) if cp > 1 else 0.0
+    cp_b = layers_max * max(0.0, op_time(hw, "send", ring["bwd"], cp_link, 2 * hops, 4 * hops) - 2 * hide) \
+        if cp > 1 else 0.0
     return StageAction(blocks, f_c, b_c, tp_f, tp_b, ep_f, ep_b, cp_f, cp_b, tp_link, cp_link, ring, attn_f)
 
 
@@ -184,7 +220,7 @@ def pipeline_time(problem: Problem, lay: Layout, t: int, act: StageAction, step:
     if pp > 1:
         world = problem.devices
         p2p_link = group_link(hw, 2, world // pp)
-        p2p_t = collective_time("send", pp_p2p_bytes(t, problem.model.d_model, lay.tp, lay.sp, prec.hidden), p2p_link)
+        p2p_t = op_time(hw, "send", pp_p2p_bytes(t, problem.model.d_model, lay.tp, lay.sp, prec.hidden), p2p_link)
         span0, idle0, peaks = pipeline_sim_fast(lay.schedule, pp, mc, v, F, B, 0.0)
         span, _, _ = pipeline_sim_fast(lay.schedule, pp, mc, v, F, B, p2p_t)
         busy = span0 - idle0
@@ -240,11 +276,11 @@ def data_parallel_time(problem: Problem, lay: Layout, act: StageAction) -> tuple
     nu = len(units)
     reps_rs = accum if lay.zero >= 2 else 1
     reps_ag = 2 * accum if lay.zero == 3 else 1
-    t_rs = calls_time("reduce_scatter", dp_bytes.get(("dp_shard_cp", "reduce_scatter"), 0), nu * reps_rs, shard_link)
-    t_ag = calls_time("all_gather", dp_bytes.get(("dp_shard_cp", "all_gather"), 0), nu * reps_ag, shard_link)
+    t_rs = op_time(hw, "reduce_scatter", dp_bytes.get(("dp_shard_cp", "reduce_scatter"), 0), shard_link, nu * reps_rs)
+    t_ag = op_time(hw, "all_gather", dp_bytes.get(("dp_shard_cp", "all_gather"), 0), shard_link, nu * reps_ag)
     ar_bytes = dp_bytes.get(("dp_cp", "all_reduce"), 0)
-    t_ar = calls_time("all_reduce", ar_bytes, max(1, math.ceil(ar_bytes / 25e6)), dp_link)
-    t_rep = calls_time("all_reduce", dp_bytes.get(("dp_replicate", "all_reduce"), 0), nu, rep_link)
+    t_ar = op_time(hw, "all_reduce", ar_bytes, dp_link, max(1, math.ceil(ar_bytes / 25e6)))
+    t_rep = op_time(hw, "all_reduce", dp_bytes.get(("dp_replicate", "all_reduce"), 0), rep_link, nu)
     last_frac = units[0] / psi  # the embedding's bucket is reduced last: nothing left to hide it
     if lay.zero == 0:
         dp_time = exposed(t_ar, B, t_ar * last_frac)
@@ -265,7 +301,7 @@ def data_parallel_time(problem: Problem, lay: Layout, act: StageAction) -> tuple
     edp = ndp // lay.ep
     if experts and edp > 1:
         edp_link = group_link(hw, edp, tp * lay.ep, axes)
-        dp_time += exposed(collective_time("all_reduce", experts * prec.reduce, edp_link), B)
+        dp_time += exposed(op_time(hw, "all_reduce", experts * prec.reduce, edp_link), B)
     return dp_time, DataParallel(units, dp_bytes, dp_link, shard_link, rep_link)
 
 
@@ -285,7 +321,7 @@ def kv_grad_time(problem: Problem, lay: Layout, act: StageAction) -> float:
     elems = kv_grad_elems(problem, lay, act.layers)
     if not elems:
         return 0.0
-    return collective_time("all_reduce", elems * problem.precision.grad, _kv_link(problem, lay))
+    return op_time(problem.hw, "all_reduce", elems * problem.precision.grad, _kv_link(problem, lay))
 
 
 def _kv_link(problem: Problem, lay: Layout) -> Link:
@@ -355,18 +391,19 @@ def _collectives(problem: Problem, lay: Layout, t: int, layers: int, tp_link: Li
     per_step = mc * layers * lay.virtual  # block-level calls per step on this rank
     for what, op, nbytes, phase in tp_layer_collectives(t, cfg.d_model, lay.tp, lay.sp, prec.act):
         calls = per_step * (2 if (lay.recompute == "full" and phase == "fwd") else 1)
-        out.append(Collective("tp", op, f"{phase}: {what}", lay.tp, nbytes, collective_time(op, nbytes, tp_link),
+        out.append(Collective("tp", op, f"{phase}: {what}", lay.tp, nbytes, op_time(problem.hw, op, nbytes, tp_link),
                               calls, "yes"))
     if lay.cp > 1:
         for phase, factor in (("fwd", 1.0), ("bwd", 2.0)):
-            sec = collective_time("send", ring[phase], cp_link)
+            hops = int(factor) * (lay.cp - 1)
+            sec = op_time(problem.hw, "send", ring[phase], cp_link, hops, 2 * hops)
             hidden = sec <= factor * attn_f
             out.append(Collective("cp", "send", f"{phase}: ring K/V ({lay.cp - 1} hops)", lay.cp, ring[phase], sec,
                                   per_step, "overlapped" if hidden else "partly"))
     if kv := kv_grad_elems(problem, lay, layers):
         nbytes = kv * prec.grad
         out.append(Collective("tp_kv", "all_reduce", "step end: shared kv heads' gradients", lay.tp // cfg.kv_heads,
-                              nbytes, collective_time("all_reduce", nbytes, _kv_link(problem, lay)), 1, "exposed"))
+                              nbytes, op_time(problem.hw, "all_reduce", nbytes, _kv_link(problem, lay)), 1, "exposed"))
     if lay.ep > 1 and cfg.moe_experts:
         rows = t // (lay.tp if lay.sp else 1) * cfg.moe_top_k * cfg.d_model * prec.act
         link = group_link(problem.hw, lay.ep, lay.tp, 1)
@@ -374,7 +411,7 @@ def _collectives(problem: Problem, lay: Layout, t: int, layers: int, tp_link: Li
             for what in ("dispatch", "combine"):
                 calls = per_step * (2 if (lay.recompute == "full" and phase == "fwd") else 1)
                 out.append(Collective("ep", "all_to_all", f"{phase}: {what} (tokens x top_k rows)", lay.ep, rows,
-                                      collective_time("all_to_all", rows, link), calls, "yes"))
+                                      op_time(problem.hw, "all_to_all", rows, link), calls, "yes"))
     if lay.pp > 1:
         nbytes = pp_p2p_bytes(t, cfg.d_model, lay.tp, lay.sp, prec.hidden)
         out.append(Collective("pp", "send", "activation to next stage / its gradient back", 2, nbytes, p2p_t,
@@ -397,5 +434,5 @@ def _collectives(problem: Problem, lay: Layout, t: int, layers: int, tp_link: Li
             per_unit /= calls
             crit = "overlapped (backward), last bucket exposed"
             what = "gradients" if group != "dp_replicate" else "gradient shards across replicas"
-        out.append(Collective(group, op, what, n, per_unit, collective_time(op, per_unit, link), calls, crit))
+        out.append(Collective(group, op, what, n, per_unit, op_time(problem.hw, op, per_unit, link), calls, crit))
     return out

@@ -520,12 +520,15 @@ class Trainer:
 
     def _record_comm(self, step_s: float, wait_s: float) -> None:
         """Write ``comm.json``: every rank's collective bytes (per axis and op) of one training step and
+        the calls behind them (``plan/comm_bytes.py::collective_calls``), and
         its live parameter/gradient/optimizer bytes, for ``meshtrain plan --check-run``; and, for the run
         report, the step's seconds and the seconds this rank was blocked in each (axis, op)."""
         snap = comm.METER.snapshot()
         mine = {
             "rank": self.mesh.rank, "coords": {k: int(v) for k, v in self.mesh.coords.items()},
             "bytes": {f"{axis}/{op}": v["bytes"] for axis, ops in snap.items() for op, v in ops.items()
+                      if op != "metrics"},
+            "calls": {f"{axis}/{op}": v["calls"] for axis, ops in snap.items() for op, v in ops.items()
                       if op != "metrics"},
             "wait_s": {f"{axis}/{op}": v["seconds"] for axis, ops in snap.items() for op, v in ops.items()},
             "step_time_s": step_s, "comm_wait_s": wait_s,
