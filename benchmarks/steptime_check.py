@@ -11,7 +11,7 @@ its fastest time within minutes), so the script also times ``calibrate.probe_spe
 ``corrected`` columns are the prediction times that drift: the same one factor for every layout, measured, not
 fitted, the reference-in-the-same-run rule of benchmarks/README.md. Both are reported.
 
-    flock /tmp/meshtrain-heavy.lock python benchmarks/steptime_check.py [--calibrate] [--steps 10] [--only NAME,...]
+    python benchmarks/steptime_check.py [--calibrate] [--steps 10] [--only NAME,...]
 
 The machine is shared: the load average before each run is printed beside it, so a contended row can be told.
 """
