@@ -53,12 +53,10 @@ def pipeline_rank_p2p(schedule, pp_rank: int, transfer: int) -> dict[tuple[str, 
     return {k: v for k, v in {("pp", "send"): sent, ("pp", "recv"): received}.items() if v}
 
 
-def predict_rank(cfg: Config, world_size: int, coords: dict[str, int]) -> tuple[dict[tuple[str, str], int],
-                                                                                dict[str, float]]:
-    """(bytes per (axis, op) of one training step, live state bytes) predicted for one rank."""
+def _rank_units(cfg: Config, coords: dict[str, int]):
+    """What one rank holds of the model: (its pipeline schedule or None, its layers, whether it has the first
+    and the last stage, its sharding units' sizes): shared by the byte and the call predictions."""
     p, t, m = cfg.parallel, cfg.train, cfg.model
-    dp = resolve_dp(cfg, world_size)
-    compute_bytes, reduce_bytes = DTYPE_BYTES[t.dtype], DTYPE_BYTES[p.reduce_dtype]
     layers, first, last, schedule = None, True, True, None
     if p.pp > 1:
         schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
@@ -67,7 +65,16 @@ def predict_rank(cfg: Config, world_size: int, coords: dict[str, int]) -> tuple[
         layers = [i for s in mine for i in part.layers[s]]
         first, last = 0 in mine, schedule.n_stages - 1 in mine
     layers = list(range(m.n_layers)) if layers is None else layers
-    units = unit_numels(m, p.tp, layers, first, last, p.ep)
+    return schedule, layers, first, last, unit_numels(m, p.tp, layers, first, last, p.ep)
+
+
+def predict_rank(cfg: Config, world_size: int, coords: dict[str, int]) -> tuple[dict[tuple[str, str], int],
+                                                                                dict[str, float]]:
+    """(bytes per (axis, op) of one training step, live state bytes) predicted for one rank."""
+    p, t, m = cfg.parallel, cfg.train, cfg.model
+    dp = resolve_dp(cfg, world_size)
+    compute_bytes, reduce_bytes = DTYPE_BYTES[t.dtype], DTYPE_BYTES[p.reduce_dtype]
+    schedule, layers, first, last, units = _rank_units(cfg, coords)
     ndp = dp * p.cp  # gradients are reduced over dp x cp (HSDP shards over dp_shard x cp)
     shard = p.dp_shard * p.cp if p.dp_shard else 0
     out: dict[tuple[str, str], int] = {}
@@ -117,15 +124,7 @@ def predict_rank_calls(cfg: Config, world_size: int, coords: dict[str, int]) -> 
     ``calls`` counts), the same cases as ``predict_rank``'s bytes (flat ZeRO layout)."""
     p, t, m = cfg.parallel, cfg.train, cfg.model
     dp = resolve_dp(cfg, world_size)
-    layers, first, last, schedule = None, True, True, None
-    if p.pp > 1:
-        schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
-        part = partition_model(m, t.seq_len, schedule.n_stages)
-        mine = [s for s, r in enumerate(schedule.placement) if r == coords["pp"]]
-        layers = [i for s in mine for i in part.layers[s]]
-        first, last = 0 in mine, schedule.n_stages - 1 in mine
-    layers = list(range(m.n_layers)) if layers is None else layers
-    units = unit_numels(m, p.tp, layers, first, last, p.ep)
+    schedule, layers, first, last, units = _rank_units(cfg, coords)
     ndp, shard = dp * p.cp, (p.dp_shard * p.cp if p.dp_shard else 0)
     micro = p.microbatches if p.pp > 1 else t.grad_accum
     recompute = t.recompute != "none"
