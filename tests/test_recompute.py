@@ -81,6 +81,36 @@ def test_saved_activation_bytes_excludes_parameters_and_returned_output() -> Non
     assert saved_activation_bytes(lambda: x * 2, exclude=[x]) == 0
 
 
+def _held_by_a_thread_after_a_collective(rank: int, world_size: int) -> tuple[int, int]:
+    import threading
+
+    import torch.distributed as dist
+
+    x = torch.randn(4, 8, requires_grad=True)
+    kept: list[torch.Tensor] = []
+
+    def fn(hold_s: float) -> torch.Tensor:
+        t = x.detach() * 2  # 128 bytes nothing saves for backward
+        dist.all_reduce(t)
+        # As gloo's worker thread does: a reference to the collective's tensor dropped a moment later (or never).
+        kept.append(t)
+        if hold_s > 0:
+            threading.Timer(hold_s, kept.clear).start()
+        return x + t
+
+    released = saved_activation_bytes(lambda: fn(0.2))
+    never = saved_activation_bytes(lambda: fn(0.0), comm_settle_s=0.05)
+    return released, never
+
+
+def test_saved_activation_bytes_waits_for_a_backend_to_drop_a_collective_tensor() -> None:
+    from meshtrain.testing.spawn import spawn
+
+    released, never = spawn(_held_by_a_thread_after_a_collective, 1)[0]
+    assert released == 0  # the thread let go within the settling time: not an activation
+    assert never == 128  # still alive after it: counted
+
+
 def test_bad_mode_raises() -> None:
     with pytest.raises(ValueError, match=r"train\.recompute.*none, full, selective"):
         apply_recompute(build_model(CFG, seed=0), "everything")

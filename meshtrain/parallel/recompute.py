@@ -34,6 +34,7 @@ cannot see inside compiled kernels).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -168,11 +169,13 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int, torch.UntypedStorage] | Non
 
 
 class _NewStorageRecorder(TorchDispatchMode):
-    """Weakly records every storage an op allocates (outputs that do not alias an input)."""
+    """Weakly records every storage an op allocates (outputs that do not alias an input), and notes the storages
+    a collective (a ``c10d`` op) was handed."""
 
-    def __init__(self, record: Callable[[torch.Tensor], None]) -> None:
+    def __init__(self, record: Callable[[torch.Tensor], None], touched: Callable[[int], None]) -> None:
         super().__init__()
         self.record = record
+        self.touched = touched
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -181,13 +184,17 @@ class _NewStorageRecorder(TorchDispatchMode):
             for t in tree_leaves((args, kwargs))
             if isinstance(t, torch.Tensor) and (key := _storage_key(t)) is not None
         }
+        if getattr(func, "namespace", "") == "c10d":
+            for ptr in inputs:
+                self.touched(ptr)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and (key := _storage_key(t)) is not None and key[0] not in inputs:
                 self.record(t)
         return out
 
 
-def saved_activation_bytes(fn: Callable[[], Any], exclude: Iterable[torch.Tensor] = ()) -> int:
+def saved_activation_bytes(fn: Callable[[], Any], exclude: Iterable[torch.Tensor] = (),
+                           comm_settle_s: float = 2.0) -> int:
     """Bytes of activation memory that the forward ``fn()`` leaves held for backward; each storage counted once.
 
     Run ``fn`` (a forward, e.g. ``lambda: loss_fn(model(x))``) with grad enabled and let it return its
@@ -204,10 +211,17 @@ def saved_activation_bytes(fn: Callable[[], Any], exclude: Iterable[torch.Tensor
     tensors ``fn`` returns unless they are also saved for backward (the caller holds those, not autograd),
     and storages of the tensors in ``exclude`` (e.g. ``model.buffers()``). On CPU this stands in for
     allocator statistics.
+
+    Storages a collective was handed are the one exception to "alive means kept": a backend's worker
+    thread (gloo's) drops its reference to a finished collective's tensors a moment *after* the wait
+    returns, so such a storage (e.g. a row-parallel output, all-reduced in place and dead after the
+    residual add) can read as alive for a while. We wait for those, up to ``comm_settle_s``, before
+    counting; only one that is still alive then (kept by a selective cache, say) is counted.
     """
     excluded = {key[0] for t in exclude if (key := _storage_key(t)) is not None}
     tracked: dict[int, tuple[StorageWeakRef, int]] = {}
     saved: set[int] = set()
+    touched: set[int] = set()
 
     def record(t: torch.Tensor) -> int | None:
         key = _storage_key(t)
@@ -216,6 +230,7 @@ def saved_activation_bytes(fn: Callable[[], Any], exclude: Iterable[torch.Tensor
         ptr, nbytes, storage = key
         # A dead storage's address can be reused by a later allocation: the newer entry replaces it.
         tracked[ptr] = (StorageWeakRef(storage), nbytes)
+        touched.discard(ptr)
         return ptr
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -224,11 +239,15 @@ def saved_activation_bytes(fn: Callable[[], Any], exclude: Iterable[torch.Tensor
             saved.add(ptr)
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _NewStorageRecorder(record):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _NewStorageRecorder(record, touched.add):
         out = fn()
     returned = {
         key[0] for t in tree_leaves(out) if isinstance(t, torch.Tensor) and (key := _storage_key(t)) is not None
     }
+    settling = [tracked[ptr][0] for ptr in touched if ptr in tracked and ptr not in saved | returned | excluded]
+    deadline = time.monotonic() + comm_settle_s
+    while any(not ref.expired() for ref in settling) and time.monotonic() < deadline:
+        time.sleep(0.001)
     total = 0
     for ptr, (ref, nbytes) in tracked.items():
         if ref.expired() or ptr in excluded or (ptr in returned and ptr not in saved):
