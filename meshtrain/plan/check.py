@@ -101,7 +101,8 @@ def predict_rank(cfg: Config, world_size: int, coords: dict[str, int]) -> tuple[
                                  recompute=t.recompute != "none", mlp_tp=not m.moe_experts,
                                  kv_elems=norm_elems_held(m, p.tp, layers, first, last, p.zero, n, k, p.ep,
                                                           over="tp_kv"),
-                                 sp_regather=p.sp_regather, regather_bytes=compute_bytes))
+                                 sp_regather=p.sp_regather, regather_bytes=compute_bytes,
+                                 exit_bytes=compute_bytes))
     _add(out, cp_comm_bytes(m, p.cp, p.tp, tokens, p.cp_attention, len(layers), micro, compute_bytes,
                             t.recompute != "none"))
     if schedule is not None:

@@ -80,8 +80,8 @@ def dp_family_bytes(units: list[int], zero: int, dp: int, grad_accum: int = 1, d
 def tp_comm_bytes(cfg: ModelConfig, tp: int, sp: bool, tokens: int, grad_accum: int = 1, act_bytes: int = 4,
                   layers: int | None = None, embedding: bool = True, head: bool = True,
                   norm_elems: int | None = None, recompute: bool = False, mlp_tp: bool = True,
-                  kv_elems: int | None = None, sp_regather: bool = True, regather_bytes: int | None = None
-                  ) -> dict[tuple[str, str], int]:
+                  kv_elems: int | None = None, sp_regather: bool = True, regather_bytes: int | None = None,
+                  exit_bytes: int | None = None) -> dict[tuple[str, str], int]:
     """Payload bytes per rank per step on the tp axis (meshtrain/parallel/tensor.py).
 
     ``tokens`` is the tokens of one microbatch on this rank (rows x seq_len); S = tokens x d_model x
@@ -114,26 +114,33 @@ def tp_comm_bytes(cfg: ModelConfig, tp: int, sp: bool, tokens: int, grad_accum: 
     the head) saves its sequence shard and all-gathers it again in backward: one more all-gather of S per
     column layer and microbatch (2 per block, 1 with MoE, + 1 for the head), in ``regather_bytes`` per element
     (the compute dtype the shard is saved in; default ``act_bytes``). Recompute does not change this count.
+
+    Dtypes: the residual stream, the embedding's output and the norms' outputs that enter the column-parallel layers
+    are ``act_bytes`` per element (fp32: under bf16 autocast the norms and the residual adds stay fp32); what
+    leaves a row-parallel layer (attention's and the MLP's output projections) is the matmul's compute dtype,
+    ``exit_bytes`` (default ``act_bytes``), and so is its gradient in backward.
     """
     if tp == 1:
         return {}
     n_layers = cfg.n_layers if layers is None else layers
-    s = tokens * cfg.d_model * act_bytes
-    per_block = 4 if mlp_tp else 2
-    count = per_block * n_layers + (1 if embedding else 0) + (1 if head else 0)  # collectives per microbatch
+    act = tokens * cfg.d_model * act_bytes
+    out_s = tokens * cfg.d_model * (act_bytes if exit_bytes is None else exit_bytes)
+    exits = (2 if mlp_tp else 1) * n_layers  # row-parallel outputs per microbatch
+    entries = exits + (1 if embedding else 0) + (1 if head else 0)  # column inputs, the embedding's output
     loss = 3 * 4 * tokens if head else 0
     if norm_elems is None:
         norm_elems = (2 * n_layers + (1 if head else 0)) * cfg.d_model
     norms = norm_elems * 4
-    again = n_layers if recompute else 0
+    again = n_layers if recompute else 0  # recompute repeats each block's entries and its attention's exit
+    each_way = entries * act + exits * out_s  # forward + backward, one direction of SP's pair each
     if sp:
         columns = (2 if mlp_tp else 1) * n_layers + (1 if head else 0) if sp_regather else 0
         regather = columns * tokens * cfg.d_model * (act_bytes if regather_bytes is None else regather_bytes)
-        out = {("tp", "all_gather"): grad_accum * ((count + (2 if mlp_tp else 1) * again) * s + regather),
-               ("tp", "reduce_scatter"): grad_accum * (count + again) * s,
+        out = {("tp", "all_gather"): grad_accum * (each_way + (2 if mlp_tp else 1) * again * act + regather),
+               ("tp", "reduce_scatter"): grad_accum * (each_way + again * out_s),
                ("tp", "all_reduce"): grad_accum * loss + norms}
     else:
-        out = {("tp", "all_reduce"): grad_accum * ((count + again) * s + loss) + norms}
+        out = {("tp", "all_reduce"): grad_accum * (each_way + again * out_s + loss) + norms}
     if cfg.kv_heads < tp:
         out[("tp_kv", "all_reduce")] = 4 * (2 * n_layers * cfg.head_dim * cfg.d_model if kv_elems is None
                                             else kv_elems)
