@@ -10,7 +10,8 @@ gradients over the ranks while our loss is already divided by the global token c
 loss is scaled by the world size: both then apply the same gradients, and the script asserts that both
 computed the same run (first loss within 1e-5, the whole trajectory within 1e-3 relative). Rounds
 alternate ours/theirs/theirs/ours (benchmarks/harness.py); a barrier precedes every timed step. It also
-reports the share of our gradient communication that ran while backward was still computing, and with
+reports the share of our gradient communication that ran while backward was still computing (timestamped in
+the untimed warm-up steps only: the completion callbacks are instrumentation training does not run), and with
 ``--trace DIR`` writes a chrome-format torch.profiler trace per rank.
 
     python benchmarks/dp_vs_torch.py [--runs 3] [--rounds 6] [--steps 12] [--d-model 256] [--trace DIR]
@@ -78,14 +79,20 @@ def _ours(args, zero, rank, world, trace_dir):
 
     times, losses, overlap = [], [], []
     for i, (x, y, n) in enumerate(_batches(args, rank, world, device)):
+        # Completion timestamps (a callback per collective on the backend's thread, a poller where gloo has no
+        # future) are instrumentation training does not run: only the untimed warm-up steps after the first
+        # (which rebuilds the buckets) take them, for the overlap column.
+        comm.METER.timing = 0 < i < args.warmup
         prof = _profiler(trace_dir, f"ours_zero{zero}", rank) if (trace_dir and i == args.steps - 1) else None
         (loss, ov), t = timed_step(lambda: step(x, y, n))  # noqa: B023 - called at once
         times.append(t)
         losses.append(loss)
-        overlap.append(ov)
+        if comm.METER.timing:
+            overlap.append(ov)
         if prof is not None:
             prof.__exit__(None, None, None)
-    return times[args.warmup:], losses, overlap[args.warmup:]
+    comm.METER.timing = False
+    return times[args.warmup:], losses, overlap
 
 
 def _torch(args, zero, rank, world, trace_dir):
@@ -149,7 +156,6 @@ def _profiler(trace_dir, name, rank):
 
 
 def _worker(rank, world, args):
-    comm.METER.timing = True
     sides = {"ours": _ours, "theirs": _torch}
     out = {}
     for zero in (0, 3):
