@@ -15,9 +15,9 @@ way a worker does:
    call back to back is the host work of one call (``call_s``), which the planner charges per call;
 3. a large tensor copy (the memory bandwidth, for the planner's HBM-bound terms);
 4. the parallel runtime's own work per axis (``measure_axis_work``): a calibration model trained a few steps through
-   the real ``Trainer`` / ``parallelize()`` on 2 processes as plain DP and with tp+SP, ring cp, MoE+ep and ZeRO-3;
-   what each axis costs beyond plain DP and beyond what the terms above price for it, per block, is
-   ``Hardware.axis_block_s``.
+   the real ``Trainer`` / ``parallelize()`` on 2 processes as plain DP and with tp+SP, ring cp, MoE+ep and ZeRO-3,
+   at two token counts; what each axis costs beyond plain DP and beyond what the terms above price for it, per
+   block call and per activation element, is ``Hardware.axis_block_s``.
 
 More processes than cores share them: the planner slows every process by ``devices / cores`` (``plan/steptime.py``).
 Measuring needs processes and collectives (``meshtrain.testing.spawn``, ``meshtrain.comm``), so this module sits at
@@ -39,6 +39,7 @@ from meshtrain.mesh import Mesh
 from meshtrain.model.llama import build_model, cross_entropy_sum
 from meshtrain.plan.costfit import (
     StepCosts,
+    fit_axis_work,
     fit_collective_ops,
     fit_latency_bandwidth,
     fit_step_costs,
@@ -164,62 +165,79 @@ def _collective_worker(rank: int, world_size: int, sizes: tuple[float, ...], ite
 
 
 # The parallel runtime's own work per axis (``Hardware.axis_block_s``): short runs of one calibration model through
-# the real ``Trainer`` / ``parallelize()`` on 2 processes, each axis against plain DP on the same model. The model
-# is not the demo model the step-time check runs (configs/small.yaml: d_model 256, 4 layers, 16 x 256 tokens).
+# the real ``Trainer`` / ``parallelize()`` on 2 processes, each axis against plain DP on the same model, at two token
+# counts (``AXIS_SIZES``: 4x apart) so the work per block call and the work per activation element separate. The
+# model is not the demo model the step-time check runs (configs/small.yaml: d_model 256, 4 layers, 16 x 256 tokens).
 AXIS_MODEL = ["model.d_model=128", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=257",
-              "train.seq_len=128", "model.max_seq_len=128", "train.global_batch=8", "train.dtype=bf16",
-              "data.source=synthetic", "train.eval_every=0", "train.sample_tokens=0", "train.progress=false",
-              "train.tensorboard=false", "train.ckpt_every=0"]
+              "train.dtype=bf16", "data.source=synthetic", "train.eval_every=0", "train.sample_tokens=0",
+              "train.progress=false", "train.tensorboard=false", "train.ckpt_every=0"]
+AXIS_SIZES = {"small": ["train.seq_len=128", "model.max_seq_len=128", "train.global_batch=8"],
+              "large": ["train.seq_len=256", "model.max_seq_len=256", "train.global_batch=16"]}
 AXIS_RUNS = {"base": ["parallel.zero=0"], "tp": ["parallel.tp=2", "parallel.sp=true"], "cp": ["parallel.cp=2"],
              "moe": ["model.moe_experts=4", "model.moe_top_k=2", "parallel.ep=2"], "zero3": ["parallel.zero=3"]}
 
 
-def _axis_worker(rank: int, world_size: int, runs: dict[str, list[str]], steps: int, rounds: int
-                 ) -> dict[str, float]:
-    """Seconds per training step of each run (``AXIS_MODEL`` + its overrides): the median over ``rounds`` rounds
-    (the runs interleaved, so a slow moment of the machine spreads over all of them) of each round's median."""
+def _axis_configs() -> dict[tuple[str, str], list[str]]:
+    """Every (size, run) of the axis-work calibration: its overrides."""
+    return {(size, name): [*AXIS_MODEL, *sized, *over] for size, sized in AXIS_SIZES.items()
+            for name, over in AXIS_RUNS.items()}
+
+
+def _axis_worker(rank: int, world_size: int, runs: dict, steps: int, rounds: int) -> dict:
+    """Seconds per training step of each run (its overrides): the median over ``rounds`` rounds (the runs
+    interleaved, so a slow moment of the machine spreads over all of them) of each round's median."""
     from meshtrain.config import load_config
     from meshtrain.train.trainer import Trainer
 
     torch.set_num_threads(1)
-    trainers = {name: Trainer(load_config(None, [*AXIS_MODEL, *over])) for name, over in runs.items()}
+    trainers = {key: Trainer(load_config(None, over)) for key, over in runs.items()}
     for tr in trainers.values():  # warm-up: buffers, buckets, connections
         tr.train_step(0)
         tr.train_step(1)
-    times: dict[str, list[float]] = {name: [] for name in runs}
+    times: dict = {key: [] for key in runs}
     for r in range(rounds):
-        for name, tr in trainers.items():
+        for key, tr in trainers.items():
             per = []
             for i in range(steps):
                 start = time.perf_counter()
                 tr.train_step(2 + r * steps + i)
                 per.append(time.perf_counter() - start)
-            times[name].append(sorted(per)[len(per) // 2])
-    return {name: sorted(v)[len(v) // 2] for name, v in times.items()}
+            times[key].append(sorted(per)[len(per) // 2])
+    return {key: sorted(v)[len(v) // 2] for key, v in times.items()}
 
 
-def measure_axis_work(hw: Hardware, steps: int = 4, rounds: int = 5) -> tuple[dict[str, float], list[str]]:
-    """The runtime's own work per block call of each axis (``AXIS_RUNS``) that ``hw``'s step costs and
-    collectives leave unpriced: (axis seconds per block and microbatch, report lines). For each axis,
+def measure_axis_work(hw: Hardware, steps: int = 4, rounds: int = 5) -> tuple[dict[str, list[float]], list[str]]:
+    """The runtime's own work of each axis (``AXIS_RUNS``) that ``hw``'s step costs and collectives leave unpriced:
+    ({axis: [seconds per block call, seconds per activation element]}, report lines). At each size, for each axis,
     (measured - measured plain DP) - (predicted - predicted plain DP) over the model's blocks: the common error of
-    the plain model cancels, what is left is the axis's work the model does not count. Never negative."""
+    the plain model cancels, what is left is the axis's work the model does not count; ``fit_axis_work`` splits
+    the two sizes' figures into a per-call and a per-element part. Never negative."""
     from meshtrain.config import load_config
-    from meshtrain.plan.check import predict_step_time
+    from meshtrain.plan.check import layout_of, predict_step_time
+    from meshtrain.plan.steptime import tokens_per_microbatch
 
-    measured = spawn(_axis_worker, 2, (AXIS_RUNS, steps, rounds), timeout=600.0)
-    secs = {name: max(r[name] for r in measured) for name in AXIS_RUNS}
-    cfgs = {name: load_config(None, [*AXIS_MODEL, *over]) for name, over in AXIS_RUNS.items()}
-    pred = {name: predict_step_time(cfgs[name], 2, hw).step_s for name in AXIS_RUNS}
-    blocks = cfgs["base"].model.n_layers
+    runs = _axis_configs()
+    measured = spawn(_axis_worker, 2, (runs, steps, rounds), timeout=900.0)
+    secs = {key: max(r[key] for r in measured) for key in runs}
+    cfgs = {key: load_config(None, over) for key, over in runs.items()}
+    pred = {key: predict_step_time(cfg, 2, hw).step_s for key, cfg in cfgs.items()}
     out, lines = {}, []
     for name in AXIS_RUNS:
         if name == "base":
             continue
-        extra = (secs[name] - secs["base"]) - (pred[name] - pred["base"])
-        out[name] = max(0.0, extra / blocks)
-        lines.append(f"  {name:<6} measured {secs[name] * 1e3:6.1f} ms (plain DP {secs['base'] * 1e3:6.1f}), "
-                     f"predicted {pred[name] * 1e3:6.1f} ms ({pred['base'] * 1e3:6.1f}): "
-                     f"{out[name] * 1e3:.2f} ms per block")
+        points = []
+        for size in AXIS_SIZES:
+            cfg, base = cfgs[(size, name)], (size, "base")
+            extra = ((secs[(size, name)] - secs[base]) - (pred[(size, name)] - pred[base])) / cfg.model.n_layers
+            elems = tokens_per_microbatch(cfg.train.global_batch, cfg.train.seq_len, layout_of(cfg, 2)) \
+                * cfg.model.d_model
+            points.append((elems, extra))
+            lines.append(f"  {name:<6} {size:<5} measured {secs[(size, name)] * 1e3:6.1f} ms (plain DP "
+                         f"{secs[base] * 1e3:6.1f}), predicted {pred[(size, name)] * 1e3:6.1f} ms "
+                         f"({pred[base] * 1e3:6.1f}): {extra * 1e3:+.2f} ms per block at {elems:,.0f} elements")
+        out[name] = fit_axis_work(points)
+        lines.append(f"  {name:<6} fitted: {out[name][0] * 1e3:.2f} ms per block call + "
+                     f"{out[name][1] * 1e9:.2f} ns per activation element")
     return out, lines
 
 

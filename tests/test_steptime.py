@@ -203,15 +203,20 @@ def test_predicted_calls_equal_counted_calls():
 
 @pytest.mark.slow
 def test_predicted_calls_equal_counted_calls_live(tmp_path):
-    """The same on runs made now: tp2+sp with full recompute and ring cp2 with grad accumulation, through the CLI."""
+    """The same on runs made now, through the CLI: tp2+sp with full recompute and tp2 without SP with selective
+    recompute, both in bf16 (which also checks the predicted bytes: under autocast the row-parallel outputs travel
+    in bf16, the norms' outputs and the residual stream in fp32), and ring cp2 with grad accumulation."""
     import subprocess
     import sys
+
+    from meshtrain.plan.check import check_run
 
     base = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "train.seq_len=32",
             "model.max_seq_len=32", "train.global_batch=4", "train.steps=3", "train.eval_every=0",
             "train.sample_tokens=0", "train.progress=false", "train.tensorboard=false", "train.ckpt_every=0",
             "data.source=synthetic"]
-    for name, over in (("tp", ["parallel.tp=2", "parallel.sp=true", "train.recompute=full"]),
+    for name, over in (("tp", ["parallel.tp=2", "parallel.sp=true", "train.recompute=full", "train.dtype=bf16"]),
+                       ("tp nosp", ["parallel.tp=2", "train.recompute=selective", "train.dtype=bf16"]),
                        ("cp", ["parallel.cp=2", "train.grad_accum=2"])):
         out = tmp_path / name
         subprocess.run([sys.executable, "-m", "meshtrain", "train", "--nproc", "2", "--config", "configs/small.yaml",
@@ -220,20 +225,35 @@ def test_predicted_calls_equal_counted_calls_live(tmp_path):
         for rank in json.loads((out / "comm.json").read_text())["ranks"]:
             pred = {f"{a}/{o}": v for (a, o), v in predict_rank_calls(cfg, 2, rank["coords"]).items()}
             assert pred == rank["calls"], (name, rank["coords"])
+        text, exact, _ = check_run(out, hardware="h100")
+        assert exact, text
 
 
 def test_axis_work_is_priced_per_block_of_the_axes_used():
     """The runtime's own work per axis (``axis_block_s``, measured by ``--calibrate`` through parallelize) adds its
-    seconds to every block call of a layout that uses the axis, and nothing to one that does not."""
+    seconds to every block call of a layout that uses the axis, and nothing to one that does not; the per-element
+    part grows with the rank's tokens per microbatch x d_model, and an older profile's single number is per call."""
     cfg = replace(load_config("configs/small.yaml").model, vocab_size=257)
-    work = {"tp": 1e-3, "cp": 2e-3, "zero3": 4e-3}
+    work = {"tp": [1e-3, 2e-9], "cp": 2e-3, "zero3": [4e-3, 0.0]}
     plain = Problem(cfg, 256, 16, _profile(), 1, precision=MESHTRAIN_BF16)
     priced = replace(plain, hw=replace(_profile(), axis_block_s=work))
-    for lay, want in ((Layout(dp=2), 0.0), (Layout(dp=1, tp=2, sp=True), work["tp"]),
-                      (Layout(dp=1, cp=2), work["cp"]), (Layout(dp=2, zero=3), work["zero3"]),
-                      (Layout(dp=1, tp=2, sp=True, microbatches=2), 2 * work["tp"])):
+    elems = 16 * 256 * cfg.d_model  # the rank's tokens x d_model with dp = 1, one microbatch
+    for lay, want in ((Layout(dp=2), 0.0), (Layout(dp=1, tp=2, sp=True), 1e-3 + 2e-9 * elems),
+                      (Layout(dp=1, cp=2), 2e-3), (Layout(dp=2, zero=3), 4e-3),
+                      (Layout(dp=1, tp=2, sp=True, microbatches=2), 2 * 1e-3 + 2e-9 * elems)):
         extra = evaluate(priced, lay).step.compute - evaluate(plain, lay).step.compute
         assert extra == pytest.approx(cfg.n_layers * want, rel=1e-9, abs=1e-12), lay.describe()
+
+
+def test_axis_work_fit_separates_per_call_from_per_element():
+    """Two sizes of the calibration model give the per-call and per-element parts back exactly; neither goes
+    negative (work that shrinks with more tokens is per call only; none measured is none)."""
+    from meshtrain.plan.costfit import fit_axis_work
+
+    assert fit_axis_work([(1e5, 1e-3 + 2e-4), (4e5, 1e-3 + 8e-4)]) == pytest.approx([1e-3, 2e-9])
+    per_call, per_elem = fit_axis_work([(1e5, 3e-3), (4e5, 1e-3)])
+    assert per_elem == 0.0 and 1e-3 < per_call < 3e-3
+    assert fit_axis_work([(1e5, -3e-3), (4e5, -1e-3)]) == [0.0, 0.0]
 
 
 def test_check_run_compares_calls(tmp_path):

@@ -143,3 +143,22 @@ def fit_collective_ops(samples: list[tuple[str, float, float, float]]) -> dict[s
     for op in sorted({s[0] for s in samples}):
         out[op] = fit_latency_bandwidth([(steps, wire, sec) for o, steps, wire, sec in samples if o == op])
     return out
+
+
+def fit_axis_work(points: list[tuple[float, float]]) -> list[float]:
+    """[seconds per block call, seconds per activation element], both >= 0, from (elements, seconds per block)
+    measurements of one axis's runtime work (``calibrate.measure_axis_work``): of both terms, either alone, the
+    non-negative fit with the least squared relative error; [0, 0] when nothing positive fits."""
+    usable = [(x, y) for x, y in points if y > 0]
+    best, best_err = [0.0, 0.0], float(len(usable))  # [0, 0]: every point's relative error is -1
+    for use in ((1.0, 1.0), (1.0, 0.0), (0.0, 1.0)):
+        if not usable:
+            break
+        a = np.array([[use[0] / y, use[1] * x / y] for x, y in usable])
+        sol, *_ = np.linalg.lstsq(a, np.ones(len(usable)), rcond=None)
+        if (sol < 0).any():
+            continue
+        err = float(((a @ sol - 1.0) ** 2).sum())
+        if err < best_err:
+            best, best_err = [float(v) for v in sol], err
+    return best

@@ -124,7 +124,8 @@ class Hardware:
     collective_fits: dict = field(default_factory=dict)
     call_s: float = 0.0
     # The parallel runtime's own work per block call and microbatch that the single-process steps do not contain
-    # (``--calibrate`` times short runs through ``parallelize()`` on 2 processes): {"tp", "cp", "moe", "zero3": s}.
+    # (``--calibrate`` times short runs through ``parallelize()`` on 2 processes at two token counts):
+    # {"tp", "cp", "moe", "zero3": [s per block call, s per activation element (tokens x d_model)]}.
     axis_block_s: dict = field(default_factory=dict)
 
     @property
@@ -153,7 +154,7 @@ class Hardware:
                        inter_bw=self.inter_bw / k, intra_latency=self.intra_latency * k,
                        inter_latency=self.inter_latency * k, elem_s=self.elem_s * k, score_s=self.score_s * k,
                        block_s=self.block_s * k, param_s=self.param_s * k, step_s=self.step_s * k,
-                       call_s=self.call_s * k, axis_block_s={a: v * k for a, v in self.axis_block_s.items()},
+                       call_s=self.call_s * k, axis_block_s={a: _scaled(v, k) for a, v in self.axis_block_s.items()},
                        collective_fits={op: [lat * k, bw / k] for op, (lat, bw) in self.collective_fits.items()})
 
     def to_dict(self) -> dict:
@@ -249,3 +250,8 @@ def get_hardware(name: str) -> Hardware:
         return load_profile(name)
     raise ValueError(f"--hardware {name!r} is not known: choose one of {', '.join(HARDWARE)}, cpu-local "
                      f"(after `meshtrain plan --calibrate`) or a profile .json file.")
+
+
+def _scaled(work: float | list[float], k: float) -> float | list[float]:
+    """An ``axis_block_s`` entry (a number, or [per call, per element]) times ``k``."""
+    return work * k if isinstance(work, (int, float)) else [w * k for w in work]

@@ -81,17 +81,30 @@ def op_time(hw: Hardware, op: str, payload: float, link: Link, calls: int = 1, m
     return calls * collective_time(op, payload / calls, link) + (calls if metered is None else metered) * hw.call_s
 
 
-def axis_block_time(hw: Hardware, lay: Layout, cfg: ModelConfig) -> float:
-    """Seconds per block forward + backward of the parallel runtime's own work for ``lay``'s axes, as
-    ``--calibrate`` measured it through ``parallelize()`` (``hw.axis_block_s``; empty for the datasheet presets):
-    TP's autograd functions and the vocab-parallel pieces, ring attention's per-chunk attention and merges, MoE
-    routing and the expert exchange's bookkeeping, ZeRO-3's flat-buffer gathers and reshards."""
+def tokens_per_microbatch(sequences: int, seq_len: int, lay: Layout) -> int:
+    """Tokens one rank runs through a block per microbatch: its data-parallel share of the ``sequences``, its
+    microbatch of them, its context-parallel part of each."""
+    return sequences // lay.dp // lay.microbatches * seq_len // lay.cp
+
+
+def axis_block_time(hw: Hardware, lay: Layout, cfg: ModelConfig, t: float) -> float:
+    """Seconds per block forward + backward of the parallel runtime's own work for ``lay``'s axes on ``t`` tokens per
+    rank and microbatch, as ``--calibrate`` measured it through ``parallelize()`` (``hw.axis_block_s``; empty for the
+    datasheet presets): TP's autograd functions and the vocab-parallel pieces, ring attention's per-chunk attention
+    and merges, MoE routing and the expert exchange's bookkeeping, ZeRO-3's flat-buffer gathers and reshards. Each
+    axis's work is ``[per block call, per activation element]`` (the elements: ``t x d_model``), measured at two
+    token counts; a single number (an older profile) is per block call only."""
     work = hw.axis_block_s
     if not work:
         return 0.0
     used = {"tp": lay.tp > 1, "cp": lay.cp > 1, "moe": bool(cfg.moe_experts) and lay.ep > 1,
             "zero3": lay.zero == 3 and lay.dp * lay.cp > 1}
-    return sum(work.get(axis, 0.0) for axis, on in used.items() if on)
+    total = 0.0
+    for axis, on in used.items():
+        if on and axis in work:
+            per_call, per_elem = (work[axis], 0.0) if isinstance(work[axis], (int, float)) else work[axis]
+            total += per_call + per_elem * t * cfg.d_model
+    return total
 
 
 def step_costs(hw: Hardware) -> StepCosts:
@@ -155,7 +168,7 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
         t_layer = layer_compute_time(cfg, t, T, C, hw.hbm_bw, tp, eff, prec.act, prec.act)
         t_head = t * head_flops / tp / (C * eff)
         redo_s = 2 * max(redo, 0.0) * t * prec.act / hw.hbm_bw  # HBM-bound
-    t_layer += axis_block_time(hw, lay, cfg) / 3  # the parallel runtime's own work, a third of it forward
+    t_layer += axis_block_time(hw, lay, cfg, t) / 3  # the parallel runtime's own work, a third of it forward
     stage_f = [blocks[s] * t_layer + (t_head if s == n_stages - 1 else 0.0) for s in range(n_stages)]
     f_c = max(stage_f)
     layers_max = max(blocks)
@@ -357,7 +370,7 @@ def evaluate(problem: Problem, layout: Layout, with_collectives: bool = False) -
     if problem.hw.oversubscription(problem.devices) > 1:  # processes sharing the cores: each runs on a slice
         problem = replace(problem, hw=problem.hw.shared_by(problem.devices))
     cfg, hw, prec, lay = problem.model, problem.hw, problem.precision, layout
-    t = problem.sequences // lay.dp // lay.microbatches * problem.seq_len // lay.cp  # tokens per rank per microbatch
+    t = tokens_per_microbatch(problem.sequences, problem.seq_len, lay)
     act = stage_action(problem, lay, t)
     step = StepTime()
     p2p_t, peaks = pipeline_time(problem, lay, t, act, step)
