@@ -207,22 +207,27 @@ def test_dp_family_bytes_equals_runtime_model():
 
 
 def test_tp_layer_collectives_sum_to_runtime_model():
+    """Per block, the planner's tp collectives add up to the runtime's bytes, in one dtype and in meshtrain's bf16
+    autocast (row-parallel outputs in bf16, the norms' outputs entering the column-parallel layers in fp32)."""
     cfg = _small()
-    tokens, tp, accum, act = 512, 4, 2, 2
-    s = tokens * cfg.d_model * act
-    extra = accum * (2 * s)  # the embedding output and the head input gradient
-    for sp, regather in ((False, True), (True, False), (True, True)):
-        per_layer: dict[str, int] = {}
-        for _, op, nbytes, _ in tp_layer_collectives(tokens, cfg.d_model, tp, sp, act, regather):
-            per_layer[op] = per_layer.get(op, 0) + nbytes
-        runtime = tp_comm_bytes(cfg, tp, sp, tokens, accum, act, sp_regather=regather)
-        loss_norms = accum * 12 * tokens + (2 * cfg.n_layers + 1) * cfg.d_model * 4
-        if sp:
-            head = accum * s if regather else 0  # the head's input is gathered again in backward too
-            assert runtime[("tp", "all_gather")] == accum * cfg.n_layers * per_layer["all_gather"] + extra + head
-            assert runtime[("tp", "reduce_scatter")] == accum * cfg.n_layers * per_layer["reduce_scatter"] + extra
-        else:
-            assert runtime[("tp", "all_reduce")] == accum * cfg.n_layers * per_layer["all_reduce"] + extra + loss_norms
+    tokens, tp, accum = 512, 4, 2
+    for act, entry in ((2, 2), (4, 4), (2, 4)):
+        s_in = tokens * cfg.d_model * entry
+        extra = accum * (2 * s_in)  # the embedding output and the head input gradient
+        for sp, regather in ((False, True), (True, False), (True, True)):
+            per_layer: dict[str, int] = {}
+            for _, op, nbytes, _ in tp_layer_collectives(tokens, cfg.d_model, tp, sp, act, regather, entry):
+                per_layer[op] = per_layer.get(op, 0) + nbytes
+            runtime = tp_comm_bytes(cfg, tp, sp, tokens, accum, entry, sp_regather=regather, regather_bytes=act,
+                                    exit_bytes=act)
+            loss_norms = accum * 12 * tokens + (2 * cfg.n_layers + 1) * cfg.d_model * 4
+            if sp:
+                head = accum * tokens * cfg.d_model * act if regather else 0  # the head's input gathered again
+                assert runtime[("tp", "all_gather")] == accum * cfg.n_layers * per_layer["all_gather"] + extra + head
+                assert runtime[("tp", "reduce_scatter")] == accum * cfg.n_layers * per_layer["reduce_scatter"] + extra
+            else:
+                assert runtime[("tp", "all_reduce")] == \
+                    accum * cfg.n_layers * per_layer["all_reduce"] + extra + loss_norms
 
 
 def test_collective_time_ring_and_hierarchy():

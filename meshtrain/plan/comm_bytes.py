@@ -147,31 +147,36 @@ def tp_comm_bytes(cfg: ModelConfig, tp: int, sp: bool, tokens: int, grad_accum: 
     return {k: v for k, v in out.items() if v}
 
 
-def tp_layer_collectives(tokens: int, d_model: int, tp: int, sp: bool, act_bytes: int = 2, sp_regather: bool = True
-                         ) -> list[tuple[str, str, int, str]]:
+def tp_layer_collectives(tokens: int, d_model: int, tp: int, sp: bool, act_bytes: int = 2, sp_regather: bool = True,
+                         entry_bytes: int | None = None) -> list[tuple[str, str, int, str]]:
     """Tensor-parallel collectives of one block for one microbatch of ``tokens`` tokens on this rank:
-    (what, op, payload bytes, phase "fwd"/"bwd"). S = tokens x D x act_bytes.
+    (what, op, payload bytes, phase "fwd"/"bwd").
 
     Without SP: all-reduce after the attention and after the MLP (row-parallel outputs) in forward, and of
     the input gradients of both column-parallel entries in backward. With SP each becomes a reduce-scatter
-    plus an all-gather of the same S (the same wire bytes), and with ``sp_regather`` backward all-gathers each
-    column-parallel input again. All are counted on the critical path (seed 000: "on critical path"; the
+    plus an all-gather of the same activation (the same wire bytes), and with ``sp_regather`` backward all-gathers
+    each column-parallel input again. All are counted on the critical path (seed 000: "on critical path"; the
     re-gather overlaps the input-gradient matmul, so this is an upper bound). Summed over layers this is
     ``tp_comm_bytes`` without its embedding, head, loss and norm terms.
+
+    Dtypes as ``tp_comm_bytes``: a row-parallel output and its gradient are ``act_bytes`` per element (the compute
+    dtype), a column-parallel input (a norm's output: fp32 under meshtrain's autocast) and its gradient
+    ``entry_bytes`` (default ``act_bytes``); a re-gathered input is saved in the compute dtype.
     """
     if tp <= 1:
         return []
-    s = tokens * d_model * act_bytes
+    out_s = tokens * d_model * act_bytes
+    in_s = tokens * d_model * (act_bytes if entry_bytes is None else entry_bytes)
     if not sp:
-        return [("attention out", "all_reduce", s, "fwd"), ("mlp out", "all_reduce", s, "fwd"),
-                ("attention in grad", "all_reduce", s, "bwd"), ("mlp in grad", "all_reduce", s, "bwd")]
-    out = [("attention in (seq gather)", "all_gather", s, "fwd"), ("attention out", "reduce_scatter", s, "fwd"),
-           ("mlp in (seq gather)", "all_gather", s, "fwd"), ("mlp out", "reduce_scatter", s, "fwd"),
-           ("attention out grad", "all_gather", s, "bwd"), ("attention in grad", "reduce_scatter", s, "bwd"),
-           ("mlp out grad", "all_gather", s, "bwd"), ("mlp in grad", "reduce_scatter", s, "bwd")]
+        return [("attention out", "all_reduce", out_s, "fwd"), ("mlp out", "all_reduce", out_s, "fwd"),
+                ("attention in grad", "all_reduce", in_s, "bwd"), ("mlp in grad", "all_reduce", in_s, "bwd")]
+    out = [("attention in (seq gather)", "all_gather", in_s, "fwd"), ("attention out", "reduce_scatter", out_s, "fwd"),
+           ("mlp in (seq gather)", "all_gather", in_s, "fwd"), ("mlp out", "reduce_scatter", out_s, "fwd"),
+           ("attention out grad", "all_gather", out_s, "bwd"), ("attention in grad", "reduce_scatter", in_s, "bwd"),
+           ("mlp out grad", "all_gather", out_s, "bwd"), ("mlp in grad", "reduce_scatter", in_s, "bwd")]
     if sp_regather:
-        out += [("attention in (seq re-gather)", "all_gather", s, "bwd"),
-                ("mlp in (seq re-gather)", "all_gather", s, "bwd")]
+        out += [("attention in (seq re-gather)", "all_gather", out_s, "bwd"),
+                ("mlp in (seq re-gather)", "all_gather", out_s, "bwd")]
     return out
 
 

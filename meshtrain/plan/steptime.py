@@ -187,7 +187,7 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
     # --- tensor parallelism: every collective on the critical path
     tp_link = group_link(hw, tp, 1)
     tp_f = tp_b = 0.0
-    for _, op, nbytes, phase in tp_layer_collectives(t, d, tp, lay.sp, prec.act):
+    for _, op, nbytes, phase in tp_layer_collectives(t, d, tp, lay.sp, prec.act, entry_bytes=prec.hidden):
         dt = op_time(hw, op, nbytes, tp_link) * layers_max
         if phase == "fwd":
             tp_f += dt
@@ -195,9 +195,9 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
             tp_b += dt
     if tp > 1:  # embedding output / head input gradient: one more activation each way (under SP a reduce-scatter
         # and an all-gather, and the head's input re-gathered in backward), and the loss's three small all-reduces
-        tp_f += op_time(hw, "all_reduce", t * d * prec.act, tp_link, metered=2 if lay.sp else 1) \
+        tp_f += op_time(hw, "all_reduce", t * d * prec.hidden, tp_link, metered=2 if lay.sp else 1) \
             + op_time(hw, "all_reduce", 3 * 4 * t, tp_link, calls=3)
-        tp_b += op_time(hw, "all_reduce", t * d * prec.act, tp_link, metered=3 if lay.sp else 1)
+        tp_b += op_time(hw, "all_reduce", t * d * prec.hidden, tp_link, metered=3 if lay.sp else 1)
     if lay.recompute == "full":
         tp_b += tp_f  # the recomputed forward repeats its collectives
 
@@ -402,7 +402,8 @@ def _collectives(problem: Problem, lay: Layout, t: int, layers: int, tp_link: Li
     mc = lay.microbatches
     out: list[Collective] = []
     per_step = mc * layers * lay.virtual  # block-level calls per step on this rank
-    for what, op, nbytes, phase in tp_layer_collectives(t, cfg.d_model, lay.tp, lay.sp, prec.act):
+    for what, op, nbytes, phase in tp_layer_collectives(t, cfg.d_model, lay.tp, lay.sp, prec.act,
+                                                        entry_bytes=prec.hidden):
         calls = per_step * (2 if (lay.recompute == "full" and phase == "fwd") else 1)
         out.append(Collective("tp", op, f"{phase}: {what}", lay.tp, nbytes, op_time(problem.hw, op, nbytes, tp_link),
                               calls, "yes"))
