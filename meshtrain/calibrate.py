@@ -15,9 +15,10 @@ way a worker does:
    call back to back is the host work of one call (``call_s``), which the planner charges per call;
 3. a large tensor copy (the memory bandwidth, for the planner's HBM-bound terms);
 4. the parallel runtime's own work per axis (``measure_axis_work``): a calibration model trained a few steps through
-   the real ``Trainer`` / ``parallelize()`` on 2 processes as plain DP and with tp+SP, ring cp, MoE+ep and ZeRO-3,
-   at two token counts; what each axis costs beyond plain DP and beyond what the terms above price for it, per
-   block call and per activation element, is ``Hardware.axis_block_s``.
+   the real ``Trainer`` / ``parallelize()`` on 2 processes as plain DP and with tp+SP, ring cp, MoE+ep, ZeRO-3 and
+   a zero-bubble pipeline (its split backward),
+   at three sizes (more tokens, more blocks); what each axis costs beyond plain DP and beyond what the terms above
+   price for it, per block call, per activation element and per microbatch, is ``Hardware.axis_block_s``.
 
 More processes than cores share them: the planner slows every process by ``devices / cores`` (``plan/steptime.py``).
 Measuring needs processes and collectives (``meshtrain.testing.spawn``, ``meshtrain.comm``), so this module sits at
@@ -165,16 +166,19 @@ def _collective_worker(rank: int, world_size: int, sizes: tuple[float, ...], ite
 
 
 # The parallel runtime's own work per axis (``Hardware.axis_block_s``): short runs of one calibration model through
-# the real ``Trainer`` / ``parallelize()`` on 2 processes, each axis against plain DP on the same model, at two token
-# counts (``AXIS_SIZES``: 4x apart) so the work per block call and the work per activation element separate. The
+# the real ``Trainer`` / ``parallelize()`` on 2 processes, each axis against plain DP on the same model, at three
+# sizes (``AXIS_SIZES``: 4x the tokens, 2x the blocks) so the work per block call, per activation element and per
+# microbatch (outside the blocks: TP's vocab-parallel embedding, head and loss) separate. The
 # model is not the demo model the step-time check runs (configs/small.yaml: d_model 256, 4 layers, 16 x 256 tokens).
 AXIS_MODEL = ["model.d_model=128", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=257",
               "train.dtype=bf16", "data.source=synthetic", "train.eval_every=0", "train.sample_tokens=0",
               "train.progress=false", "train.tensorboard=false", "train.ckpt_every=0"]
 AXIS_SIZES = {"small": ["train.seq_len=128", "model.max_seq_len=128", "train.global_batch=8"],
-              "large": ["train.seq_len=256", "model.max_seq_len=256", "train.global_batch=16"]}
+              "large": ["train.seq_len=256", "model.max_seq_len=256", "train.global_batch=16"],
+              "deep": ["train.seq_len=128", "model.max_seq_len=128", "train.global_batch=8", "model.n_layers=4"]}
 AXIS_RUNS = {"base": ["parallel.zero=0"], "tp": ["parallel.tp=2", "parallel.sp=true"], "cp": ["parallel.cp=2"],
-             "moe": ["model.moe_experts=4", "model.moe_top_k=2", "parallel.ep=2"], "zero3": ["parallel.zero=3"]}
+             "moe": ["model.moe_experts=4", "model.moe_top_k=2", "parallel.ep=2"], "zero3": ["parallel.zero=3"],
+             "zb": ["parallel.pp=2", "parallel.schedule=zb-h1", "parallel.microbatches=4"]}
 
 
 def _axis_configs() -> dict[tuple[str, str], list[str]]:
@@ -208,10 +212,10 @@ def _axis_worker(rank: int, world_size: int, runs: dict, steps: int, rounds: int
 
 def measure_axis_work(hw: Hardware, steps: int = 4, rounds: int = 5) -> tuple[dict[str, list[float]], list[str]]:
     """The runtime's own work of each axis (``AXIS_RUNS``) that ``hw``'s step costs and collectives leave unpriced:
-    ({axis: [seconds per block call, seconds per activation element]}, report lines). At each size, for each axis,
-    (measured - measured plain DP) - (predicted - predicted plain DP) over the model's blocks: the common error of
-    the plain model cancels, what is left is the axis's work the model does not count; ``fit_axis_work`` splits
-    the two sizes' figures into a per-call and a per-element part. Never negative."""
+    ({axis: [s per block call, s per activation element of a block, s per microbatch]}, report lines). At each
+    size, (measured - measured plain DP) - (predicted - predicted plain DP): the common error of the plain model
+    cancels, what is left is the axis's work the model does not count; ``fit_axis_work`` splits the three sizes'
+    figures (more tokens, more blocks) into the three terms. Never negative."""
     from meshtrain.config import load_config
     from meshtrain.plan.check import layout_of, predict_step_time
     from meshtrain.plan.steptime import tokens_per_microbatch
@@ -228,16 +232,17 @@ def measure_axis_work(hw: Hardware, steps: int = 4, rounds: int = 5) -> tuple[di
         points = []
         for size in AXIS_SIZES:
             cfg, base = cfgs[(size, name)], (size, "base")
-            extra = ((secs[(size, name)] - secs[base]) - (pred[(size, name)] - pred[base])) / cfg.model.n_layers
-            elems = tokens_per_microbatch(cfg.train.global_batch, cfg.train.seq_len, layout_of(cfg, 2)) \
-                * cfg.model.d_model
-            points.append((elems, extra))
+            extra = (secs[(size, name)] - secs[base]) - (pred[(size, name)] - pred[base])
+            lay = layout_of(cfg, 2)
+            elems = tokens_per_microbatch(cfg.train.global_batch, cfg.train.seq_len, lay) * cfg.model.d_model
+            blocks, micro = cfg.model.n_layers // lay.pp, lay.microbatches  # a rank's blocks, each microbatch
+            points.append(([blocks * micro, blocks * micro * elems, micro], extra))
             lines.append(f"  {name:<6} {size:<5} measured {secs[(size, name)] * 1e3:6.1f} ms (plain DP "
                          f"{secs[base] * 1e3:6.1f}), predicted {pred[(size, name)] * 1e3:6.1f} ms "
-                         f"({pred[base] * 1e3:6.1f}): {extra * 1e3:+.2f} ms per block at {elems:,.0f} elements")
+                         f"({pred[base] * 1e3:6.1f}): {extra * 1e3:+.2f} ms at {blocks} blocks x {elems:,.0f} elements")
         out[name] = fit_axis_work(points)
         lines.append(f"  {name:<6} fitted: {out[name][0] * 1e3:.2f} ms per block call + "
-                     f"{out[name][1] * 1e9:.2f} ns per activation element")
+                     f"{out[name][1] * 1e9:.2f} ns per activation element + {out[name][2] * 1e3:.2f} ms per microbatch")
     return out, lines
 
 

@@ -145,20 +145,25 @@ def fit_collective_ops(samples: list[tuple[str, float, float, float]]) -> dict[s
     return out
 
 
-def fit_axis_work(points: list[tuple[float, float]]) -> list[float]:
-    """[seconds per block call, seconds per activation element], both >= 0, from (elements, seconds per block)
-    measurements of one axis's runtime work (``calibrate.measure_axis_work``): of both terms, either alone, the
-    non-negative fit with the least squared relative error; [0, 0] when nothing positive fits."""
+def fit_axis_work(points: list[tuple[list[float], float]]) -> list[float]:
+    """Non-negative coefficients of one axis's runtime work from (features, seconds) measurements
+    (``calibrate.measure_axis_work``: features = [blocks, blocks x activation elements, 1], seconds per microbatch):
+    of every subset of the terms, the non-negative least-squares fit with the least squared relative error; all 0
+    when nothing positive fits."""
     usable = [(x, y) for x, y in points if y > 0]
-    best, best_err = [0.0, 0.0], float(len(usable))  # [0, 0]: every point's relative error is -1
-    for use in ((1.0, 1.0), (1.0, 0.0), (0.0, 1.0)):
-        if not usable:
-            break
-        a = np.array([[use[0] / y, use[1] * x / y] for x, y in usable])
-        sol, *_ = np.linalg.lstsq(a, np.ones(len(usable)), rcond=None)
-        if (sol < 0).any():
-            continue
-        err = float(((a @ sol - 1.0) ** 2).sum())
-        if err < best_err:
-            best, best_err = [float(v) for v in sol], err
+    k = len(points[0][0]) if points else 0
+    best, best_err = [0.0] * k, float(len(usable))  # all 0: every point's relative error is -1
+    for n in range(1, k + 1):
+        for cols in itertools.combinations(range(k), n):
+            if not usable:
+                break
+            a = np.array([[x[c] / y for c in cols] for x, y in usable])
+            sol, *_ = np.linalg.lstsq(a, np.ones(len(usable)), rcond=None)
+            if (sol < 0).any():
+                continue
+            err = float(((a @ sol - 1.0) ** 2).sum())
+            if err < best_err - 1e-12:
+                best, best_err = [0.0] * k, err
+                for c, v in zip(cols, sol, strict=True):
+                    best[c] = float(v)
     return best

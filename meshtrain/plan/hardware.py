@@ -124,8 +124,8 @@ class Hardware:
     collective_fits: dict = field(default_factory=dict)
     call_s: float = 0.0
     # The parallel runtime's own work per block call and microbatch that the single-process steps do not contain
-    # (``--calibrate`` times short runs through ``parallelize()`` on 2 processes at two token counts):
-    # {"tp", "cp", "moe", "zero3": [s per block call, s per activation element (tokens x d_model)]}.
+    # (``--calibrate`` times short runs through ``parallelize()`` on 2 processes at three sizes): {"tp", "cp", "moe",
+    # "zero3", "zb": [s per block call, s per activation element (tokens x d_model) per block, s per microbatch]}.
     axis_block_s: dict = field(default_factory=dict)
 
     @property
@@ -253,5 +253,5 @@ def get_hardware(name: str) -> Hardware:
 
 
 def _scaled(work: float | list[float], k: float) -> float | list[float]:
-    """An ``axis_block_s`` entry (a number, or [per call, per element]) times ``k``."""
+    """An ``axis_block_s`` entry (a number, or a list of terms) times ``k``."""
     return work * k if isinstance(work, (int, float)) else [w * k for w in work]

@@ -87,24 +87,39 @@ def tokens_per_microbatch(sequences: int, seq_len: int, lay: Layout) -> int:
     return sequences // lay.dp // lay.microbatches * seq_len // lay.cp
 
 
+def _axis_terms(work: float | list[float]) -> tuple[float, float, float]:
+    """An ``axis_block_s`` entry as (s per block call, s per activation element, s per microbatch); older profiles
+    hold a number (per block call) or the first two."""
+    if isinstance(work, (int, float)):
+        return float(work), 0.0, 0.0
+    return tuple([*map(float, work), 0.0, 0.0][:3])  # type: ignore[return-value]
+
+
+def _axes_used(lay: Layout, cfg: ModelConfig) -> list[str]:
+    return [axis for axis, on in (("tp", lay.tp > 1), ("cp", lay.cp > 1), ("moe", bool(cfg.moe_experts) and lay.ep > 1),
+                                  ("zero3", lay.zero == 3 and lay.dp * lay.cp > 1),
+                                  ("zb", lay.pp > 1 and lay.schedule in ("zb-h1", "dualpipev"))) if on]
+
+
 def axis_block_time(hw: Hardware, lay: Layout, cfg: ModelConfig, t: float) -> float:
     """Seconds per block forward + backward of the parallel runtime's own work for ``lay``'s axes on ``t`` tokens per
     rank and microbatch, as ``--calibrate`` measured it through ``parallelize()`` (``hw.axis_block_s``; empty for the
-    datasheet presets): TP's autograd functions and the vocab-parallel pieces, ring attention's per-chunk attention
-    and merges, MoE routing and the expert exchange's bookkeeping, ZeRO-3's flat-buffer gathers and reshards. Each
-    axis's work is ``[per block call, per activation element]`` (the elements: ``t x d_model``), measured at two
-    token counts; a single number (an older profile) is per block call only."""
-    work = hw.axis_block_s
-    if not work:
-        return 0.0
-    used = {"tp": lay.tp > 1, "cp": lay.cp > 1, "moe": bool(cfg.moe_experts) and lay.ep > 1,
-            "zero3": lay.zero == 3 and lay.dp * lay.cp > 1}
+    datasheet presets): TP's autograd functions, ring attention's per-chunk attention and merges, MoE routing and
+    the expert exchange's bookkeeping, ZeRO-3's flat-buffer gathers and reshards, a zero-bubble schedule's split
+    backward (input gradients first, weight gradients deferred). Per axis: a part per block call
+    and one per activation element (``t x d_model``); the part per microbatch is ``axis_microbatch_time``."""
     total = 0.0
-    for axis, on in used.items():
-        if on and axis in work:
-            per_call, per_elem = (work[axis], 0.0) if isinstance(work[axis], (int, float)) else work[axis]
-            total += per_call + per_elem * t * cfg.d_model
+    for axis in _axes_used(lay, cfg):
+        per_call, per_elem, _ = _axis_terms(hw.axis_block_s[axis]) if axis in hw.axis_block_s else (0.0, 0.0, 0.0)
+        total += per_call + per_elem * t * cfg.d_model
     return total
+
+
+def axis_microbatch_time(hw: Hardware, lay: Layout, cfg: ModelConfig) -> float:
+    """Seconds per microbatch forward + backward of the runtime work of ``lay``'s axes outside the blocks (TP's
+    vocab-parallel embedding, head and loss, ...): the third term of ``hw.axis_block_s``, charged to the stage
+    holding the head."""
+    return sum(_axis_terms(hw.axis_block_s[axis])[2] for axis in _axes_used(lay, cfg) if axis in hw.axis_block_s)
 
 
 def step_costs(hw: Hardware) -> StepCosts:
@@ -169,6 +184,7 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
         t_head = t * head_flops / tp / (C * eff)
         redo_s = 2 * max(redo, 0.0) * t * prec.act / hw.hbm_bw  # HBM-bound
     t_layer += axis_block_time(hw, lay, cfg, t) / 3  # the parallel runtime's own work, a third of it forward
+    t_head += axis_microbatch_time(hw, lay, cfg) / 3
     stage_f = [blocks[s] * t_layer + (t_head if s == n_stages - 1 else 0.0) for s in range(n_stages)]
     f_c = max(stage_f)
     layers_max = max(blocks)
@@ -367,13 +383,18 @@ def memory(problem: Problem, lay: Layout, t: int, act: StageAction, units: list[
 def evaluate(problem: Problem, layout: Layout, with_collectives: bool = False) -> Estimate:
     """Predict step time and per-device memory of ``layout`` (see the module docstring for the model)."""
     peak = problem.hw.bf16_flops  # the MFU denominator: one device's (one core's) rate, not its shared slice
-    if problem.hw.oversubscription(problem.devices) > 1:  # processes sharing the cores: each runs on a slice
+    shared = problem.hw.oversubscription(problem.devices)
+    if shared > 1:  # processes sharing the cores: each runs on a slice
         problem = replace(problem, hw=problem.hw.shared_by(problem.devices))
     cfg, hw, prec, lay = problem.model, problem.hw, problem.precision, layout
     t = tokens_per_microbatch(problem.sequences, problem.seq_len, lay)
     act = stage_action(problem, lay, t)
     step = StepTime()
     p2p_t, peaks = pipeline_time(problem, lay, t, act, step)
+    if shared > 1:
+        # In the pipeline's fill and drain about half the stages wait, and a waiting process frees its core: the
+        # busy ones then share the cores among fewer, so the bubble passes max(1, shared / 2) / shared as fast.
+        step.bubble *= max(1.0, shared / 2) / shared
     step.dp, dp = data_parallel_time(problem, lay, act)
     step.tp += kv_grad_time(problem, lay, act)
     psi = sum(dp.units)
