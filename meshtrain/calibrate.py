@@ -17,8 +17,9 @@ way a worker does:
 4. the parallel runtime's own work per axis (``measure_axis_work``): a calibration model trained a few steps through
    the real ``Trainer`` / ``parallelize()`` on 2 processes as plain DP and with tp+SP, ring cp, MoE+ep, ZeRO-3 and
    a zero-bubble pipeline (its split backward),
-   at three sizes (more tokens, more blocks); what each axis costs beyond plain DP and beyond what the terms above
-   price for it, per block call, per activation element and per microbatch, is ``Hardware.axis_block_s``.
+   at four sizes (more tokens, more blocks, wider blocks); what each axis costs beyond plain DP and beyond what the
+   terms above price for it, per block call, per activation element, per microbatch and per block parameter, is
+   ``Hardware.axis_block_s``.
 
 More processes than cores share them: the planner slows every process by ``devices / cores`` (``plan/steptime.py``).
 Measuring needs processes and collectives (``meshtrain.testing.spawn``, ``meshtrain.comm``), so this module sits at
@@ -166,19 +167,28 @@ def _collective_worker(rank: int, world_size: int, sizes: tuple[float, ...], ite
 
 
 # The parallel runtime's own work per axis (``Hardware.axis_block_s``): short runs of one calibration model through
-# the real ``Trainer`` / ``parallelize()`` on 2 processes, each axis against plain DP on the same model, at three
-# sizes (``AXIS_SIZES``: 4x the tokens, 2x the blocks) so the work per block call, per activation element and per
-# microbatch (outside the blocks: TP's vocab-parallel embedding, head and loss) separate. The
+# the real ``Trainer`` / ``parallelize()`` on 2 processes, each axis against plain DP on the same model, at four
+# sizes (``AXIS_SIZES``: 4x the tokens, 2x the blocks, 2x d_model) so the work per block call, per activation
+# element, per microbatch (outside the blocks: TP's vocab-parallel embedding, head and loss) and per parameter of a
+# block (ZeRO-3's flat-buffer copies) separate. The
 # model is not the demo model the step-time check runs (configs/small.yaml: d_model 256, 4 layers, 16 x 256 tokens).
 AXIS_MODEL = ["model.d_model=128", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=257",
               "train.dtype=bf16", "data.source=synthetic", "train.eval_every=0", "train.sample_tokens=0",
               "train.progress=false", "train.tensorboard=false", "train.ckpt_every=0"]
 AXIS_SIZES = {"small": ["train.seq_len=128", "model.max_seq_len=128", "train.global_batch=8"],
               "large": ["train.seq_len=256", "model.max_seq_len=256", "train.global_batch=16"],
-              "deep": ["train.seq_len=128", "model.max_seq_len=128", "train.global_batch=8", "model.n_layers=4"]}
+              "deep": ["train.seq_len=128", "model.max_seq_len=128", "train.global_batch=8", "model.n_layers=4"],
+              "wide": ["train.seq_len=128", "model.max_seq_len=128", "train.global_batch=8", "model.d_model=256"]}
 AXIS_RUNS = {"base": ["parallel.zero=0"], "tp": ["parallel.tp=2", "parallel.sp=true"], "cp": ["parallel.cp=2"],
              "moe": ["model.moe_experts=4", "model.moe_top_k=2", "parallel.ep=2"], "zero3": ["parallel.zero=3"],
              "zb": ["parallel.pp=2", "parallel.schedule=zb-h1", "parallel.microbatches=4"]}
+# Which terms of ``steptime.axis_features`` (0 per block call, 1 per activation element, 2 per microbatch, 3 per block
+# parameter) each axis's work can have, from what its runtime does: four sizes fitted to four free terms fit their
+# noise (TP's extrapolated to +47% on the demo model). TP: autograd functions per call, activation copies, the
+# vocab-parallel embedding/head/loss once per microbatch; ring CP: chunk merges of activations; MoE: routing of
+# tokens, the per-expert loop; ZeRO-3: flat-buffer gathers and frees of the block's parameters; zero-bubble: the
+# deferred weight gradients (their activations and parameters).
+AXIS_TERMS = {"tp": (0, 1, 2), "cp": (0, 1), "moe": (0, 1, 2), "zero3": (0, 3), "zb": (0, 1, 3)}
 
 
 def _axis_configs() -> dict[tuple[str, str], list[str]]:
@@ -188,8 +198,9 @@ def _axis_configs() -> dict[tuple[str, str], list[str]]:
 
 
 def _axis_worker(rank: int, world_size: int, runs: dict, steps: int, rounds: int) -> dict:
-    """Seconds per training step of each run (its overrides): the median over ``rounds`` rounds (the runs
-    interleaved, so a slow moment of the machine spreads over all of them) of each round's median."""
+    """Seconds per training step of each run (its overrides): the fastest of ``rounds`` rounds (the runs interleaved,
+    so a slow moment of the machine spreads over all of them) of each round's median step, the statistic the step
+    calibration (its fastest repeat) and ``benchmarks/steptime_check.py`` (its fastest round) keep too."""
     from meshtrain.config import load_config
     from meshtrain.train.trainer import Trainer
 
@@ -207,18 +218,19 @@ def _axis_worker(rank: int, world_size: int, runs: dict, steps: int, rounds: int
                 tr.train_step(2 + r * steps + i)
                 per.append(time.perf_counter() - start)
             times[key].append(sorted(per)[len(per) // 2])
-    return {key: sorted(v)[len(v) // 2] for key, v in times.items()}
+    return {key: min(v) for key, v in times.items()}
 
 
-def measure_axis_work(hw: Hardware, steps: int = 4, rounds: int = 5) -> tuple[dict[str, list[float]], list[str]]:
+def measure_axis_work(hw: Hardware, steps: int = 4, rounds: int = 7) -> tuple[dict[str, list[float]], list[str]]:
     """The runtime's own work of each axis (``AXIS_RUNS``) that ``hw``'s step costs and collectives leave unpriced:
-    ({axis: [s per block call, s per activation element of a block, s per microbatch]}, report lines). At each
+    ({axis: [s per block call, per activation element, per microbatch, per block parameter]}, report lines). At each
     size, (measured - measured plain DP) - (predicted - predicted plain DP): the common error of the plain model
-    cancels, what is left is the axis's work the model does not count; ``fit_axis_work`` splits the three sizes'
-    figures (more tokens, more blocks) into the three terms. Never negative."""
+    cancels, what is left is the axis's work the model does not count; ``fit_axis_work`` splits the four sizes'
+    figures (more tokens, more blocks, wider blocks) into the four terms (``steptime.axis_features``). Never
+    negative."""
     from meshtrain.config import load_config
     from meshtrain.plan.check import layout_of, predict_step_time
-    from meshtrain.plan.steptime import tokens_per_microbatch
+    from meshtrain.plan.steptime import axis_features, tokens_per_microbatch
 
     runs = _axis_configs()
     measured = spawn(_axis_worker, 2, (runs, steps, rounds), timeout=900.0)
@@ -234,15 +246,15 @@ def measure_axis_work(hw: Hardware, steps: int = 4, rounds: int = 5) -> tuple[di
             cfg, base = cfgs[(size, name)], (size, "base")
             extra = (secs[(size, name)] - secs[base]) - (pred[(size, name)] - pred[base])
             lay = layout_of(cfg, 2)
-            elems = tokens_per_microbatch(cfg.train.global_batch, cfg.train.seq_len, lay) * cfg.model.d_model
-            blocks, micro = cfg.model.n_layers // lay.pp, lay.microbatches  # a rank's blocks, each microbatch
-            points.append(([blocks * micro, blocks * micro * elems, micro], extra))
+            t = tokens_per_microbatch(cfg.train.global_batch, cfg.train.seq_len, lay)
+            points.append(([f * lay.microbatches for f in axis_features(cfg.model, lay, t)], extra))
             lines.append(f"  {name:<6} {size:<5} measured {secs[(size, name)] * 1e3:6.1f} ms (plain DP "
                          f"{secs[base] * 1e3:6.1f}), predicted {pred[(size, name)] * 1e3:6.1f} ms "
-                         f"({pred[base] * 1e3:6.1f}): {extra * 1e3:+.2f} ms at {blocks} blocks x {elems:,.0f} elements")
-        out[name] = fit_axis_work(points)
+                         f"({pred[base] * 1e3:6.1f}): {extra * 1e3:+.2f} ms")
+        out[name] = fit_axis_work(points, AXIS_TERMS[name])
         lines.append(f"  {name:<6} fitted: {out[name][0] * 1e3:.2f} ms per block call + "
-                     f"{out[name][1] * 1e9:.2f} ns per activation element + {out[name][2] * 1e3:.2f} ms per microbatch")
+                     f"{out[name][1] * 1e9:.2f} ns per activation element + {out[name][2] * 1e3:.2f} ms per "
+                     f"microbatch + {out[name][3] * 1e9:.2f} ns per block parameter")
     return out, lines
 
 

@@ -232,34 +232,36 @@ def test_predicted_calls_equal_counted_calls_live(tmp_path):
 def test_axis_work_is_priced_per_block_of_the_axes_used():
     """The runtime's own work per axis (``axis_block_s``, measured by ``--calibrate`` through parallelize) adds its
     seconds to a layout that uses the axis, and nothing to one that does not: a part per block call, one per
-    activation element (the rank's tokens per microbatch x d_model), one per microbatch; an older profile's single
-    number is per block call."""
+    activation element (the rank's tokens per microbatch x d_model), one per microbatch, one per parameter of a
+    block (the rank's tp share); an older profile's single number is per block call."""
+    from meshtrain.plan.units import block_params
+
     cfg = replace(load_config("configs/small.yaml").model, vocab_size=257)
-    work = {"tp": [1e-3, 2e-9, 5e-3], "cp": 2e-3, "zero3": [4e-3, 0.0]}
+    work = {"tp": [1e-3, 2e-9, 5e-3], "cp": 2e-3, "zero3": [4e-3, 0.0, 0.0, 3e-9]}
     plain = Problem(cfg, 256, 16, _profile(), 1, precision=MESHTRAIN_BF16)
     priced = replace(plain, hw=replace(_profile(), axis_block_s=work))
     elems = 16 * 256 * cfg.d_model  # the rank's tokens x d_model with dp = 1, one microbatch
-    L = cfg.n_layers
+    L, P = cfg.n_layers, block_params(cfg)
     for lay, want in ((Layout(dp=2), 0.0), (Layout(dp=1, tp=2, sp=True), L * (1e-3 + 2e-9 * elems) + 5e-3),
-                      (Layout(dp=1, cp=2), L * 2e-3), (Layout(dp=2, zero=3), L * 4e-3),
+                      (Layout(dp=1, cp=2), L * 2e-3), (Layout(dp=2, zero=3), L * (4e-3 + 3e-9 * P)),
                       (Layout(dp=1, tp=2, sp=True, microbatches=2), L * (2 * 1e-3 + 2e-9 * elems) + 2 * 5e-3)):
         extra = evaluate(priced, lay).step.compute - evaluate(plain, lay).step.compute
         assert extra == pytest.approx(want, rel=1e-9, abs=1e-12), lay.describe()
 
 
 def test_axis_work_fit_separates_its_terms():
-    """Three sizes of the calibration model (more tokens, more blocks) give the per-call, per-element and
-    per-microbatch parts back exactly; none goes negative (work that shrinks with more tokens is not per element;
-    none measured is none)."""
+    """Four sizes of the calibration model (more tokens, more blocks, wider blocks) give the per-call, per-element,
+    per-microbatch and per-parameter parts back exactly; none goes negative (work that shrinks with more tokens is
+    not per element; none measured is none)."""
     from meshtrain.plan.costfit import fit_axis_work
 
-    a, b, c = 1e-3, 2e-9, 4e-3
-    sizes = [(2, 1e5), (2, 4e5), (4, 1e5)]  # (blocks, elements per block)
-    points = [([L, L * e, 1.0], L * (a + b * e) + c) for L, e in sizes]
-    assert fit_axis_work(points) == pytest.approx([a, b, c])
-    shrinking = [([2, 2e5, 1.0], 6e-3), ([2, 8e5, 1.0], 2e-3), ([4, 4e5, 1.0], 5e-3)]
+    a, b, c, d = 1e-3, 2e-9, 4e-3, 5e-9
+    sizes = [(2, 1e5, 2e5), (2, 4e5, 2e5), (4, 1e5, 2e5), (2, 2e5, 8e5)]  # (blocks, elements, parameters per block)
+    points = [([L, L * e, 1.0, L * n], L * (a + b * e + d * n) + c) for L, e, n in sizes]
+    assert fit_axis_work(points) == pytest.approx([a, b, c, d])
+    shrinking = [([2, 2e5, 1.0, 0.0], 6e-3), ([2, 8e5, 1.0, 0.0], 2e-3), ([4, 4e5, 1.0, 0.0], 5e-3)]
     assert all(v >= 0 for v in fit_axis_work(shrinking)) and fit_axis_work(shrinking)[1] == 0.0
-    assert fit_axis_work([([2, 2e5, 1.0], -3e-3), ([4, 4e5, 1.0], -1e-3)]) == [0.0, 0.0, 0.0]
+    assert fit_axis_work([([2, 2e5, 1.0, 1.0], -3e-3), ([4, 4e5, 1.0, 1.0], -1e-3)]) == [0.0] * 4
 
 
 def test_check_run_compares_calls(tmp_path):

@@ -145,16 +145,17 @@ def fit_collective_ops(samples: list[tuple[str, float, float, float]]) -> dict[s
     return out
 
 
-def fit_axis_work(points: list[tuple[list[float], float]]) -> list[float]:
+def fit_axis_work(points: list[tuple[list[float], float]], allowed: tuple[int, ...] | None = None) -> list[float]:
     """Non-negative coefficients of one axis's runtime work from (features, seconds) measurements
-    (``calibrate.measure_axis_work``: features = [blocks, blocks x activation elements, 1], seconds per microbatch):
-    of every subset of the terms, the non-negative least-squares fit with the least squared relative error; all 0
-    when nothing positive fits."""
+    (``calibrate.measure_axis_work``: features = ``steptime.axis_features`` x microbatches, seconds per step): of
+    every subset of the ``allowed`` terms (default all), the non-negative least-squares fit with the least squared
+    relative error; the others 0; all 0 when nothing positive fits."""
     usable = [(x, y) for x, y in points if y > 0]
     k = len(points[0][0]) if points else 0
+    terms = tuple(range(k)) if allowed is None else allowed
     best, best_err = [0.0] * k, float(len(usable))  # all 0: every point's relative error is -1
-    for n in range(1, k + 1):
-        for cols in itertools.combinations(range(k), n):
+    for n in range(1, len(terms) + 1):
+        for cols in itertools.combinations(terms, n):
             if not usable:
                 break
             a = np.array([[x[c] / y for c in cols] for x, y in usable])

@@ -87,12 +87,20 @@ def tokens_per_microbatch(sequences: int, seq_len: int, lay: Layout) -> int:
     return sequences // lay.dp // lay.microbatches * seq_len // lay.cp
 
 
-def _axis_terms(work: float | list[float]) -> tuple[float, float, float]:
-    """An ``axis_block_s`` entry as (s per block call, s per activation element, s per microbatch); older profiles
-    hold a number (per block call) or the first two."""
+def _axis_terms(work: float | list[float]) -> tuple[float, float, float, float]:
+    """An ``axis_block_s`` entry as (s per block call, s per activation element, s per microbatch, s per parameter of
+    a block); older profiles hold a number (per block call) or the first terms."""
     if isinstance(work, (int, float)):
-        return float(work), 0.0, 0.0
-    return tuple([*map(float, work), 0.0, 0.0][:3])  # type: ignore[return-value]
+        return float(work), 0.0, 0.0, 0.0
+    return tuple([*map(float, work), 0.0, 0.0, 0.0][:4])  # type: ignore[return-value]
+
+
+def axis_features(cfg: ModelConfig, lay: Layout, t: float) -> list[float]:
+    """What one microbatch of ``t`` tokens per rank exposes to each term of an axis's runtime work on a rank running
+    ``blocks`` blocks: [block calls, activation elements of them (t x d_model each), 1, the parameters of them (this
+    rank's tp share)]. ``calibrate.measure_axis_work`` fits the terms on these, ``axis_block_time`` prices them."""
+    blocks = cfg.n_layers / lay.pp
+    return [blocks, blocks * t * cfg.d_model, 1.0, blocks * block_params(cfg) / lay.tp]
 
 
 def _axes_used(lay: Layout, cfg: ModelConfig) -> list[str]:
@@ -106,12 +114,15 @@ def axis_block_time(hw: Hardware, lay: Layout, cfg: ModelConfig, t: float) -> fl
     rank and microbatch, as ``--calibrate`` measured it through ``parallelize()`` (``hw.axis_block_s``; empty for the
     datasheet presets): TP's autograd functions, ring attention's per-chunk attention and merges, MoE routing and
     the expert exchange's bookkeeping, ZeRO-3's flat-buffer gathers and reshards, a zero-bubble schedule's split
-    backward (input gradients first, weight gradients deferred). Per axis: a part per block call
-    and one per activation element (``t x d_model``); the part per microbatch is ``axis_microbatch_time``."""
+    backward (input gradients first, weight gradients deferred). Per axis: a part per block call, one per
+    activation element (``t x d_model``) and one per parameter of the block (the rank's tp share); the part per
+    microbatch is ``axis_microbatch_time``."""
     total = 0.0
+    per_elem, per_param = t * cfg.d_model, block_params(cfg) / lay.tp
     for axis in _axes_used(lay, cfg):
-        per_call, per_elem, _ = _axis_terms(hw.axis_block_s[axis]) if axis in hw.axis_block_s else (0.0, 0.0, 0.0)
-        total += per_call + per_elem * t * cfg.d_model
+        if axis in hw.axis_block_s:
+            call, elem, _, param = _axis_terms(hw.axis_block_s[axis])
+            total += call + elem * per_elem + param * per_param
     return total
 
 
