@@ -31,7 +31,7 @@ class WeightGradStore:
         """The W action: every stashed weight gradient of ``key``, accumulated through autograd."""
         grads: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
         for w, x, g in self.stash.pop(key, []):
-            gw = g.reshape(-1, g.shape[-1]).t().to(w.dtype) @ x.reshape(-1, x.shape[-1]).to(w.dtype)
+            gw = _weight_grad(x, g, w)
             if id(w) in grads:
                 grads[id(w)] = (w, grads[id(w)][1] + gw)
             else:
@@ -39,6 +39,14 @@ class WeightGradStore:
         with torch.enable_grad():
             for w, gw in grads.values():
                 w.backward(gw)
+
+
+def _weight_grad(x: torch.Tensor, g: torch.Tensor, weight: nn.Parameter) -> torch.Tensor:
+    """dL/dW = g^T x in the dtype the forward's matmul ran in (the output gradient's: bf16 under autocast, as
+    autocast's own linear backward computes it; an fp32 matmul is ~4x slower on a bf16-capable CPU, and slower
+    still against a GPU's bf16 tensor cores), returned in the weight's dtype for its fp32 accumulation."""
+    gw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(g.dtype)
+    return gw.to(weight.dtype)
 
 
 class _DeferredLinear(torch.autograd.Function):
@@ -55,8 +63,7 @@ class _DeferredLinear(torch.autograd.Function):
         if ctx.store.key is not None:
             ctx.store.put(weight, x, g)
             return grad_x, None, None
-        gw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-        return grad_x, gw.to(weight.dtype), None
+        return grad_x, _weight_grad(x, g, weight), None
 
 
 class DeferredLinear(nn.Linear):
