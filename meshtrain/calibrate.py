@@ -16,10 +16,9 @@ way a worker does:
 3. a large tensor copy (the memory bandwidth, for the planner's HBM-bound terms);
 4. the parallel runtime's own work per axis (``measure_axis_work``): a calibration model trained a few steps through
    the real ``Trainer`` / ``parallelize()`` on 2 processes as plain DP and with tp+SP, ring cp, MoE+ep, ZeRO-3 and
-   a zero-bubble pipeline (its split backward),
-   at four sizes (more tokens, more blocks, wider blocks); what each axis costs beyond plain DP and beyond what the
-   terms above price for it, per block call, per activation element, per microbatch and per block parameter, is
-   ``Hardware.axis_block_s``.
+   a zero-bubble pipeline (its split backward), at four sizes (more tokens, more blocks, wider blocks); what each
+   axis costs beyond plain DP and beyond what the terms above price for it, per block call, per activation element,
+   per microbatch and per block parameter, is ``Hardware.axis_block_s``.
 
 More processes than cores share them: the planner slows every process by ``devices / cores`` (``plan/steptime.py``).
 Measuring needs processes and collectives (``meshtrain.testing.spawn``, ``meshtrain.comm``), so this module sits at
@@ -170,8 +169,8 @@ def _collective_worker(rank: int, world_size: int, sizes: tuple[float, ...], ite
 # the real ``Trainer`` / ``parallelize()`` on 2 processes, each axis against plain DP on the same model, at four
 # sizes (``AXIS_SIZES``: 4x the tokens, 2x the blocks, 2x d_model) so the work per block call, per activation
 # element, per microbatch (outside the blocks: TP's vocab-parallel embedding, head and loss) and per parameter of a
-# block (ZeRO-3's flat-buffer copies) separate. The
-# model is not the demo model the step-time check runs (configs/small.yaml: d_model 256, 4 layers, 16 x 256 tokens).
+# block (ZeRO-3's flat-buffer copies) separate. The model is not the demo model the step-time check runs
+# (configs/small.yaml: d_model 256, 4 layers, 16 x 256 tokens).
 AXIS_MODEL = ["model.d_model=128", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=257",
               "train.dtype=bf16", "data.source=synthetic", "train.eval_every=0", "train.sample_tokens=0",
               "train.progress=false", "train.tensorboard=false", "train.ckpt_every=0"]
