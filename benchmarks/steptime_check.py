@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="", help="write the results here")
     ap.add_argument("--markdown", action="store_true", help="also print the table as markdown (docs/planner.md)")
     args = ap.parse_args(argv)
+    if args.rounds < 1 or args.steps < 3:
+        ap.error("--rounds must be at least 1 and --steps at least 3 (the first 2 steps are left out)")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if args.calibrate:
         subprocess.run([sys.executable, "-m", "meshtrain", "plan", "--calibrate"], cwd=ROOT, env=env, check=True)
