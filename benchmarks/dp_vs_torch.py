@@ -11,8 +11,11 @@ loss is scaled by the world size: both then apply the same gradients, and the sc
 computed the same run (first loss within 1e-5, the whole trajectory within 1e-3 relative). Rounds
 alternate ours/theirs/theirs/ours (benchmarks/harness.py); a barrier precedes every timed step. It also
 reports the share of our gradient communication that ran while backward was still computing (timestamped in
-the untimed warm-up steps only: the completion callbacks are instrumentation training does not run), and with
-``--trace DIR`` writes a chrome-format torch.profiler trace per rank.
+the untimed warm-up steps only: the completion callbacks are instrumentation training does not run), and each
+side's CPU time per step on the main thread (``time.thread_time``: the host work, without the backend's
+communication threads and without the time a rank waits or is descheduled; on a machine whose ranks share
+cores it is far less noisy than the step time); with ``--trace DIR`` it writes a chrome-format torch.profiler
+trace per rank.
 
     python benchmarks/dp_vs_torch.py [--runs 3] [--rounds 6] [--steps 12] [--d-model 256] [--trace DIR]
 """
@@ -51,6 +54,13 @@ def _model(args, device):
     return build_model(cfg, seed=0).to(device)
 
 
+def _host_cpu(step):
+    """(what ``step()`` returns, the CPU seconds this thread spent in it)."""
+    c0 = time.thread_time()
+    out = step()
+    return out, time.thread_time() - c0
+
+
 def _ours(args, zero, rank, world, trace_dir):
     device = bench_device()
     model = _model(args, device)
@@ -77,22 +87,23 @@ def _ours(args, zero, rank, world, trace_dir):
         sync.zero_grad()
         return float(loss.detach()), _overlap_share(handles, b0, b1)
 
-    times, losses, overlap = [], [], []
+    times, losses, overlap, cpu = [], [], [], []
     for i, (x, y, n) in enumerate(_batches(args, rank, world, device)):
         # Completion timestamps (a callback per collective on the backend's thread, a poller where gloo has no
         # future) are instrumentation training does not run: only the untimed warm-up steps after the first
         # (which rebuilds the buckets) take them, for the overlap column.
         comm.METER.timing = 0 < i < args.warmup
         prof = _profiler(trace_dir, f"ours_zero{zero}", rank) if (trace_dir and i == args.steps - 1) else None
-        (loss, ov), t = timed_step(lambda: step(x, y, n))  # noqa: B023 - called at once
+        ((loss, ov), c), t = timed_step(lambda: _host_cpu(lambda: step(x, y, n)))  # noqa: B023 - called at once
         times.append(t)
         losses.append(loss)
+        cpu.append(c)
         if comm.METER.timing:
             overlap.append(ov)
         if prof is not None:
             prof.__exit__(None, None, None)
     comm.METER.timing = False
-    return times[args.warmup:], losses, overlap
+    return times[args.warmup:], losses, overlap, cpu[args.warmup:]
 
 
 def _torch(args, zero, rank, world, trace_dir):
@@ -123,15 +134,16 @@ def _torch(args, zero, rank, world, trace_dir):
         opt.zero_grad(set_to_none=True)
         return float(loss.detach()) / world
 
-    times, losses = [], []
+    times, losses, cpu = [], [], []
     for i, (x, y, n) in enumerate(_batches(args, rank, world, device)):
         prof = _profiler(trace_dir, f"torch_zero{zero}", rank) if (trace_dir and i == args.steps - 1) else None
-        loss, t = timed_step(lambda: step(x, y, n))  # noqa: B023 - called at once
+        (loss, c), t = timed_step(lambda: _host_cpu(lambda: step(x, y, n)))  # noqa: B023 - called at once
         times.append(t)
         losses.append(loss)
+        cpu.append(c)
         if prof is not None:
             prof.__exit__(None, None, None)
-    return times[args.warmup:], losses, []
+    return times[args.warmup:], losses, [], cpu[args.warmup:]
 
 
 def _overlap_share(handles: list, b0: float, b1: float) -> float:
@@ -198,13 +210,13 @@ def main() -> None:
           f"batch/rank={args.batch}, bucket {args.bucket_mb} MB, {args.steps - args.warmup} timed steps after "
           f"{args.warmup} warm-up, {args.rounds} rounds x {args.runs} runs\n")
     print("| ours vs torch | ours median (ms) | torch median (ms) | ratio ours/torch | per-round min-max | "
-          "comm under backward |")
-    print("|---|---|---|---|---|---|")
+          "comm under backward | main-thread CPU/step ours, torch (ms) |")
+    print("|---|---|---|---|---|---|---|")
     for zero in (0, 3):
         ratios, lines = [], []
         for results in runs:
             rows = Comparison(names[zero][0])
-            overlap = []
+            overlap, cpu_ours, cpu_theirs = [], [], []
             for r in range(args.rounds):
                 for rank_res in results:
                     _same_run(f"{names[zero][0]} rank round {r}", rank_res[zero][r]["ours"][1],
@@ -212,15 +224,18 @@ def main() -> None:
                 rows.add_round(slowest([res[zero][r]["ours"][0] for res in results]),
                                slowest([res[zero][r]["theirs"][0] for res in results]))
                 overlap += [v for res in results for v in res[zero][r]["ours"][2] if v == v]
+                cpu_ours += [c for res in results for c in res[zero][r]["ours"][3]]
+                cpu_theirs += [c for res in results for c in res[zero][r]["theirs"][3]]
             ratios.append(rows.ratio())
             mo, mt = rows.medians_ms()
             rr = rows.round_ratios()
             ov = f"{statistics.median(overlap):.0%}" if overlap else "-"
+            co, ct = statistics.median(cpu_ours) * 1e3, statistics.median(cpu_theirs) * 1e3
             lines.append(f"| {names[zero][0]} vs {names[zero][1]} | {mo:.1f} | {mt:.1f} | {rows.ratio():.3f} | "
-                         f"{min(rr):.3f}-{max(rr):.3f} | {ov} |")
+                         f"{min(rr):.3f}-{max(rr):.3f} | {ov} | {co:.1f}, {ct:.1f} ({co / ct:.3f}) |")
         print("\n".join(lines))
         if len(runs) > 1:
-            print(f"| {names[zero][0]}: ratio over independent runs | | | {spread_line(ratios)} | | |")
+            print(f"| {names[zero][0]}: ratio over independent runs | | | {spread_line(ratios)} | | | |")
     print("\nboth sides computed the same run (losses checked on every rank, every round)")
 
 
