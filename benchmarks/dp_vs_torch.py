@@ -1,7 +1,7 @@
 """Our data parallelism against torch's, same model, data and seed, on 4 ranks (gloo on CPU, NCCL on GPUs).
 
 - ours DP (bucketed, overlapped all-reduce)   vs  torch ``DistributedDataParallel``
-  (``gradient_as_bucket_view=True``, ``broadcast_buffers=False``: the model's only buffers are constant
+  (``gradient_as_bucket_view=True``, ``forward_sync_buffers=False``: the model's only buffers are constant
   RoPE tables; the same bucket size)
 - ours ZeRO-3 (per-block units, prefetch)     vs  torch FSDP2 ``fully_shard`` per block + root
 
@@ -23,6 +23,7 @@ trace per rank.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import statistics
 import time
@@ -114,9 +115,12 @@ def _torch(args, zero, rank, world, trace_dir):
     device = bench_device()
     model = _model(args, device)
     if zero == 0:
-        # Constant RoPE tables are the only buffers: nothing to broadcast each forward.
+        # Constant RoPE tables are the only buffers: nothing to broadcast each forward (torch 2.13 names that
+        # forward_sync_buffers=False and deprecates broadcast_buffers; the one broadcast at construction is untimed).
+        no_sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(
+            DistributedDataParallel.__init__).parameters else "broadcast_buffers"
         wrapped = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True,
-                                          broadcast_buffers=False)
+                                          **{no_sync: False})
     else:
         dmesh = init_device_mesh(device.type, (world,))
         for block in model.layers.values():
