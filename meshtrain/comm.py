@@ -28,11 +28,10 @@ compared across its group, and a ``CollectiveOrderError`` names the first diverg
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -72,6 +71,7 @@ WATCH = Watch(LOG)  # its heartbeat in the store, the diagnosis of a failure, th
 class _Settings:
     timeout_s: float = 300.0
     check_order: bool = False
+    timeout: timedelta = timedelta(seconds=300.0)  # timeout_s as the backends take it (built once, not per wait)
 
 
 _SETTINGS = _Settings()
@@ -83,6 +83,7 @@ def configure(timeout_s: float = 300.0, check_order: bool = False) -> None:
     Call it on every rank at the same point (the trainer does, before building the mesh): it also resets the
     log, so sequence numbers and fingerprints start together."""
     _SETTINGS.timeout_s, _SETTINGS.check_order = float(timeout_s), bool(check_order)
+    _SETTINGS.timeout = timedelta(seconds=float(timeout_s))
     WATCH.timeout_s = float(timeout_s)
     LOG.reset()
     if dist.is_initialized() and dist.get_world_size() > 1:  # a rank stalled before its first collective shows
@@ -254,13 +255,13 @@ def _failure(entry: Entry, err: BaseException) -> CommError | None:
     return cls(WATCH.report(what, entry))
 
 
-@contextlib.contextmanager
-def _watched(entry: Entry) -> Iterator[None]:
-    """Mark the calling thread as waiting in ``entry`` (the watchdog's backstop reads it); a timeout or a lost
-    peer inside becomes a ``CommError`` naming the ranks that did not arrive, other errors pass unchanged."""
+def _watched(entry: Entry, fn: Callable[[], object]) -> object:
+    """Run ``fn()`` with the calling thread marked as waiting in ``entry`` (the watchdog's backstop reads it); a
+    timeout or a lost peer inside becomes a ``CommError`` naming the ranks that did not arrive, other errors pass
+    unchanged. (A plain call rather than a context manager: it runs around every wait.)"""
     LOG.block(entry)
     try:
-        yield
+        return fn()
     except RuntimeError as e:
         LOG.unblock()  # the diagnosis takes seconds: the backstop must not end the process meanwhile
         err = _failure(entry, e)
@@ -276,19 +277,16 @@ def _wait(work, entry: Entry | None, cpu: bool) -> None:
     watchdog enforces the process group's timeout (a timed wait there would block the CPU on the GPU)."""
     if entry is None:
         work.wait()
-        return
-    with _watched(entry):
-        if cpu:
-            work.wait(timedelta(seconds=_SETTINGS.timeout_s))
-        else:
-            work.wait()
+    elif cpu:
+        _watched(entry, lambda: work.wait(_SETTINGS.timeout))
+    else:
+        _watched(entry, work.wait)
 
 
 def _blocking(entry: Entry, fn: Callable[[], object]) -> object:
     """Run a call that has no async form (object collectives): the process group's timeout applies, and the
     watchdog's backstop ends the process should it not."""
-    with _watched(entry):
-        return fn()
+    return _watched(entry, fn)
 
 
 def _object_device(group: AxisGroup) -> torch.device:
