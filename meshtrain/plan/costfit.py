@@ -154,10 +154,10 @@ def fit_axis_work(points: list[tuple[list[float], float]], allowed: tuple[int, .
     k = len(points[0][0]) if points else 0
     terms = tuple(range(k)) if allowed is None else allowed
     best, best_err = [0.0] * k, float(len(usable))  # all 0: every point's relative error is -1
+    if not usable:
+        return best
     for n in range(1, len(terms) + 1):
         for cols in itertools.combinations(terms, n):
-            if not usable:
-                break
             a = np.array([[x[c] / y for c in cols] for x, y in usable])
             sol, *_ = np.linalg.lstsq(a, np.ones(len(usable)), rcond=None)
             if (sol < 0).any():
