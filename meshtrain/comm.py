@@ -316,7 +316,10 @@ def _check_order(group: AxisGroup, entry: Entry, device: torch.device) -> None:
     raise CollectiveOrderError(f"collective order diverged (the first difference, found before it ran): {issued}")
 
 
-def _run(group: AxisGroup, op: str, tensor: torch.Tensor, nbytes: int, wire: float, fn, async_op: bool):
+def _run(group: AxisGroup, op: str, tensor: torch.Tensor, nbytes: int, wire: float, fn: Callable[[], object],
+         async_op: bool):
+    """Meter and log collective ``op`` on ``group``, then issue it (``fn()``: always async, returning the backend's
+    work) and return its ``Handle``; or, for a blocking call, wait for it with the timeout."""
     METER.record(group, op, tensor, nbytes, wire)
     stats = METER.stats[(group.name, op)]
     entry = _issue(group, op, tensor)
@@ -324,9 +327,9 @@ def _run(group: AxisGroup, op: str, tensor: torch.Tensor, nbytes: int, wire: flo
     if _SETTINGS.check_order:
         _check_order(group, entry, tensor.device)
     if async_op:
-        return Handle(fn(True), stats, entry, cpu)
+        return Handle(fn(), stats, entry, cpu)
     t = time.perf_counter()
-    _wait(fn(True), entry, cpu)  # blocking = issued async, then a wait that has the timeout
+    _wait(fn(), entry, cpu)  # blocking = issued async, then a wait that has the timeout
     stats.seconds += time.perf_counter() - t
     return None
 
@@ -342,7 +345,7 @@ def all_reduce(tensor: torch.Tensor, group: AxisGroup, op: str = "sum", async_op
         return _done(async_op)
     n, b = group.size, _nbytes(tensor)
     return _run(group, "all_reduce", tensor, b, 2 * (n - 1) / n * b,
-                lambda a: dist.all_reduce(tensor, _OPS[op], group=group.pg, async_op=a), async_op)
+                lambda: dist.all_reduce(tensor, _OPS[op], group=group.pg, async_op=True), async_op)
 
 
 @_eager
@@ -353,7 +356,7 @@ def reduce(tensor: torch.Tensor, group: AxisGroup, dst_index: int, op: str = "su
         return _done(async_op)
     n, b = group.size, _nbytes(tensor)
     return _run(group, "reduce", tensor, b, (n - 1) / n * b,
-                lambda a: dist.reduce(tensor, group.ranks[dst_index], _OPS[op], group=group.pg, async_op=a), async_op)
+                lambda: dist.reduce(tensor, group.ranks[dst_index], _OPS[op], group=group.pg, async_op=True), async_op)
 
 
 @_eager
@@ -365,7 +368,7 @@ def all_gather(output: torch.Tensor, tensor: torch.Tensor, group: AxisGroup, asy
     n, b = group.size, _nbytes(output)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return _run(group, "all_gather", tensor, b, (n - 1) / n * b,
-                lambda a: fn(output, tensor, group=group.pg, async_op=a), async_op)
+                lambda: fn(output, tensor, group=group.pg, async_op=True), async_op)
 
 
 @_eager
@@ -378,7 +381,7 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: AxisGroup,
     n, b = group.size, _nbytes(tensor)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return _run(group, "reduce_scatter", tensor, b, (n - 1) / n * b,
-                lambda a: fn(output, tensor, op=_OPS[op], group=group.pg, async_op=a), async_op)
+                lambda: fn(output, tensor, op=_OPS[op], group=group.pg, async_op=True), async_op)
 
 
 @_eager
@@ -394,8 +397,8 @@ def all_to_all(output: torch.Tensor, tensor: torch.Tensor, group: AxisGroup,
     me = group.index(dist.get_rank())
     own = (input_splits[me] * row) if input_splits is not None else b // group.size
     return _run(group, "all_to_all", tensor, b, b - own,
-                lambda a: dist.all_to_all_single(output, tensor, output_splits, input_splits,
-                                                 group=group.pg, async_op=a), async_op)
+                lambda: dist.all_to_all_single(output, tensor, output_splits, input_splits,
+                                               group=group.pg, async_op=True), async_op)
 
 
 @_eager
@@ -405,7 +408,7 @@ def broadcast(tensor: torch.Tensor, group: AxisGroup, src_index: int = 0, async_
         return _done(async_op)
     b = _nbytes(tensor)
     return _run(group, "broadcast", tensor, b, b,
-                lambda a: dist.broadcast(tensor, group.ranks[src_index], group=group.pg, async_op=a), async_op)
+                lambda: dist.broadcast(tensor, group.ranks[src_index], group=group.pg, async_op=True), async_op)
 
 
 @dataclass
@@ -474,7 +477,7 @@ def all_reduce_scalars(values: list[float], group: AxisGroup, op: str = "sum",
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=device)
     # Metered as "metrics" so per-step byte checks of the training collectives stay exact.
-    _run(group, "metrics", t, _nbytes(t), 0.0, lambda a: dist.all_reduce(t, _OPS[op], group=group.pg, async_op=a),
+    _run(group, "metrics", t, _nbytes(t), 0.0, lambda: dist.all_reduce(t, _OPS[op], group=group.pg, async_op=True),
          False)
     return t.tolist()
 
