@@ -41,7 +41,8 @@ from meshtrain.train.data import SyntheticDataset
 from meshtrain.train.optim import build_adamw, model_params
 
 
-def _batches(args, rank, world, device):
+def batches_for(args, rank, world, device):
+    """This rank's rows of ``args.steps`` global batches of synthetic data, with each batch's global token count."""
     data = SyntheticDataset(257)
     out = []
     for step in range(args.steps):
@@ -50,9 +51,21 @@ def _batches(args, rank, world, device):
     return out
 
 
-def _model(args, device):
+def model_for(args, device):
+    """The benchmark's Llama (vocab 257, 8 heads), initialised from seed 0: the same on every rank and side."""
     cfg = ModelConfig(vocab_size=257, d_model=args.d_model, n_layers=args.layers, n_heads=8, max_seq_len=args.seq)
     return build_model(cfg, seed=0).to(device)
+
+
+def ddp_baseline(model: torch.nn.Module, bucket_mb: float) -> torch.nn.Module:
+    """DDP as a competent user sets it: gradients as views into its buckets, our bucket size, and no buffer sync.
+    Constant RoPE tables are the model's only buffers, so nothing needs broadcasting each forward (torch 2.13 names
+    that forward_sync_buffers=False and deprecates broadcast_buffers; the one broadcast at construction is untimed)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    no_sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(
+        DistributedDataParallel.__init__).parameters else "broadcast_buffers"
+    return DistributedDataParallel(model, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True, **{no_sync: False})
 
 
 def _host_cpu(step):
@@ -64,7 +77,7 @@ def _host_cpu(step):
 
 def _ours(args, zero, rank, world, trace_dir):
     device = bench_device()
-    model = _model(args, device)
+    model = model_for(args, device)
     mesh = Mesh(dp=world, device=device)
     sync = data_parallel(model, mesh, ParallelConfig(zero=zero, bucket_mb=args.bucket_mb), {})
     opt = build_adamw(sync.optim_params(), TrainConfig())
@@ -89,7 +102,7 @@ def _ours(args, zero, rank, world, trace_dir):
         return float(loss.detach()), _overlap_share(handles, b0, b1)
 
     times, losses, overlap, cpu = [], [], [], []
-    for i, (x, y, n) in enumerate(_batches(args, rank, world, device)):
+    for i, (x, y, n) in enumerate(batches_for(args, rank, world, device)):
         # Completion timestamps (a callback per collective on the backend's thread, a poller where gloo has no
         # future) are instrumentation training does not run: only the untimed warm-up steps after the first
         # (which rebuilds the buckets) take them, for the overlap column.
@@ -110,17 +123,11 @@ def _ours(args, zero, rank, world, trace_dir):
 def _torch(args, zero, rank, world, trace_dir):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.nn.parallel import DistributedDataParallel
 
     device = bench_device()
-    model = _model(args, device)
+    model = model_for(args, device)
     if zero == 0:
-        # Constant RoPE tables are the only buffers: nothing to broadcast each forward (torch 2.13 names that
-        # forward_sync_buffers=False and deprecates broadcast_buffers; the one broadcast at construction is untimed).
-        no_sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(
-            DistributedDataParallel.__init__).parameters else "broadcast_buffers"
-        wrapped = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True,
-                                          **{no_sync: False})
+        wrapped = ddp_baseline(model, args.bucket_mb)
     else:
         dmesh = init_device_mesh(device.type, (world,))
         for block in model.layers.values():
@@ -139,7 +146,7 @@ def _torch(args, zero, rank, world, trace_dir):
         return float(loss.detach()) / world
 
     times, losses, cpu = [], [], []
-    for i, (x, y, n) in enumerate(_batches(args, rank, world, device)):
+    for i, (x, y, n) in enumerate(batches_for(args, rank, world, device)):
         prof = _profiler(trace_dir, f"torch_zero{zero}", rank) if (trace_dir and i == args.steps - 1) else None
         (loss, c), t = timed_step(lambda: _host_cpu(lambda: step(x, y, n)))  # noqa: B023 - called at once
         times.append(t)
