@@ -29,13 +29,13 @@ from meshtrain.testing.equivalence import (
     reference_runs,
     run_dir,
     run_layout,
+    run_overrides,
 )
 from meshtrain.testing.spawn import spawn
 from meshtrain.train.trainer import Trainer, check_compile
 
 STEPS = 4
-BASE = ["train.progress=false", "train.tensorboard=false", "train.peak_flops=1e11", f"train.steps={STEPS}",
-        "train.sample_tokens=0", "train.seq_len=32", "train.global_batch=8", "train.warmup_steps=2"]
+BASE = run_overrides(STEPS)
 COMPILE = ["train.compile=true"]
 
 # (name, overrides) on 2 ranks, each with train.compile=true: TP+SP, the DP family with recompute (ZeRO-3 with

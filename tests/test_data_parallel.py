@@ -32,6 +32,7 @@ from meshtrain.testing.equivalence import (
     reference_runs,
     run_dir,
     run_layout,
+    run_overrides,
     state_bytes,
 )
 from meshtrain.testing.spawn import spawn
@@ -40,8 +41,7 @@ from meshtrain.train.trainer import Trainer
 pytestmark = pytest.mark.slow
 
 STEPS = 5
-BASE = ["train.progress=false", "train.tensorboard=false", "train.peak_flops=1e11", f"train.steps={STEPS}",
-        "train.sample_tokens=0", "train.seq_len=32", "train.global_batch=8", "train.warmup_steps=2"]
+BASE = run_overrides(STEPS)
 
 # (name, overrides): each runs on every rank of the spawned world.
 LAYOUTS_4 = [

@@ -24,6 +24,7 @@ from meshtrain.testing.equivalence import (
     reference_key,
     run_dir,
     run_layout,
+    run_overrides,
 )
 from meshtrain.testing.spawn import spawn
 from meshtrain.train.trainer import Trainer
@@ -31,9 +32,7 @@ from meshtrain.train.trainer import Trainer
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]  # tests/conftest.py
 
 STEPS = 5
-BASE = ["train.progress=false", "train.tensorboard=false", "train.peak_flops=1e11", f"train.steps={STEPS}",
-        "train.sample_tokens=0", "train.seq_len=32", "train.global_batch=8", "train.warmup_steps=2",
-        "model.moe_experts=4", "model.moe_top_k=2"]
+BASE = [*run_overrides(STEPS), "model.moe_experts=4", "model.moe_top_k=2"]
 AUX: list[str] = []  # the default: moe_aux_loss_coef=0.01
 BIAS = ["model.moe_aux_loss_coef=0", "model.moe_bias_update_rate=0.01"]
 

@@ -23,15 +23,14 @@ from meshtrain.testing.equivalence import (
     layouts_worker,
     prepared_stdlib,
     reference_runs,
+    run_overrides,
 )
 from meshtrain.testing.spawn import spawn
 
 pytestmark = pytest.mark.slow
 
 STEPS = 5
-BASE = ["train.progress=false", "train.tensorboard=false", "train.peak_flops=1e11", f"train.steps={STEPS}",
-        "train.sample_tokens=0", "train.seq_len=32", "train.global_batch=8", "train.warmup_steps=2",
-        "model.n_layers=4", "model.moe_experts=4", "model.moe_top_k=2"]
+BASE = [*run_overrides(STEPS), "model.n_layers=4", "model.moe_experts=4", "model.moe_top_k=2"]
 PP_CP_TP_EP = ["parallel.pp=2", "parallel.cp=2", "parallel.tp=2", "parallel.ep=2", "parallel.sp=true",
                "parallel.microbatches=2", "parallel.zero=1"]
 LAYOUTS_8 = [

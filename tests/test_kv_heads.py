@@ -27,14 +27,14 @@ from meshtrain.testing.equivalence import (
     reference_runs,
     run_dir,
     run_layout,
+    run_overrides,
 )
 from meshtrain.testing.spawn import spawn
 
 pytestmark = pytest.mark.slow
 
 STEPS = 5
-BASE = ["train.progress=false", "train.tensorboard=false", "train.peak_flops=1e11", f"train.steps={STEPS}",
-        "train.sample_tokens=0", "train.seq_len=32", "train.global_batch=8", "train.warmup_steps=2"]
+BASE = run_overrides(STEPS)
 KV1, KV2 = ["model.n_kv_heads=1"], ["model.n_kv_heads=2"]
 
 LAYOUTS_4 = [

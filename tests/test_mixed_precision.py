@@ -41,6 +41,7 @@ from meshtrain.testing.equivalence import (
     reference_runs,
     run_dir,
     run_layout,
+    run_overrides,
     state_dtypes,
     worst_rel,
 )
@@ -49,8 +50,7 @@ from meshtrain.testing.spawn import spawn
 pytestmark = pytest.mark.slow
 
 STEPS = 5
-BASE = ["train.progress=false", "train.tensorboard=false", "train.peak_flops=1e11", f"train.steps={STEPS}",
-        "train.sample_tokens=0", "train.seq_len=32", "train.global_batch=8", "train.warmup_steps=2"]
+BASE = run_overrides(STEPS)
 U = 2.0 ** -8  # bf16 unit roundoff
 COMPUTE, GATHER = 2, 5  # roundings added by bf16 compute and by ZeRO-3's bf16 gather (module docstring)
 BF16 = ["train.dtype=bf16", "parallel.reduce_dtype=bf16"]

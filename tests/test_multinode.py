@@ -20,13 +20,12 @@ from pathlib import Path
 import pytest
 
 from meshtrain.cli import main
-from meshtrain.testing.equivalence import assert_same_cli_run, cli_train, prepared_stdlib
+from meshtrain.testing.equivalence import assert_same_cli_run, cli_train, prepared_stdlib, run_overrides
 
 ADDR = ("10.231.0.1", "10.231.0.2")  # node 0's and node 1's, inside their namespaces only
 PORT = 29511
 STEPS = 3
-BASE = ["train.progress=false", "train.tensorboard=false", "train.peak_flops=1e11", f"train.steps={STEPS}",
-        "train.sample_tokens=0", "train.seq_len=32", "train.global_batch=8", "train.warmup_steps=2"]
+BASE = run_overrides(STEPS)
 LAYOUT = ["parallel.dp=2", "parallel.tp=2"]  # tp inside a node, dp across the two
 
 

@@ -25,15 +25,14 @@ from meshtrain.testing.equivalence import (
     reference_runs,
     run_dir,
     run_layout,
+    run_overrides,
 )
 from meshtrain.testing.spawn import spawn
 
 pytestmark = pytest.mark.slow
 
 STEPS = 5
-BASE = ["train.progress=false", "train.tensorboard=false", "train.peak_flops=1e11", f"train.steps={STEPS}",
-        "train.sample_tokens=0", "train.seq_len=32", "train.global_batch=8", "train.warmup_steps=2",
-        "model.n_layers=8"]
+BASE = [*run_overrides(STEPS), "model.n_layers=8"]
 SCHEDULES = [
     ("afab", ["parallel.schedule=afab"]),
     ("1f1b", ["parallel.schedule=1f1b"]),

@@ -29,6 +29,7 @@ from meshtrain.testing.equivalence import (
     reference_runs,
     run_dir,
     run_layout,
+    run_overrides,
 )
 from meshtrain.testing.spawn import spawn
 from meshtrain.train.trainer import Trainer
@@ -36,8 +37,7 @@ from meshtrain.train.trainer import Trainer
 pytestmark = pytest.mark.slow
 
 STEPS = 5
-BASE = ["train.progress=false", "train.tensorboard=false", "train.peak_flops=1e11", f"train.steps={STEPS}",
-        "train.sample_tokens=0", "train.seq_len=32", "train.global_batch=8", "train.warmup_steps=2"]
+BASE = run_overrides(STEPS)
 MHA = ["model.n_kv_heads=4"]  # whole kv heads at tp=4 (fewer, replicated over tp: tests/test_kv_heads.py)
 
 LAYOUTS_4 = [

@@ -254,6 +254,13 @@ def assert_planner_predicts_runs(data: str) -> None:
             assert memory_ok, text
 
 
+def run_overrides(steps: int) -> list[str]:
+    """What every equivalence file trains: ``steps`` steps of 8 sequences of 32 tokens with 2 warm-up steps, and
+    nothing printed or sampled beside the run's records (a nominal peak FLOP/s, so MFU is defined on any machine)."""
+    return ["train.progress=false", "train.tensorboard=false", "train.peak_flops=1e11", f"train.steps={steps}",
+            "train.sample_tokens=0", "train.seq_len=32", "train.global_batch=8", "train.warmup_steps=2"]
+
+
 def prepared_stdlib(tmp_path_factory, name: str) -> str:
     """The stdlib corpus prepared in a fresh temporary folder (one per test module: each module's run
     folders sit next to it, for ``assert_planner_predicts_runs``)."""
