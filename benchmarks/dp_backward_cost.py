@@ -28,8 +28,9 @@ import time
 
 import torch
 from dp_vs_torch import batches_for, ddp_baseline, model_for
-from harness import run_independent
+from harness import run_independent, world_group
 
+from meshtrain import comm
 from meshtrain.config import ParallelConfig
 from meshtrain.mesh import Mesh
 from meshtrain.model.llama import cross_entropy_sum
@@ -57,14 +58,14 @@ def _side(args, kind: str, rank: int, world: int) -> tuple[list[float], torch.Te
     cpu, first = [], None
     for i in range(args.steps):
         x, y, n = batches[i % len(batches)]
-        torch.distributed.barrier()
+        comm.barrier(world_group())  # every rank starts the pass together
         loss = cross_entropy_sum(forward(x), y) / n * scale
         c0 = time.thread_time()
         loss.backward()
         finish()
         cpu.append(time.thread_time() - c0)
         if i == 0:
-            first = torch.cat([p.grad.reshape(-1) for p in params]).clone()
+            first = torch.cat([p.grad.reshape(-1) for p in params])  # a copy, kept past zero_grad
         for p in params:
             p.grad = None  # what zero_grad does for each side (ours re-adopts each fresh gradient)
     return cpu[1:], first
@@ -97,6 +98,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.steps < 2 or args.rounds < 1 or args.world < 2:
         raise SystemExit("dp_backward_cost.py: needs --steps >= 2, --rounds >= 1 and --world >= 2")
+    if args.d_model <= 0 or args.d_model % 8 or min(args.layers, args.seq, args.batch) < 1 or args.bucket_mb <= 0:
+        raise SystemExit("dp_backward_cost.py: --d-model must be a positive multiple of 8 (the model has 8 heads), "
+                         "--layers, --seq and --batch at least 1, --bucket-mb above 0")
     if torch.cuda.is_available():
         raise SystemExit("dp_backward_cost.py measures host CPU on the CPU backend; on GPUs use dp_vs_torch.py")
     runs = run_independent(_worker, args.world, args.runs, (args,))
