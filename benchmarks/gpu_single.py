@@ -171,6 +171,11 @@ def timed(row: Row, s: int, device: torch.device, prefetch: Callable[[int], None
     return elapsed
 
 
+def progress(line: str) -> None:
+    """Where the run is, on stderr as it happens (a run cut short by a time limit still says how far it got)."""
+    print(f"[gpu_single {time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
+
+
 def compile_option_exists() -> bool:
     from meshtrain.config import TrainConfig
 
@@ -216,24 +221,32 @@ def main(argv: list[str] | None = None) -> int:
     prefetchers: dict[str, Callable[[int], None] | None] = {}
 
     def build(name: str, make: Callable[[], tuple]) -> None:
-        """Build a row and run its warm-up; a compiled row that fails is skipped with its one-line reason."""
+        """Build a row and run its warm-up. A row other than ours eager (the reference) that fails is skipped
+        with its one-line reason, so one library's failure on a GPU machine does not lose the other rows."""
         row = rows[name]
         sync(device)
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        t0 = time.perf_counter()
         try:
             row.step, prefetchers[name] = make()
             for s in range(args.warmup):
                 timed(row, s, device, prefetchers[name])
-        except Exception as e:  # noqa: BLE001 - reported per row; the eager rows re-raise
-            if "compiled" not in name:
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - reported per row; the reference re-raises
+            if name == "ours eager":
                 raise
-            row.step, row.note = None, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            row.step, row.note = None, f"failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+            row.losses.clear()
+            progress(f"{name}: {row.note}")
             prefetchers[name] = None  # drop the failed row's model and optimizer
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             return
         sync(device)
         row.resident = (torch.cuda.memory_allocated(device) if device.type == "cuda" else 0) - before
+        progress(f"{name}: built and warmed up in {time.perf_counter() - t0:.0f} s, resident "
+                 f"{row.resident / 2**30:.2f} GiB")
 
     # Ours eager first: its initial weights, taken before its warm-up, are every other row's.
     trainer = None
@@ -278,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             row.times.append([timed(row, s, device, prefetchers[row.name]) for s in range(s0, s0 + args.steps)])
             if device.type == "cuda":
                 row.peak = max(row.peak, torch.cuda.max_memory_allocated(device) - others)
+        progress(f"round {r + 1}/{args.rounds} done")
 
     report(args, cfg, device, rows, overrides)
     return check_same_run(args, rows)
