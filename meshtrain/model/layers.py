@@ -37,8 +37,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if cos.dim() == 3:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     xf = x.float().unflatten(-1, (-1, 2))
-    x0, x1 = xf[..., 0], xf[..., 1]
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    if torch.compiler.is_compiling():  # inductor fuses the real form into one kernel; it has no complex codegen
+        x0, x1 = xf[..., 0], xf[..., 1]
+        return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).type_as(x)
+    # Eager: a pair is the complex number x[2i] + i x[2i+1] and the rotation one complex multiply by cos + i sin,
+    # one kernel each way where the real form is nine (four products, two sums, a stack). RoPE is memory-bound,
+    # so on a GPU its kernel count is its cost. Both forms compute the same products in fp32.
+    out = torch.view_as_real(torch.view_as_complex(xf) * torch.complex(cos, sin))
     return out.flatten(-2).type_as(x)
 
 
@@ -66,9 +71,11 @@ class CausalAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        if k.shape[1] != q.shape[1]:
+        if mask is None:
+            # SDPA's own GQA: query head h reads kv head h // (Hq / Hkv) without the repeated K/V copies
+            # (four times the K/V bytes at Llama-3's ratio, saved for backward too).
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        if k.shape[1] != q.shape[1]:  # with a mask SDPA runs its math kernel, which repeats them itself anyway
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if mask is not None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
