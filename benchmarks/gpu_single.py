@@ -15,10 +15,13 @@ Llama 3's), untied head, seq 2048, bf16 autocast over fp32 master weights. Rows:
 
 Every row starts from the same weights (ours, copied into HF's layout with the RoPE row permutation of
 ``model/hf.py``) and trains on the same batches, so the four loss trajectories are the same run: the script
-asserts it (fp32: first step 1e-5, every step 1e-3 relative; bf16: 5e-3 and 2e-2, since bf16 rounding differs
-between the implementations and grows over steps). The fp32 dry run is what pins the weight mapping exactly.
+asserts it. fp32: the first step within 1e-5 and every step within 1e-3 relative; that is what pins the weight
+mapping, the batches and the optimizer exactly (the CPU dry run, and ``--dtype fp32`` for a few steps on the GPU).
+bf16: the first step within 5e-3, and the mean loss of the last round within 2e-2 of ours eager's. Not every step:
+bf16 training is chaotic, so rounding differences grow until single steps part by a few percent; on an H200
+(2026-11-25) ours compiled, the same program as ours eager with other fusions, was 2.3e-2 off at its worst step.
 At init a Llama's loss is near ln(vocab) whatever its weights, so the first step alone proves little in bf16;
-the trajectory, as the model learns the synthetic rule, is the check.
+the trajectory, as the model learns the synthetic rule, is the check. Every row's losses are printed.
 
 Rows alternate ours/theirs/theirs/ours, reversed each round; warm-up steps (compilation included) come before
 the rounds; each timed step sits between two ``torch.cuda.synchronize()``. Ours includes building its batch
@@ -194,6 +197,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dry-run-cpu", action="store_true",
                     help="tiny model (d_model 64, 2 layers) on CPU, fp32, no compile: checks the script")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), help="compute dtype (default bf16; dry run fp32)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after the rounds, profile N more steps of each row and print its top kernels by device time")
+    ap.add_argument("--json", metavar="PATH", help="also write every row's losses, step times and peak memory here")
     args = ap.parse_args(argv)
     defaults = DRY_DEFAULTS if args.dry_run_cpu else GPU_DEFAULTS
     for k, v in defaults.items():
@@ -214,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         print(NO_CUDA, file=sys.stderr)
         return 2
     device = torch.device("cpu") if args.dry_run_cpu else torch.device("cuda", torch.cuda.current_device())
-    total = args.warmup + args.rounds * args.steps
+    total = args.warmup + args.rounds * args.steps + args.profile
     overrides = model_overrides(args) + train_overrides(args, total)
     compile_ok = compile_option_exists()
     rows = {name: Row(name) for name in ROWS}
@@ -293,8 +299,44 @@ def main(argv: list[str] | None = None) -> int:
                 row.peak = max(row.peak, torch.cuda.max_memory_allocated(device) - others)
         progress(f"round {r + 1}/{args.rounds} done")
 
+    if args.profile:
+        s0 = args.warmup + args.rounds * args.steps
+        for row in live:
+            profile_row(row, range(s0, s0 + args.profile), device, prefetchers[row.name])
     report(args, cfg, device, rows, overrides)
+    if args.json:
+        write_json(args.json, args, rows)
     return check_same_run(args, rows)
+
+
+def profile_row(row: Row, steps: range, device: torch.device, prefetch: Callable[[int], None] | None) -> None:
+    """The row's top kernels over ``steps`` by self device time: where a step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for s in steps:
+            timed(row, s, device, prefetch)
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    # On CUDA the kernels themselves (not the aten ops that launched them, which would count them twice).
+    events = [e for e in prof.key_averages() if getattr(e, key) > 0
+              and (device.type != "cuda" or e.device_type.name == "CUDA")]
+    total = sum(getattr(e, key) for e in events)
+    where = "device" if device.type == "cuda" else "CPU"
+    print(f"\nprofile of {row.name}: {total / 1e3 / len(steps):.1f} ms of {where} time per step over {len(steps)} "
+          f"steps; top kernels:")
+    for e in sorted(events, key=lambda e: -getattr(e, key))[:14]:
+        print(f"  {getattr(e, key) / 1e3 / len(steps):8.2f} ms  {e.count // len(steps):5d}x  {e.key[:100]}")
+
+
+def write_json(path: str, args: argparse.Namespace, rows: dict[str, Row]) -> None:
+    import json
+
+    out = {"args": vars(args), "torch": torch.__version__,
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.dry_run_cpu else "cpu",
+           "rows": {n: {"losses": r.losses, "times": r.times, "peak": r.peak, "note": r.note} for n, r in rows.items()}}
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
 
 
 def report(args: argparse.Namespace, cfg, device: torch.device, rows: dict[str, Row], overrides: list[str]) -> None:
@@ -348,21 +390,37 @@ def report(args: argparse.Namespace, cfg, device: torch.device, rows: dict[str, 
 
 
 def check_same_run(args: argparse.Namespace, rows: dict[str, Row]) -> int:
-    """Every row's loss at every step against ours eager's (same weights, same batches); returns the exit code."""
-    first_tol, all_tol = TOLERANCE[args.dtype]
+    """Every row's losses against ours eager's (same weights, same batches; tolerances in the module docstring);
+    returns the exit code."""
+    first_tol, later_tol = TOLERANCE[args.dtype]
     ref = rows["ours eager"].losses
+    pointwise = args.dtype == "fp32"  # bf16: the mean of the last round (see the module docstring)
+    last = slice(args.warmup + (args.rounds - 1) * args.steps, args.warmup + args.rounds * args.steps)
+    every = max(1, len(ref) // 10)
+    print(f"\nlosses (every {every} steps of {len(ref)}):")
+    for name in ROWS:
+        if rows[name].losses:
+            print(f"  {name:>13}: {' '.join(f'{x:.4f}' for x in rows[name].losses[::every])}")
+    later = (f"largest over {len(ref)} steps" if pointwise else
+             f"mean loss of the last round (steps {last.start}-{last.stop - 1})")
     print(f"\nsame run: first-step loss {ref[0]:.4f} (ln vocab = {math.log(args.vocab):.4f}); each row's relative "
-          f"difference to ours eager, first step (tolerance {first_tol:g}) and largest over {len(ref)} steps "
-          f"(tolerance {all_tol:g}), {args.dtype}:")
+          f"difference to ours eager, first step (tolerance {first_tol:g}) and {later} (tolerance {later_tol:g}), "
+          f"{args.dtype}:")
     bad = []
     for name in ROWS[1:]:
         losses = rows[name].losses
         if rows[name].step is None or not losses:
             continue
         rel = [abs(a - b) / abs(b) for a, b in zip(losses, ref, strict=True)]
-        ok = rel[0] <= first_tol and max(rel) <= all_tol
-        print(f"  {name}: first {rel[0]:.2e}, largest {max(rel):.2e} (step {rel.index(max(rel))}) "
-              f"{'ok' if ok else 'NOT THE SAME RUN'}")
+        worst = max(rel)
+        if pointwise:
+            later_rel, where = worst, f"largest {worst:.2e} (step {rel.index(worst)})"
+        else:
+            mine, theirs = statistics.fmean(losses[last]), statistics.fmean(ref[last])
+            later_rel = abs(mine - theirs) / abs(theirs)
+            where = f"last round {later_rel:.2e} ({mine:.4f} vs {theirs:.4f}; largest single step {worst:.2e})"
+        ok = rel[0] <= first_tol and later_rel <= later_tol
+        print(f"  {name}: first {rel[0]:.2e}, {where} {'ok' if ok else 'NOT THE SAME RUN'}")
         bad += [] if ok else [name]
     if bad:
         print(f"error: {', '.join(bad)} did not compute the same run as ours eager: the timings above do not "
