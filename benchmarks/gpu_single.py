@@ -17,11 +17,12 @@ Every row starts from the same weights (ours, copied into HF's layout with the R
 ``model/hf.py``) and trains on the same batches, so the four loss trajectories are the same run: the script
 asserts it. fp32: the first step within 1e-5 and every step within 1e-3 relative; that is what pins the weight
 mapping, the batches and the optimizer exactly (the CPU dry run, and ``--dtype fp32`` for a few steps on the GPU).
-bf16: the first step within 5e-3, and the mean loss of the last round within 2e-2 of ours eager's. Not every step:
-bf16 training is chaotic, so rounding differences grow until single steps part by a few percent; on an H200
-(2026-11-25) ours compiled, the same program as ours eager with other fusions, was 2.3e-2 off at its worst step.
-At init a Llama's loss is near ln(vocab) whatever its weights, so the first step alone proves little in bf16;
-the trajectory, as the model learns the synthetic rule, is the check. Every row's losses are printed.
+bf16: the first three steps within 1e-3 (steps 1 and 2 show the first updates: a different batch, learning rate or
+optimizer would part them by far more). Not every step: bf16 training is chaotic, and rounding differences grow
+until single steps part by a few percent. On an H200 (2026-11-25) the first three steps agreed within 5e-5 in every
+row, and by step 50 ours compiled, the same program as ours eager with other fusions, was 3.3e-2 off at its worst
+step and 1.9e-2 in the mean of the last round. A fixed tolerance there would pass or fail on chance; the script
+prints every row's losses, its worst step and its last-round mean, and ours compiled's beside them as the yardstick.
 
 Rows alternate ours/theirs/theirs/ours, reversed each round; warm-up steps (compilation included) come before
 the rounds; each timed step sits between two ``torch.cuda.synchronize()``. Ours includes building its batch
@@ -59,7 +60,8 @@ KERNEL_KINDS = {"matmul": ("nvjet", "gemm", "cutlass", "aten::mm", "aten::addmm"
                 "optimizer": ("multi_tensor_apply", "adam", "foreach"),
                 "compiled": ("triton_",)}
 # Same-run tolerances (relative loss difference to ours eager): (first step, every step).
-TOLERANCE = {"fp32": (1e-5, 1e-3), "bf16": (5e-3, 2e-2)}
+TOLERANCE = {"fp32": (1e-5, 1e-3), "bf16": (1e-3, 1e-3)}
+BF16_CHECKED_STEPS = 3  # bf16: the steps checked (the module docstring says why not all)
 
 
 @dataclass
@@ -405,33 +407,32 @@ def check_same_run(args: argparse.Namespace, rows: dict[str, Row]) -> int:
     returns the exit code."""
     first_tol, later_tol = TOLERANCE[args.dtype]
     ref = rows["ours eager"].losses
-    pointwise = args.dtype == "fp32"  # bf16: the mean of the last round (see the module docstring)
+    checked = len(ref) if args.dtype == "fp32" else min(len(ref), BF16_CHECKED_STEPS)
     last = slice(args.warmup + (args.rounds - 1) * args.steps, args.warmup + args.rounds * args.steps)
     every = max(1, len(ref) // 10)
     print(f"\nlosses (every {every} steps of {len(ref)}):")
     for name in ROWS:
         if rows[name].losses:
             print(f"  {name:>13}: {' '.join(f'{x:.4f}' for x in rows[name].losses[::every])}")
-    later = (f"largest over {len(ref)} steps" if pointwise else
-             f"mean loss of the last round (steps {last.start}-{last.stop - 1})")
     print(f"\nsame run: first-step loss {ref[0]:.4f} (ln vocab = {math.log(args.vocab):.4f}); each row's relative "
-          f"difference to ours eager, first step (tolerance {first_tol:g}) and {later} (tolerance {later_tol:g}), "
-          f"{args.dtype}:")
+          f"difference to ours eager, first step (tolerance {first_tol:g}) and largest over steps 0-{checked - 1} "
+          f"(tolerance {later_tol:g}), {args.dtype}" + ("" if checked == len(ref) else
+          f"; reported, not checked: the largest over all {len(ref)} steps and the last round's mean "
+          f"(steps {last.start}-{last.stop - 1})") + ":")
     bad = []
     for name in ROWS[1:]:
         losses = rows[name].losses
         if rows[name].step is None or not losses:
             continue
         rel = [abs(a - b) / abs(b) for a, b in zip(losses, ref, strict=True)]
-        worst = max(rel)
-        if pointwise:
-            later_rel, where = worst, f"largest {worst:.2e} (step {rel.index(worst)})"
-        else:
+        worst = max(rel[:checked])
+        ok = rel[0] <= first_tol and worst <= later_tol
+        line = f"  {name}: first {rel[0]:.2e}, largest {worst:.2e} (step {rel.index(worst)})"
+        if checked < len(ref):
             mine, theirs = statistics.fmean(losses[last]), statistics.fmean(ref[last])
-            later_rel = abs(mine - theirs) / abs(theirs)
-            where = f"last round {later_rel:.2e} ({mine:.4f} vs {theirs:.4f}; largest single step {worst:.2e})"
-        ok = rel[0] <= first_tol and later_rel <= later_tol
-        print(f"  {name}: first {rel[0]:.2e}, {where} {'ok' if ok else 'NOT THE SAME RUN'}")
+            line += (f"; all steps {max(rel):.2e} (step {rel.index(max(rel))}), last round "
+                     f"{abs(mine - theirs) / abs(theirs):.2e} ({mine:.4f} vs {theirs:.4f})")
+        print(f"{line} {'ok' if ok else 'NOT THE SAME RUN'}")
         bad += [] if ok else [name]
     if bad:
         print(f"error: {', '.join(bad)} did not compute the same run as ours eager: the timings above do not "
