@@ -367,8 +367,10 @@ def report(args: argparse.Namespace, cfg, device: torch.device, rows: dict[str, 
     if device.type == "cuda":
         gpu = torch.cuda.get_device_name(device)
         chip = chip_for_cuda_device(gpu)
-        where = f"{gpu} ({chip.name + ', datasheet' if chip else 'not in plan/hardware.py: measured matmul'} " \
-                f"peak {peak / 1e12:.0f} TFLOP/s {args.dtype})"
+        measured = chip is None or (dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest")
+        source = ("not in plan/hardware.py: " if chip is None else f"{chip.name}, ") + \
+            ("measured matmul" if measured else "datasheet")
+        where = f"{gpu} ({source} peak {peak / 1e12:.0f} TFLOP/s {args.dtype})"
     else:
         where = f"CPU (dry run; measured matmul peak {peak / 1e9:.1f} GFLOP/s {args.dtype})"
     n = param_count(cfg.model)

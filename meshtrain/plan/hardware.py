@@ -65,11 +65,14 @@ def measure_matmul_flops(dtype: torch.dtype = torch.float32, device: str = "cpu"
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
-    """Peak FLOP/s of one device: the datasheet for known GPUs, else a quick measurement."""
+    """Peak FLOP/s of one device: the datasheet for known GPUs, else a quick measurement. fp32 on a known GPU
+    is its TF32 tensor-core rate (half the bf16 one) only where TF32 is on; torch's default, "highest", runs fp32
+    matmuls on the CUDA cores (~67 TFLOP/s on an H100 against 494 TF32), so that rate is measured."""
     if device.type == "cuda":
         chip = chip_for_cuda_device(torch.cuda.get_device_name(device))
-        if chip is not None:
-            return chip.bf16_flops if dtype == torch.bfloat16 else chip.bf16_flops / 2
+        tf32 = torch.get_float32_matmul_precision() != "highest"
+        if chip is not None and (dtype != torch.float32 or tf32):
+            return chip.bf16_flops if dtype in (torch.bfloat16, torch.float16) else chip.bf16_flops / 2
         return measure_matmul_flops(dtype, "cuda", n=4096)
     return measure_matmul_flops(dtype, "cpu")
 
