@@ -33,18 +33,40 @@ def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[2i], x[2i+1]) of x [B, H, T, D] by position-dependent angles (cos/sin [T, D/2], or
-    [B, T, D/2] when each row has its own positions: left-padded generation, ``kv_cache.py``)."""
+    [B, T, D/2] when each row has its own positions: left-padded generation, ``kv_cache.py``), in fp32."""
     if cos.dim() == 3:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    xf = x.float().unflatten(-1, (-1, 2))
     if torch.compiler.is_compiling():  # inductor fuses the real form into one kernel; it has no complex codegen
+        xf = x.float().unflatten(-1, (-1, 2))
         x0, x1 = xf[..., 0], xf[..., 1]
         return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).type_as(x)
-    # Eager: a pair is the complex number x[2i] + i x[2i+1] and the rotation one complex multiply by cos + i sin,
-    # one kernel each way where the real form is nine (four products, two sums, a stack). RoPE is memory-bound,
-    # so on a GPU its kernel count is its cost. Both forms compute the same products in fp32.
-    out = torch.view_as_real(torch.view_as_complex(xf) * torch.complex(cos, sin))
-    return out.flatten(-2).type_as(x)
+    return _ComplexRope.apply(x, cos, sin)
+
+
+def _as_complex(t: torch.Tensor) -> torch.Tensor:
+    """fp32 [..., D] as complex [..., D/2]: pair i is t[2i] + i t[2i+1] (a view where the strides allow)."""
+    t = t.float()
+    if t.stride(-1) != 1 or t.storage_offset() % 2 or any(s % 2 for s in t.stride()[:-1]):
+        t = t.contiguous()
+    return torch.view_as_complex(t.unflatten(-1, (-1, 2)))
+
+
+class _ComplexRope(torch.autograd.Function):
+    """Eager RoPE: the rotation is one complex multiply by cos + i sin, and its backward one by cos - i sin: a
+    kernel each way where the real form takes nine (four products, two sums, a stack), and RoPE is memory-bound,
+    so on a GPU its kernel count is its cost. A Function so that backward keeps only cos and sin (views of the
+    model's tables) rather than the complex table autograd would save, a new tensor per layer."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        ctx.dtype = x.dtype
+        return torch.view_as_real(_as_complex(x) * torch.complex(cos, sin)).flatten(-2).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        return torch.view_as_real(_as_complex(grad) * torch.complex(cos, -sin)).flatten(-2).to(ctx.dtype), None, None
 
 
 class FeedForward(nn.Module):
