@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import statistics
 import sys
 import time
@@ -214,6 +215,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.dtype = args.dtype or ("fp32" if args.dry_run_cpu else "bf16")
+    lows = {"steps": 1, "rounds": 1, "batch": 1, "seq": 2, "vocab": 2, "warmup": 0, "profile": 0}
+    for flag, low in lows.items():
+        if getattr(args, flag) < low:
+            ap.error(f"--{flag} {getattr(args, flag)}: must be at least {low}")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        ap.error(f"--json {args.json}: its folder does not exist; create it or name a file in an existing folder")
     args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = [r for r in args.rows if r not in ROWS]
     if unknown or "ours eager" not in args.rows:
