@@ -95,7 +95,7 @@ class CausalAttention(nn.Module):
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         if mask is None:
             # SDPA's own GQA: query head h reads kv head h // (Hq / Hkv) without the repeated K/V copies
-            # (four times the K/V bytes at Llama-3's ratio, saved for backward too).
+            # (Hq/Hkv times the K/V bytes, 8 at Llama-3 70B, and saved for backward too).
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
         if k.shape[1] != q.shape[1]:  # with a mask SDPA runs its math kernel, which repeats them itself anyway
             rep = q.shape[1] // k.shape[1]
