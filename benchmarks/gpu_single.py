@@ -356,8 +356,10 @@ def write_json(path: str, args: argparse.Namespace, rows: dict[str, Row]) -> Non
     out = {"args": vars(args), "torch": torch.__version__,
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.dry_run_cpu else "cpu",
            "rows": {n: {"losses": r.losses, "times": r.times, "peak": r.peak, "note": r.note} for n, r in rows.items()}}
-    with open(path, "w") as f:
+    tmp = f"{path}.tmp"  # renamed into place whole: never a half-written file at PATH
+    with open(tmp, "w") as f:
         json.dump(out, f, indent=1)
+    os.replace(tmp, path)
 
 
 def report(args: argparse.Namespace, cfg, device: torch.device, rows: dict[str, Row], overrides: list[str]) -> None:
@@ -366,19 +368,16 @@ def report(args: argparse.Namespace, cfg, device: torch.device, rows: dict[str, 
 
     from meshtrain.parallel.parallelize import DTYPES
     from meshtrain.plan.flops import flops_per_token, mfu, param_count
-    from meshtrain.plan.hardware import chip_for_cuda_device, peak_flops
+    from meshtrain.plan.hardware import datasheet_chip, peak_flops
 
     tokens = args.batch * args.seq
     fpt = flops_per_token(cfg.model, args.seq)
     dtype = DTYPES[args.dtype]
     peak = peak_flops(device, dtype)
     if device.type == "cuda":
-        gpu = torch.cuda.get_device_name(device)
-        chip = chip_for_cuda_device(gpu)
-        measured = chip is None or (dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest")
-        source = ("not in plan/hardware.py: " if chip is None else f"{chip.name}, ") + \
-            ("measured matmul" if measured else "datasheet")
-        where = f"{gpu} ({source} peak {peak / 1e12:.0f} TFLOP/s {args.dtype})"
+        gpu, chip = torch.cuda.get_device_name(device), datasheet_chip(device, dtype)
+        where = f"{gpu} ({chip.name + ', datasheet' if chip else 'measured matmul'} peak {peak / 1e12:.0f} TFLOP/s " \
+                f"{args.dtype})"
     else:
         where = f"CPU (dry run; measured matmul peak {peak / 1e9:.1f} GFLOP/s {args.dtype})"
     n = param_count(cfg.model)

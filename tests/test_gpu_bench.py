@@ -49,3 +49,22 @@ def test_dry_run_prints_every_row_and_checks_the_same_run():
 def test_cuda_device_names_find_their_chip(name, key):
     assert chip_for_cuda_device(name).name == key
     assert chip_for_cuda_device("NVIDIA GeForce GTX 1080") is None
+
+
+def test_fp32_peak_is_the_datasheet_tf32_rate_only_where_tf32_is_on(monkeypatch):
+    """MFU's denominator: bf16 on a known GPU is its datasheet rate; fp32 is too (TF32) only under
+    float32_matmul_precision "high"; under torch's default, "highest", and on a CPU it is measured (None)."""
+    from meshtrain.plan.hardware import datasheet_chip
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    gpu = torch.device("cuda", 0)
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert datasheet_chip(gpu, torch.bfloat16).name == "H200 SXM"
+        assert datasheet_chip(gpu, torch.float32) is None
+        torch.set_float32_matmul_precision("high")
+        assert datasheet_chip(gpu, torch.float32).name == "H200 SXM"
+        assert datasheet_chip(torch.device("cpu"), torch.bfloat16) is None
+    finally:
+        torch.set_float32_matmul_precision(before)

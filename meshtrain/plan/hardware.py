@@ -64,17 +64,24 @@ def measure_matmul_flops(dtype: torch.dtype = torch.float32, device: str = "cpu"
     return 2.0 * n**3 * iters / (time.perf_counter() - start)
 
 
+def datasheet_chip(device: torch.device, dtype: torch.dtype) -> Chip | None:
+    """The chip whose datasheet gives ``device``'s peak for ``dtype``, or None where ``peak_flops`` measures it:
+    a CPU, a GPU not in the table, and fp32 under torch's default matmul precision, "highest", which runs fp32
+    matmuls on the CUDA cores (~67 TFLOP/s on an H100) rather than at the TF32 tensor-core rate (494)."""
+    if device.type != "cuda":
+        return None
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return None
+    return chip_for_cuda_device(torch.cuda.get_device_name(device))
+
+
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
-    """Peak FLOP/s of one device: the datasheet for known GPUs, else a quick measurement. fp32 on a known GPU
-    is its TF32 tensor-core rate (half the bf16 one) only where TF32 is on; torch's default, "highest", runs fp32
-    matmuls on the CUDA cores (~67 TFLOP/s on an H100 against 494 TF32), so that rate is measured."""
-    if device.type == "cuda":
-        chip = chip_for_cuda_device(torch.cuda.get_device_name(device))
-        tf32 = torch.get_float32_matmul_precision() != "highest"
-        if chip is not None and (dtype != torch.float32 or tf32):
-            return chip.bf16_flops if dtype in (torch.bfloat16, torch.float16) else chip.bf16_flops / 2
-        return measure_matmul_flops(dtype, "cuda", n=4096)
-    return measure_matmul_flops(dtype, "cpu")
+    """Peak FLOP/s of one device: the datasheet where ``datasheet_chip`` names one (16-bit: its bf16 rate; TF32:
+    half that), else a quick measurement."""
+    chip = datasheet_chip(device, dtype)
+    if chip is not None:
+        return chip.bf16_flops if dtype in (torch.bfloat16, torch.float16) else chip.bf16_flops / 2
+    return measure_matmul_flops(dtype, "cuda", n=4096) if device.type == "cuda" else measure_matmul_flops(dtype, "cpu")
 
 
 # ----------------------------------------------------------------------------- cluster profiles for the planner
