@@ -112,7 +112,7 @@ def _ours(args, name, virtual, pp):
     times, traces, losses = [], [], []
     for x, y in _batches(args):
         t0 = _timed_start(mesh)
-        loss = engine.run(x, y, y.numel())  # loss sum / global tokens on the loss's rank, 0 elsewhere
+        loss = float(engine.run(x, y, y.numel()))  # loss sum / global tokens on the loss's rank, 0 elsewhere
         opt.step()
         sync.zero_grad()
         times.append(_timed_end(mesh, t0))

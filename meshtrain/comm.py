@@ -475,11 +475,17 @@ def all_reduce_scalars(values: list[float], group: AxisGroup, op: str = "sum",
     """Reduce a few Python floats (metrics) in one fp64 all-reduce (``device``: the mesh's, for NCCL)."""
     if group.size == 1:
         return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    # Metered as "metrics" so per-step byte checks of the training collectives stay exact.
-    _run(group, "metrics", t, _nbytes(t), 0.0, lambda: dist.all_reduce(t, _OPS[op], group=group.pg, async_op=True),
-         False)
-    return t.tolist()
+    return all_reduce_metrics(torch.tensor(values, dtype=torch.float64, device=device), group, op).tolist()
+
+
+def all_reduce_metrics(t: torch.Tensor, group: AxisGroup, op: str = "sum") -> torch.Tensor:
+    """Reduce a few device values (a step's loss, a squared gradient norm) in place and return them, read by
+    no one here: the caller decides when the host waits for them (the trainer reads once a step)."""
+    if group.size > 1:
+        # Metered as "metrics" so per-step byte checks of the training collectives stay exact.
+        _run(group, "metrics", t, _nbytes(t), 0.0,
+             lambda: dist.all_reduce(t, _OPS[op], group=group.pg, async_op=True), False)
+    return t
 
 
 def gather_objects(obj: object, group: AxisGroup) -> list[object]:

@@ -202,3 +202,46 @@ def test_data_without_validation_split_trains_and_says_so(tmp_path, capsys):
     records = Trainer(_cfg(str(tmp_path / "data"), "train.steps=2")).train()
     assert "val_loss" not in records[-1]
     assert "no validation loss" in capsys.readouterr().out
+
+
+def _scalar_reads(rank: int, world: int, overrides: list[str]) -> list[str]:
+    """Where one steady training step reads a scalar out of a tensor (``item``, ``float``, ``int``, ``bool``: each
+    a host wait on a GPU): the innermost meshtrain function of every read."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    reads: list[str] = []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            stack = traceback.extract_stack()
+            # torch's CPU AdamW reads its step counters, host tensors there; fused AdamW on CUDA keeps them on
+            # the device and reads nothing.
+            if func is torch.ops.aten._local_scalar_dense.default and \
+                    not any(f"{os.sep}torch{os.sep}optim{os.sep}" in f.filename for f in stack):
+                ours = [f for f in stack if f"{os.sep}meshtrain{os.sep}" in f.filename]
+                reads.append(ours[-1].name if ours else "?")
+            return func(*args, **(kwargs or {}))
+
+    trainer = Trainer(load_config("tiny", ["data.source=synthetic", "train.progress=false", "train.device=cpu",
+                                           "train.tensorboard=false", *overrides]))
+    trainer.train_step(0)
+    with Reads():
+        rec = trainer.train_step(1)
+    assert rec["loss"] > 0 and rec["grad_norm"] > 0 and not rec.get("skipped")
+    return reads
+
+
+@pytest.mark.parametrize("world,overrides", [(1, ["train.grad_accum=2"]),
+                                             (2, ["parallel.pp=2", "parallel.microbatches=4"])],
+                         ids=["accumulation", "pipeline"])
+def test_a_step_reads_nothing_from_the_device_but_loss_and_norm_once(world, overrides):
+    """A GPU stalls at every host read of a device value; the step's only read is the loss and the gradient norm
+    together, after all its work is queued (one ``tolist``, which the dispatcher does not see). The only scalar
+    read is the batch's token count, from host data before anything is queued. Under the pipeline, a read of each
+    microbatch's loss would stall the last stage between its microbatches."""
+    from meshtrain.testing.spawn import spawn
+
+    for reads in spawn(_scalar_reads, world, args=(overrides,), timeout=300):
+        assert reads == ["local_batch"], reads

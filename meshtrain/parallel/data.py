@@ -198,7 +198,7 @@ class WithExperts(GradSync):
     def optim_params(self) -> list[OptimParam]:
         return self.dense.optim_params() + self.experts.optim_params()
 
-    def grad_norm_sq(self, device: torch.device) -> float:
+    def grad_norm_sq(self, device: torch.device) -> torch.Tensor:
         # The experts: whole on every edp holder, or ZeRO-sharded over edp; then different across ep.
         return (self.dense.grad_norm_sq(device)
                 + replica_weighted_norm_sq(self.experts.optim_params(), [self.expert_norm_group, self.ep_group],

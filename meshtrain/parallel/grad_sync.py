@@ -59,7 +59,7 @@ class GradSync(abc.ABC):
     def grads(self) -> list[torch.Tensor]:
         return [p.tensor.grad for p in self.optim_params() if p.tensor.grad is not None]
 
-    def grad_norm_sq(self, device: torch.device) -> float:
+    def grad_norm_sq(self, device: torch.device) -> torch.Tensor:
         """This member's part of the squared global gradient norm, summed over its shard group; pieces
         replicated over tensor parallelism count 1/replicas here (``Parallel`` then sums over tp)."""
         return replica_weighted_norm_sq(self.optim_params(), [self.norm_group], device)
@@ -90,16 +90,18 @@ def all_reduce_as(t: torch.Tensor, group: AxisGroup, dtype: torch.dtype) -> None
         t.copy_(send)
 
 
-def replica_weighted_norm_sq(ops: list[OptimParam], groups: list[AxisGroup | None], device: torch.device) -> float:
+def replica_weighted_norm_sq(ops: list[OptimParam], groups: list[AxisGroup | None],
+                             device: torch.device) -> torch.Tensor:
     """Sum of squared gradient entries of ``ops`` (a piece held by r tensor-parallel ranks counts 1/r, so
-    the later sum over tp counts it once), added over ``groups``."""
+    the later sum over tp counts it once), added over ``groups``: an fp64 scalar on ``device``, not read
+    here (the trainer reads it once, with the loss)."""
     with_grad = [op for op in ops if op.tensor.grad is not None]
-    norm_sq = 0.0
+    norm_sq = torch.zeros((), dtype=torch.float64, device=device)
     for r in sorted({op.replicas for op in with_grad}):
-        norm_sq += float(grad_norm_squared([op.tensor.grad for op in with_grad if op.replicas == r])) / r
+        norm_sq += grad_norm_squared([op.tensor.grad for op in with_grad if op.replicas == r]).double() / r
     for group in groups:
-        if group is not None and group.size > 1:
-            norm_sq = comm.all_reduce_scalars([norm_sq], group, device=device)[0]
+        if group is not None:
+            comm.all_reduce_metrics(norm_sq, group)
     return norm_sq
 
 

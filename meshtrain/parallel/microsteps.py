@@ -51,10 +51,10 @@ class Accumulation:
     def __init__(self, model: nn.Module, forward: ForwardLoss, n: int) -> None:
         self.model, self.forward, self.n = model, forward, n
 
-    def run(self, inputs: torch.Tensor, targets: torch.Tensor, n_tokens: int) -> float:
-        """Forward and backward of every microbatch; returns this rank's loss sum / ``n_tokens``."""
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        """Forward and backward of every microbatch; returns this rank's loss sum / ``n_tokens`` (an fp64
+        scalar on the device, unread: a host read would stall a GPU until the step's work is done)."""
         sync, device = self.forward.sync, self.forward.device
-        # Summed on the device and read once: a host read per microbatch would stall a GPU between them.
         total = torch.zeros((), dtype=torch.float64, device=device)
         micro = list(zip(inputs.chunk(self.n), targets.chunk(self.n), strict=True))
         for i, (x, y) in enumerate(micro):
@@ -63,7 +63,7 @@ class Accumulation:
                 loss = self.forward(self.model, x.to(device), y.to(device)) / n_tokens
                 loss.backward()
             total += loss.detach().double()
-        return float(total)
+        return total
 
     @torch.no_grad()
     def forward_only(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:

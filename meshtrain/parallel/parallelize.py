@@ -165,12 +165,13 @@ class Parallel:
             inputs, targets = self.cp.shard(inputs), self.cp.shard(targets)
         return inputs, targets
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, n_tokens: int) -> float:
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, n_tokens: int) -> torch.Tensor:
         """The micro-steps of one optimizer step on this rank's batch (``shard_batch``); ``n_tokens`` is the
         global batch's token count. Returns the step's loss, the mean over every token of the global batch
-        (the same on every rank); the gradients may still be in flight (``sync_grads`` waits)."""
-        local = self.micro.run(inputs, targets, n_tokens)
-        return comm.all_reduce_scalars([local], self.loss_group, device=self.device)[0]
+        (the same on every rank), as an fp64 scalar on the device that nothing here reads: the host need not
+        wait for the device until the trainer reads it with the norm. The gradients may still be in flight
+        (``sync_grads`` waits)."""
+        return comm.all_reduce_metrics(self.micro.run(inputs, targets, n_tokens), self.loss_group)
 
     def sync_grads(self) -> None:
         """Wait for the gradient communication; then the pieces' ``.grad`` are the global gradients
@@ -181,15 +182,16 @@ class Parallel:
             self.tp.sync_replicated_grads([op.tensor.grad for op in held if op.tp is None])
             self.tp.sync_shared_kv_grads([op.tensor.grad for op in held if op.tp is not None])
 
-    def clip_grads(self, max_norm: float) -> float:
+    def clip_grads(self, max_norm: float) -> torch.Tensor:
         """The global gradient norm (every logical entry once, whatever holds it); gradients scaled so it is
-        at most ``max_norm`` (0: no clipping). Returns the norm before clipping."""
+        at most ``max_norm`` (0: no clipping). Returns the norm before clipping, an fp32 scalar on the device
+        (not read here, as ``forward_backward``'s loss)."""
         norm_sq = self.sync.grad_norm_sq(self.device)
         for axis in ("tp", "pp"):  # different slices (tp) and different layers (pp) add
-            norm_sq = comm.all_reduce_scalars([norm_sq], self.mesh.group(axis), device=self.device)[0]
-        norm = torch.tensor(norm_sq, dtype=torch.float32).sqrt()
+            comm.all_reduce_metrics(norm_sq, self.mesh.group(axis))
+        norm = norm_sq.float().sqrt()
         clip_grads(self.sync.grads(), max_norm, norm)
-        return float(norm)
+        return norm
 
     def skip_step(self) -> None:
         """Drop a step's gradients (and MoE routing counts) instead of applying them: nothing changes."""

@@ -26,6 +26,15 @@ _DTYPES = ("uint16", "uint32")
 READABLE_FORMATS = (1, META_FORMAT)
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch tensor on ``device`` without the host waiting for the device: on CUDA it is copied from pinned
+    memory, asynchronously (a copy from pageable memory would block the host until the device finished the
+    work queued before it, leaving the device idle while the host then builds and queues the step)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _split_id(split: str) -> int:
     if split not in SPLIT_IDS:
         raise ValueError(f"unknown data split {split!r}; expected one of {sorted(SPLIT_IDS)}")

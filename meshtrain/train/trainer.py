@@ -34,7 +34,7 @@ from meshtrain.plan.flops import flops_per_token, mfu, param_count
 from meshtrain.plan.hardware import peak_flops
 from meshtrain.plan.validate import validate_layout
 from meshtrain.train.checkpoint import Checkpointer, CheckpointError, CheckpointReader, latest_checkpoint, restore_rng
-from meshtrain.train.data import SyntheticDataset, TokenDataset, read_meta
+from meshtrain.train.data import SyntheticDataset, TokenDataset, read_meta, to_device
 from meshtrain.train.metrics import MetricsLogger, import_wandb, peak_memory_bytes
 from meshtrain.train.optim import build_optimizer, set_lr
 from meshtrain.train.paths import unwritable_reason
@@ -333,7 +333,8 @@ class Trainer:
         t = self.cfg.train
         inputs, targets = data.batch(t.seed, step, t.global_batch, t.seq_len)
         n_tokens = int((targets != -100).sum())
-        return (*self.parallel.shard_batch(inputs, targets), n_tokens)
+        inputs, targets = self.parallel.shard_batch(inputs, targets)
+        return to_device(inputs, self.device), to_device(targets, self.device), n_tokens
 
     def train_step(self, step: int) -> dict[str, Any]:
         """One optimizer step on the global batch of ``step``; returns its metrics."""
@@ -345,7 +346,9 @@ class Trainer:
             self.grad_hook(step, self)
         norm = self.parallel.clip_grads(t.grad_clip)
         lr = set_lr(self.optimizer, step, t)
+        # The step's one host read: until here the host only queued work, so a GPU never waited for it.
         # Loss and norm are global (reduced over every rank), so every rank takes the same branch.
+        loss, norm = torch.stack([loss.double(), norm.double()]).tolist()
         if not (math.isfinite(loss) and math.isfinite(norm)):
             self.parallel.skip_step()  # nothing non-finite reaches the weights or the optimizer state
             return {"loss": loss, "lr": lr, "grad_norm": norm, "skipped": True}

@@ -169,9 +169,10 @@ class PipelineEngine:
             else:
                 inbox[op.msg] = (p2p.tensor, h)
 
-    def run(self, inputs: torch.Tensor, targets: torch.Tensor, n_tokens: int) -> float:
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor, n_tokens: int) -> torch.Tensor:
         """One step over this rank's rows, cut into the schedule's microbatches; returns this rank's loss sum /
-        ``n_tokens`` (non-zero on the last stage only)."""
+        ``n_tokens`` (non-zero on the last stage only), an fp64 scalar on the device, unread: a host read per
+        microbatch would stall the last stage's GPU between its microbatches."""
         inputs, targets = list(inputs.chunk(self.s.microbatches)), list(targets.chunk(self.s.microbatches))
         slots: dict[tuple[int, int], _Slot] = {}
         local: dict[tuple[int, int, int], torch.Tensor] = {}  # same-rank hand-overs
@@ -180,7 +181,7 @@ class PipelineEngine:
         arrived: dict[Message, torch.Tensor] = {}  # waited receives, for the next action
         sends: list[comm.Handle] = []
         self.trace = StepTrace()
-        loss_total = 0.0
+        loss_total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         for step in self.program:
             if isinstance(step, Post):
                 self._post(step, outbox, inbox, sends)
@@ -193,7 +194,9 @@ class PipelineEngine:
                 t0 = time.perf_counter()  # after the wait: waiting for a peer is bubble, not work
                 slot = slots.setdefault((a.mb, a.stage), _Slot())
                 if a.kind == "F":
-                    loss_total += self._forward(a, slot, inputs, targets, n_tokens, local, arrived, outbox)
+                    loss = self._forward(a, slot, inputs, targets, n_tokens, local, arrived, outbox)
+                    if loss is not None:
+                        loss_total += loss.detach().double()
                 elif a.kind in ("B", "I"):
                     self._backward_input(a, slot, local, arrived, outbox, with_weights=a.kind == "B")
                 else:
@@ -218,7 +221,10 @@ class PipelineEngine:
         m = remote_input(self.s, a)
         return local.pop((0 if a.kind == "F" else 1, a.mb, a.stage)) if m is None else arrived.pop(m)
 
-    def _forward(self, a: Action, slot: _Slot, inputs, targets, n_tokens: int, local, arrived, outbox) -> float:
+    def _forward(self, a: Action, slot: _Slot, inputs, targets, n_tokens: int, local, arrived,
+                 outbox) -> torch.Tensor | None:
+        """Run forward action ``a``: on the last stage, returns its microbatch's loss / ``n_tokens``; else hands
+        its activation on and returns None."""
         stage = self.stages[a.stage]
         if a.stage == 0:
             x = inputs[a.mb].to(self.mesh.device)
@@ -228,11 +234,11 @@ class PipelineEngine:
         if a.stage == self.last:
             loss = self.forward(stage, x, targets[a.mb].to(self.mesh.device)) / n_tokens
             slot.out = loss
-            return float(loss.detach())
+            return loss
         y = self.forward(stage, x)
         slot.out = y
         self._handover(y.detach(), a, a.stage + 1, local, outbox)
-        return 0.0
+        return None
 
     def _sync_ctx(self, a: Action):
         return contextlib.nullcontext() if a in self.final else self.sync.no_sync()
