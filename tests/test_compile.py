@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from meshtrain.config import ConfigError, load_config
-from meshtrain.parallel.compile import is_compiled
+from meshtrain.model.llama import cross_entropy_sum
+from meshtrain.parallel.compile import compile_loss, is_compiled
 from meshtrain.parallel.recompute import recomputed_forward
 from meshtrain.testing.equivalence import (
     assert_same_checkpoint,
@@ -110,12 +111,53 @@ def test_compile_is_off_by_default_and_a_missing_compiler_is_one_line():
     check_compile(load_config("tiny"), torch.device("cpu"))  # not asked for: not checked
 
 
+def _loss_saved_bytes(loss_fn, logits: torch.Tensor, targets: torch.Tensor) -> tuple[int, float, torch.Tensor]:
+    """(bytes the loss saves for backward, each storage once; the loss; the logits' gradient)."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x = logits.detach().requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = loss_fn(x, targets)
+    loss.backward()
+    return sum(storages.values()), float(loss.detach()), x.grad
+
+
+def test_compiled_loss_saves_the_bf16_logits_not_an_fp32_copy():
+    """train.compile=true compiles the plain cross-entropy too (``compile_loss``). Eager under bf16 autocast it
+    saves an fp32 log-softmax of the logits for backward (4 bytes per logit); compiled, the bf16 logits and one
+    fp32 value per token (2). Both give the same loss and gradient (fp32: 1e-5)."""
+    torch.manual_seed(0)
+    n, vocab = 512, 4096
+    logits = torch.randn(n, vocab, dtype=torch.bfloat16) * 4
+    targets = torch.randint(0, vocab, (n,))
+    targets[:7] = -100  # ignored positions, as the data's padding
+    compiled = compile_loss(cross_entropy_sum, True)
+    assert compile_loss(cross_entropy_sum, False) is cross_entropy_sum
+    eager_bytes, eager_loss, eager_grad = _loss_saved_bytes(cross_entropy_sum, logits, targets)
+    ours_bytes, ours_loss, ours_grad = _loss_saved_bytes(compiled, logits, targets)
+    assert eager_bytes >= 4 * n * vocab
+    assert ours_bytes <= 2.1 * n * vocab
+    assert ours_loss == pytest.approx(eager_loss, rel=1e-5)
+    torch.testing.assert_close(ours_grad.float(), eager_grad.float(), rtol=1e-2, atol=1e-4)  # bf16 gradients
+    x = logits.float()  # fp32: the same loss and gradient to rounding
+    _, a, ga = _loss_saved_bytes(cross_entropy_sum, x, targets)
+    _, b, gb = _loss_saved_bytes(compiled, x, targets)
+    assert b == pytest.approx(a, rel=1e-5)
+    torch.testing.assert_close(gb, ga, rtol=1e-5, atol=1e-7)
+
+
 def _train_until(data: str, out: str, overrides: list[str], until: int | None) -> tuple[list[float], list[str]]:
     cfg = load_config("tiny", [f"data.path={data}", *BASE, "train.steps=6", "train.ckpt_every=3", *overrides])
     trainer = Trainer(cfg, out)
     losses = [r["loss"] for r in trainer.train(until=until)]
     if "train.compile=true" in overrides:
         assert all(is_compiled(b) for b in trainer.model.layers.values())
+        # tp = 1: the loss is compiled too (compile_loss)
+        assert getattr(trainer.parallel.forward.loss_fn, "_torchdynamo_orig_callable", None) is cross_entropy_sum
     return losses, [n for n, _ in trainer.model.named_parameters()]
 
 

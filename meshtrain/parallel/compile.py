@@ -37,6 +37,8 @@ marks the length dynamic.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -58,6 +60,19 @@ def compile_unavailable(device: torch.device) -> str | None:
     except Exception:  # noqa: BLE001 - any failure to find one means the same thing to the user
         return "no C++ compiler for inductor's CPU kernels was found: install g++ (or set CXX to one)"
     return None
+
+
+def compile_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 enabled: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The plain cross-entropy (``model/llama.cross_entropy_sum``) compiled when ``enabled`` (``train.compile``).
+
+    Eager, it writes an fp32 copy of the [tokens, vocab] logits, its log-softmax, and saves that for backward
+    (4 bytes per logit; the backward writes two more fp32 tensors of that size). Inductor fuses the upcast, the
+    log-softmax and the pick of each target's logit into the reductions, forward and backward, and saves the
+    logits as they came (bf16 under autocast: 2 bytes per logit) with one fp32 log-sum-exp per token. The
+    vocabulary-parallel loss (tp > 1) is an autograd Function that calls collectives; ``parallelize`` passes
+    it here only disabled."""
+    return torch.compile(loss_fn) if enabled else loss_fn
 
 
 def apply_compile(model: nn.Module, enabled: bool, collectives: bool = False) -> nn.Module:

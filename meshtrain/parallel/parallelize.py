@@ -42,7 +42,7 @@ from meshtrain.mesh import Mesh
 from meshtrain.model.llama import Llama, cross_entropy_sum
 from meshtrain.model.moe import expert_index
 from meshtrain.model.source import TensorSource
-from meshtrain.parallel.compile import apply_compile
+from meshtrain.parallel.compile import apply_compile, compile_loss
 from meshtrain.parallel.context import ContextParallel, apply_context_parallel
 from meshtrain.parallel.data import DataParallel, WithExperts
 from meshtrain.parallel.expert import ExpertParallel, apply_expert_parallel
@@ -301,7 +301,8 @@ def parallelize(model: Llama, mesh: Mesh, cfg: Config) -> Parallel:
     apply_recompute(model, t.recompute)
     apply_compile(model, t.compile, collectives=max(p.tp, p.cp, p.ep) > 1)
     sync = data_parallel(model, mesh, p, tp.placements if tp else {}, dtype)
-    forward = ForwardLoss(tp.loss_fn if tp else cross_entropy_sum, sync, dtype, mesh.device)
+    loss_fn = tp.loss_fn if tp else compile_loss(cross_entropy_sum, t.compile)
+    forward = ForwardLoss(loss_fn, sync, dtype, mesh.device)
     if schedule is not None:
         rows = t.global_batch // mesh.size("dp") // p.microbatches
         seq = t.seq_len // p.cp // (p.tp if p.sp else 1)
