@@ -44,6 +44,7 @@ from meshtrain.model.moe import expert_index
 from meshtrain.model.source import TensorSource
 from meshtrain.parallel.compile import apply_compile, compile_loss
 from meshtrain.parallel.context import ContextParallel, apply_context_parallel
+from meshtrain.parallel.cross_entropy import lean_cross_entropy
 from meshtrain.parallel.data import DataParallel, WithExperts
 from meshtrain.parallel.expert import ExpertParallel, apply_expert_parallel
 from meshtrain.parallel.fsdp import FullyShardedDataParallel
@@ -301,7 +302,14 @@ def parallelize(model: Llama, mesh: Mesh, cfg: Config) -> Parallel:
     apply_recompute(model, t.recompute)
     apply_compile(model, t.compile, collectives=max(p.tp, p.cp, p.ep) > 1)
     sync = data_parallel(model, mesh, p, tp.placements if tp else {}, dtype)
-    loss_fn = tp.loss_fn if tp else compile_loss(cross_entropy_sum, t.compile)
+    # The loss over the logits: vocab-parallel under tp; else inductor's fusion of the plain cross-entropy when
+    # compiling, and otherwise the lean one that tp's uses too (both save the logits, not an fp32 log-softmax).
+    if tp is not None:
+        loss_fn = tp.loss_fn
+    elif t.compile:
+        loss_fn = compile_loss(cross_entropy_sum, True)
+    else:
+        loss_fn = lean_cross_entropy
     forward = ForwardLoss(loss_fn, sync, dtype, mesh.device)
     if schedule is not None:
         rows = t.global_batch // mesh.size("dp") // p.microbatches

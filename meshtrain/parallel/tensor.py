@@ -14,7 +14,7 @@ block needs one collective in forward and its conjugate in backward (seeds 001, 
 The embedding is split by vocabulary rows (each rank looks up its own ids, then one all-reduce or
 reduce-scatter adds the parts); the LM head is column-parallel over the vocabulary and the loss is
 computed from the vocabulary shards with three small all-reduces (max, sum of exp, target logit),
-so no rank ever holds the full logits. The vocabulary is padded to a multiple of tp; padded
+so no rank ever holds the full logits (``cross_entropy.py``). The vocabulary is padded to a multiple of tp; padded
 logits are masked out of the loss.
 
 Mixture-of-experts blocks keep their router and experts whole (expert-tensor-parallel size 1: TP for
@@ -45,6 +45,7 @@ from meshtrain.mesh import AxisGroup, Mesh
 from meshtrain.model.axes import param_axes
 from meshtrain.model.kv_cache import LayerKV
 from meshtrain.model.llama import Attention, Block, FeedForward, apply_rope, attend
+from meshtrain.parallel.cross_entropy import lean_cross_entropy
 from meshtrain.parallel.pieces import Placement, Placements, TPSlice
 from meshtrain.rules import Rules, check_executable, tp_dim
 
@@ -347,42 +348,6 @@ class VocabParallelHead(ColumnParallelLinear):
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
 
 
-class _VocabParallelCE(torch.autograd.Function):
-    """Sum over tokens of cross-entropy from vocabulary-sharded logits (fp32), never gathering them."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, start: int, valid: int,
-                group: AxisGroup) -> torch.Tensor:
-        x = logits.float()
-        if valid < x.shape[-1]:  # padding rows of the vocabulary are not real classes
-            x = x.clone()
-            x[..., valid:] = float("-inf")
-        m = x.max(dim=-1).values
-        comm.all_reduce(m, group, op="max")
-        e = torch.exp(x - m.unsqueeze(-1))
-        s = e.sum(-1)
-        comm.all_reduce(s, group)
-        t = targets - start
-        mine = (t >= 0) & (t < valid) & (targets != -100)
-        picked = torch.where(mine, x.gather(-1, t.clamp(0, x.shape[-1] - 1).unsqueeze(-1)).squeeze(-1),
-                             torch.zeros_like(m))
-        comm.all_reduce(picked, group)
-        keep = targets != -100
-        loss = ((torch.log(s) + m - picked) * keep).sum()
-        ctx.save_for_backward(e, s, t, mine, keep)
-        ctx.in_dtype = logits.dtype
-        return loss
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        e, s, t, mine, keep = ctx.saved_tensors
-        grad = e / s.unsqueeze(-1)  # softmax over the whole vocabulary, this rank's columns
-        idx = t.clamp(0, grad.shape[-1] - 1).unsqueeze(-1)
-        grad.scatter_add_(-1, idx, -mine.unsqueeze(-1).to(grad.dtype))
-        grad = grad * (keep.unsqueeze(-1) * g)
-        return grad.to(ctx.in_dtype), None, None, None, None
-
-
 def gather_vocab(logits: torch.Tensor, head: VocabParallelHead) -> torch.Tensor:
     """Full logits from the vocabulary shards (generation only: a few positions, not a batch)."""
     group = head.group
@@ -402,7 +367,7 @@ class VocabParallelLoss:
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         h = self.head
-        return _VocabParallelCE.apply(logits, targets, h.start, h.end - h.start, h.group)
+        return lean_cross_entropy(logits, targets, h.start, h.end - h.start, h.group)
 
 
 # ----------------------------------------------------------------------------- the transformation

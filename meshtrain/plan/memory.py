@@ -41,6 +41,17 @@ PRECISIONS = {"meshtrain": MESHTRAIN_BF16, "mixed": MIXED_16BIT}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}  # train.dtype, parallel.reduce_dtype
 
 
+# The training loss works through the logits in chunks of rows this large in fp32 (parallel/cross_entropy.py).
+LOSS_CHUNK_BYTES = 64 * 2**20
+
+
+def logits_bytes(tokens: float, vocab_local: int, act_bytes: float) -> float:
+    """Peak bytes of the loss on the last stage: the [tokens, vocab_local] logits (in the activation dtype, kept
+    for backward) and their gradient, plus two chunks' fp32 temporaries (``parallel/cross_entropy.py``; inductor's
+    compiled loss holds the same or less). ``F.cross_entropy`` would hold ~12 bytes per logit more."""
+    return tokens * vocab_local * 2 * act_bytes + 2 * LOSS_CHUNK_BYTES
+
+
 def run_precision(dtype: str = "bf16", reduce_dtype: str = "fp32") -> Precision:
     """meshtrain's precision for a run's ``train.dtype`` (what activations, TP/CP/EP traffic and ZeRO-3's gathers
     use) and ``parallel.reduce_dtype`` (what the DP family's gradient collectives send); parameters,

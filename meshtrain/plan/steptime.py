@@ -36,7 +36,7 @@ from meshtrain.plan.comm_bytes import (
 from meshtrain.plan.costfit import StepCosts, block_features, head_features
 from meshtrain.plan.flops import attention_flops_per_token, flops_per_token, layer_flops, param_count, stage_part_flops
 from meshtrain.plan.hardware import Hardware
-from meshtrain.plan.memory import activation_bytes, activation_elems_per_token, state_bytes
+from meshtrain.plan.memory import activation_bytes, activation_elems_per_token, logits_bytes, state_bytes
 from meshtrain.plan.network import Link, collective_time, dp_axes, exposed, group_link
 from meshtrain.plan.pipeline_cost import pipeline_sim_fast, stage_partition
 from meshtrain.plan.problem import Collective, Estimate, Layout, Problem, StepTime
@@ -387,7 +387,7 @@ def memory(problem: Problem, lay: Layout, t: int, act: StageAction, units: list[
         mem["zero3_gathered"] = max(units) * (2 * prec.gather + prec.reduce)
     mem["activations"] = activation_bytes(cfg, t, act.layers, lay.recompute, tp, lay.sp, prec.act, inflight) \
         + t * cfg.d_model * prec.hidden * inflight  # each stage's input hidden state
-    mem["logits"] = t * -(-cfg.vocab_size // tp) * 12  # fp32 logits, softmax and their gradient on the last stage
+    mem["logits"] = logits_bytes(t, -(-cfg.vocab_size // tp), prec.act)  # on the last stage
     return mem
 
 
