@@ -9,9 +9,10 @@ saves the log-softmax for backward (4 bytes per logit), and its backward writes 
 size: at the peak of backward ~12 bytes per logit on top of the logits, 6 GiB at 16,384 tokens x 32,000. Here
 forward saves the logits as they came (bf16 under autocast: 2 bytes) and one fp32 log-sum-exp per token; both
 passes work through the rows in chunks of ``CHUNK_BYTES`` of fp32, and backward writes the gradient straight into
-one tensor of the logits' dtype. The peak is the logits and their gradient plus one chunk's temporaries: what the
-planner's ``logits`` term counts (``plan/steptime.memory``). The price is one more ``exp`` over the logits in
-backward, an elementwise pass that reads 2 bytes per logit where eager's backward read fp32 ones.
+one tensor of the logits' dtype. The peak is the logits and their gradient plus two chunks' temporaries (forward's
+copy and ``logsumexp``'s own): what the planner counts (``plan/memory.logits_bytes``). The price is one more
+``exp`` over the logits in backward, an elementwise pass that reads 2 bytes per logit where eager's backward read
+fp32 ones.
 
 ``train.compile=true`` with tp = 1 uses inductor's fusion of the plain cross-entropy instead
 (``compile.compile_loss``), which saves the same and fuses further; this Function calls collectives, so the
