@@ -329,7 +329,7 @@ class Trainer:
     # ------------------------------------------------------------------ the step
 
     def local_batch(self, data, step: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """This rank's part of the global batch of ``step``, and the global batch's token count."""
+        """This rank's part of the global batch of ``step``, on its device, and the global batch's token count."""
         t = self.cfg.train
         inputs, targets = data.batch(t.seed, step, t.global_batch, t.seq_len)
         n_tokens = int((targets != -100).sum())
