@@ -72,7 +72,10 @@ def measure(variant: str, tokens: int, vocab: int, dtype: str) -> dict:
 def _one(variant: str, args: argparse.Namespace) -> dict:
     out = subprocess.run([sys.executable, __file__, "--child", variant, "--tokens", str(args.tokens), "--vocab",
                           str(args.vocab), "--dtype", args.dtype],
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True)
+    if out.returncode != 0:  # one line: the child's last, e.g. a MemoryError at a size too large for this machine
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        sys.exit(f"loss_memory.py: the {variant} measurement failed (exit {out.returncode}): {last}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -89,6 +92,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.child:
         print(json.dumps(measure(args.child, args.tokens, args.vocab, args.dtype)))
         return []
+    for flag, low in {"tokens": 1, "vocab": 2, "rounds": 1}.items():
+        if getattr(args, flag) < low:
+            ap.error(f"--{flag} must be at least {low}, got {getattr(args, flag)}")
+    try:  # the peak is reset through /proc (Linux); say so before any measurement
+        reset_peak()
+        resident("VmHWM")
+    except (OSError, StopIteration) as e:
+        ap.error(f"this script needs Linux's /proc/self/clear_refs and VmHWM to measure a peak ({e})")
     names = args.variants.split(",")
     if any(n not in VARIANTS for n in names) or names[0] != VARIANTS[0]:
         ap.error(f"--variants: names from {', '.join(VARIANTS)}, the first {VARIANTS[0]!r} (the reference)")
