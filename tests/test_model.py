@@ -60,13 +60,6 @@ def test_bf16_autocast_runs_and_is_close():
     assert (low.float() - ref).abs().max() < 0.05 * ref.abs().max()
 
 
-def _rope_real(x, cos, sin):
-    """The textbook form: rotate the pairs (x[2i], x[2i+1]) with four products and two sums, in fp32."""
-    xf = x.float().unflatten(-1, (-1, 2))
-    x0, x1 = xf[..., 0], xf[..., 1]
-    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).type_as(x)
-
-
 def _keep_in(store: list):
     def pack(t: torch.Tensor) -> torch.Tensor:
         store.append(t)
@@ -75,10 +68,10 @@ def _keep_in(store: list):
 
 
 def test_eager_rope_equals_the_real_form_and_saves_only_the_tables():
-    """Eager RoPE (one complex multiply each way) against the real form, forward and backward, on the transposed
-    [B, H, T, D] views the attention passes it; and what backward keeps is only cos and sin, the model's tables
-    (the SP memory test's exact activation model counts on that)."""
-    from meshtrain.model.layers import apply_rope, rope_tables
+    """Eager RoPE (one complex multiply each way) against the real form that compiled runs use, forward and
+    backward, on the transposed [B, H, T, D] views the attention passes it; and what backward keeps is only cos
+    and sin, the model's tables (the SP memory test's exact activation model counts on that)."""
+    from meshtrain.model.layers import apply_rope, rope_real, rope_tables
 
     cos, sin = rope_tables(16, 32, 10000.0)
     for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
@@ -88,7 +81,7 @@ def test_eager_rope_equals_the_real_form_and_saves_only_the_tables():
         saved: list[torch.Tensor] = []
         with torch.autograd.graph.saved_tensors_hooks(_keep_in(saved), lambda t: t):
             ya = apply_rope(a, cos, sin)
-        yb = _rope_real(b, cos, sin)
+        yb = rope_real(b, cos, sin)
         assert ya.dtype == dtype and ya.shape == yb.shape
         torch.testing.assert_close(ya.float(), yb.float(), rtol=tol, atol=tol)
         grad = torch.randn_like(ya)

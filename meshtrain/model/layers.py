@@ -37,10 +37,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if cos.dim() == 3:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     if torch.compiler.is_compiling():  # inductor fuses the real form into one kernel; it has no complex codegen
-        xf = x.float().unflatten(-1, (-1, 2))
-        x0, x1 = xf[..., 0], xf[..., 1]
-        return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).type_as(x)
+        return rope_real(x, cos, sin)
     return _ComplexRope.apply(x, cos, sin)
+
+
+def rope_real(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE's textbook form (``apply_rope`` under ``torch.compile``): rotate the pairs (x[2i], x[2i+1]) with four
+    products and two sums, in fp32; cos/sin already broadcast against x."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).type_as(x)
 
 
 def _as_complex(t: torch.Tensor) -> torch.Tensor:
