@@ -303,3 +303,40 @@ def test_dp_buckets_are_rebuilt_in_the_order_gradients_arrive():
         for step in rank_res[3]:
             for n, p in ref.named_parameters():
                 torch.testing.assert_close(step[n], p.grad, rtol=1e-6, atol=1e-7)
+
+
+def _bucket_writes(trainer: Trainer) -> dict[str, int]:
+    """Bytes each aten op writes into the gradient buckets during one training step (in-place ops on a bucket's
+    storage; ``_foreach_*_`` ops count every listed tensor that lives there)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    storages = {b.buffer.untyped_storage().data_ptr() for b in trainer.parallel.sync.buckets}
+    written: dict[str, int] = {}
+
+    class Writes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name.endswith("_") and args:
+                for t in args[0] if isinstance(args[0], (list, tuple)) else [args[0]]:
+                    if torch.is_tensor(t) and t.untyped_storage().data_ptr() in storages:
+                        written[name] = written.get(name, 0) + t.numel() * t.element_size()
+            return func(*args, **(kwargs or {}))
+
+    trainer.train_step(0)
+    with Writes():
+        trainer.train_step(1)
+    return written
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_one_rank_writes_each_gradient_once_per_microbatch(accum):
+    """On one rank (dp = 1, e.g. tp/pp layouts or one GPU) a step's fresh gradients are copied into their buckets
+    once, not added into a bucket zeroed for them (a fill plus an add: twice the bytes); later microbatches add in
+    place; the clip's scale (``_foreach_mul_``) is the only other write."""
+    trainer = Trainer(load_config("tiny", ["data.source=synthetic", "train.progress=false", "train.device=cpu",
+                                           "train.tensorboard=false", f"train.grad_accum={accum}"]))
+    grad_bytes = sum(b.buffer.numel() * 4 for b in trainer.parallel.sync.buckets)
+    want = {"copy_": grad_bytes, "_foreach_mul_": grad_bytes}
+    if accum > 1:
+        want["add_"] = (accum - 1) * grad_bytes
+    assert _bucket_writes(trainer) == want

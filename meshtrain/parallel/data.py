@@ -83,9 +83,11 @@ class DataParallel(GradSync):
         # The first synced backward records the order gradients really arrive in; ``finish_grads`` then
         # rebuilds the buckets in that order once (as DDP does), so no bucket waits on a late parameter.
         self._arrival: dict[int, nn.Parameter] | None = {} if group.size > 1 else None
-        if group.size > 1:
-            for p in params:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        # Hooks on one rank too: ``zero_grad`` leaves ``p.grad = None`` and the hook copies autograd's fresh
+        # gradient into the bucket (8 bytes moved per fp32 entry), where zeroing the bucket for autograd to add
+        # into would move 16 (a fill, then a read-read-write add).
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def _make_buckets(self, ordered: list[nn.Parameter]) -> None:
         """Fill buckets of about ``bucket_mb`` with ``ordered``, each gradient a view into its bucket."""
@@ -118,7 +120,7 @@ class DataParallel(GradSync):
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         bucket = self._bucket_of[id(p)]
         bucket.adopt(p)  # later microbatches (no_sync) accumulate into the bucket in place
-        if not self._sync:
+        if not self._sync or self.group.size == 1:  # nothing to send
             return
         if self._arrival is not None:
             self._arrival.setdefault(id(p), p)
@@ -132,7 +134,11 @@ class DataParallel(GradSync):
         self.handles.append(bucket.handle)
 
     def finish_grads(self) -> None:
-        if self.group.size == 1:
+        if self.group.size == 1:  # no one to send to; a parameter that got no gradient gets zeros, as below
+            for b in self.buckets:
+                for p in b.params:
+                    if p.grad is None:
+                        b.adopt(p)
             return
         for b in self.buckets:
             if b.handle is None:  # some parameter got no gradient this step: send the bucket anyway, zeros for it
@@ -149,13 +155,9 @@ class DataParallel(GradSync):
             self._rebuild_in_arrival_order(list(arrived.values()))
 
     def zero_grad(self) -> None:
-        if self.group.size == 1:  # no hooks: gradients accumulate into the bucket views themselves
-            for b in self.buckets:
-                b.buffer.zero_()
-        else:  # the hooks adopt each fresh gradient into its bucket (``_Bucket.adopt``)
-            for b in self.buckets:
-                for p in b.params:
-                    p.grad = None
+        for b in self.buckets:  # the hooks adopt each fresh gradient into its bucket (``_Bucket.adopt``)
+            for p in b.params:
+                p.grad = None
         self.handles = []
 
     def optim_params(self) -> list[OptimParam]:
