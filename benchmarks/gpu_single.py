@@ -56,11 +56,6 @@ NO_CUDA = ("gpu_single.py needs a CUDA device; none is visible (torch.cuda.is_av
 GPU_DEFAULTS = {"steps": 10, "warmup": 3, "rounds": 5, "batch": 4, "seq": 2048, "vocab": 32000}
 DRY_DEFAULTS = {"steps": 3, "warmup": 1, "rounds": 2, "batch": 2, "seq": 64, "vocab": 512}
 ROWS = ("ours eager", "HF eager", "HF compiled", "ours compiled")  # round 0's order; odd rounds reverse it
-# Kernel kinds for the profile's summary, matched in this order on the lower-cased kernel name.
-KERNEL_KINDS = {"matmul": ("nvjet", "gemm", "cutlass", "aten::mm", "aten::addmm", "aten::bmm"),
-                "attention": ("sdpa", "flash", "fmha", "attention"),
-                "optimizer": ("multi_tensor_apply", "adam", "foreach"),
-                "compiled": ("triton_",)}
 # Same-run tolerances (relative loss difference to ours eager): (first step, every step).
 TOLERANCE = {"fp32": (1e-5, 1e-3), "bf16": (1e-3, 1e-3)}
 BF16_CHECKED_STEPS = 3  # bf16: the steps checked (the module docstring says why not all)
@@ -325,29 +320,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def profile_row(row: Row, steps: range, device: torch.device, prefetch: Callable[[int], None] | None) -> None:
-    """The row's top kernels over ``steps`` by self device time: where a step's time goes."""
+    """Where the row's step time goes over ``steps``: by kind and top kernels (``train/profiling.py``, the same
+    summary ``train.profile_steps`` writes for a real run)."""
     from torch.profiler import ProfilerActivity, profile
+
+    from meshtrain.train.profiling import kernel_times, summary
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
         for s in steps:
             timed(row, s, device, prefetch)
-    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    # On CUDA the kernels themselves (not the aten ops that launched them, which would count them twice).
-    # User annotations (the optimizer's step region) span kernels already counted: left out.
-    events = [e for e in prof.key_averages() if getattr(e, key) > 0 and not getattr(e, "is_user_annotation", False)
-              and not e.key.startswith("Optimizer.") and (device.type != "cuda" or e.device_type.name == "CUDA")]
-    total = sum(getattr(e, key) for e in events)
-    where = "device" if device.type == "cuda" else "CPU"
-    print(f"\nprofile of {row.name}: {total / 1e3 / len(steps):.1f} ms of {where} time per step over {len(steps)} "
-          f"steps; top kernels:")
-    for e in sorted(events, key=lambda e: -getattr(e, key))[:14]:
-        print(f"  {getattr(e, key) / 1e3 / len(steps):8.2f} ms  {e.count // len(steps):5d}x  {e.key[:100]}")
-    sums = dict.fromkeys(KERNEL_KINDS, 0.0) | {"other": 0.0}
-    for e in events:
-        kind = next((k for k, words in KERNEL_KINDS.items() if any(w in e.key.lower() for w in words)), "other")
-        sums[kind] += getattr(e, key) / 1e3 / len(steps)
-    print("  by kind (ms per step): " + ", ".join(f"{k} {v:.1f}" for k, v in sums.items()))
+    cuda = device.type == "cuda"
+    print(f"\nprofile of {row.name}: " + summary(kernel_times(prof, cuda), len(steps), "device" if cuda else "CPU"))
 
 
 def write_json(path: str, args: argparse.Namespace, rows: dict[str, Row]) -> None:

@@ -84,3 +84,17 @@ def test_missing_file_and_bad_yaml(tmp_path):
     wrong.write_text("train:\n  stepz: 3\n")
     with pytest.raises(ConfigError, match="Did you mean 'train.steps'"):
         load_config(wrong)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.profile_steps=-1"], "train.profile_steps must be >= 0, got -1."),
+    (["train.steps=10", "train.profile_steps=2", "train.profile_start=10"],
+     "train.profile_start=10 with train.profile_steps=2 must trace steps 1 to train.steps=10: set "
+     "train.profile_start between 1 and 9."),
+    (["train.steps=10", "train.profile_steps=2", "train.profile_start=0"], "between 1 and 9."),
+    (["train.steps=4", "train.profile_steps=5"], "between 1 and 1 (or lower train.profile_steps)."),
+])
+def test_profile_window_is_checked(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", overrides)
+    assert message in str(e.value)

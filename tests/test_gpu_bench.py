@@ -32,7 +32,7 @@ def test_refuses_without_cuda_in_one_line():
 
 @pytest.mark.slow
 def test_dry_run_prints_every_row_and_checks_the_same_run():
-    out = _run("--dry-run-cpu", "--steps", "1", "--warmup", "1", "--rounds", "1")
+    out = _run("--dry-run-cpu", "--steps", "1", "--warmup", "1", "--rounds", "1", "--profile", "1")
     assert out.returncode == 0, out.stdout + out.stderr
     rows = [ln for ln in out.stdout.splitlines() if ln.startswith("| ")]
     for name in ("ours eager", "HF eager", "HF compiled", "ours compiled"):
@@ -40,6 +40,9 @@ def test_dry_run_prints_every_row_and_checks_the_same_run():
     assert "| ours eager / HF eager | " in out.stdout
     # Same weights and batches in fp32: HF's losses are ours within 1e-5 at the first step, 1e-3 at every step.
     assert "HF eager: first" in out.stdout and "NOT THE SAME RUN" not in out.stdout
+    # --profile: each row's time by kind, named as train.profile_steps names them (train/profiling.py).
+    for name in ("ours eager", "HF eager"):
+        assert f"profile of {name}: " in out.stdout and "by kind (ms per step): communication" in out.stdout
 
 
 @pytest.mark.parametrize("name, key", [

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -245,3 +246,40 @@ def test_a_step_reads_nothing_from_the_device_but_loss_and_norm_once(world, over
 
     for reads in spawn(_scalar_reads, world, args=(overrides,), timeout=300):
         assert reads == ["local_batch"], reads
+
+
+def _traced_steps(trace: Path) -> list[int]:
+    """The training steps a Chrome trace holds (their ``meshtrain step N`` markers)."""
+    import gzip
+
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    return sorted({int(e["name"].rsplit(" ", 1)[1]) for e in events if e.get("name", "").startswith("meshtrain step")})
+
+
+def test_profile_window_traces_its_steps_and_says_where_the_time_went(tmp_path, capsys):
+    out = tmp_path / "run"
+    cfg = load_config("tiny", ["data.source=synthetic", "train.steps=5", "train.progress=false",
+                               "train.tensorboard=false", "train.sample_tokens=0", "train.profile_start=3",
+                               "train.profile_steps=2"])
+    Trainer(cfg, out_dir=out).train()
+    said = capsys.readouterr().out
+    assert "profile of steps 3-4: " in said, said
+    assert "the profiler's window holds step 3" in said  # the run report's timed step: the log says it is traced
+    kinds = dict(kv.rsplit(" ", 1) for kv in said.split("by kind (ms per step): ")[1].splitlines()[0].split(", "))
+    assert float(kinds["matmul"]) > 0 and float(kinds["attention"]) > 0 and float(kinds["communication"]) == 0
+    assert "aten::mm" in said  # the top kernels
+    assert [p.name for p in (out / "profile").iterdir()] == ["rank00000.json.gz"]  # no .part left behind
+    assert _traced_steps(out / "profile" / "rank00000.json.gz") == [3, 4]
+
+
+def test_profile_under_two_processes_traces_every_rank_and_counts_the_all_reduce(tmp_path):
+    out = tmp_path / "run"
+    r = _cli("train", "--nproc", "2", "--config", "tiny", "--out", str(out), "data.source=synthetic",
+             "parallel.dp=2", "train.steps=3", "train.progress=false", "train.sample_tokens=0",
+             "train.profile_start=2", "train.profile_steps=1", timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("profile of steps 2-2: ") == 1  # the logging rank's summary, once
+    kinds = dict(kv.rsplit(" ", 1) for kv in r.stdout.split("by kind (ms per step): ")[1].splitlines()[0].split(", "))
+    assert float(kinds["communication"]) > 0  # the gradient all-reduce
+    for rank in (0, 1):
+        assert _traced_steps(out / "profile" / f"rank{rank:05d}.json.gz") == [2]

@@ -39,6 +39,7 @@ from meshtrain.train.metrics import MetricsLogger, import_wandb, peak_memory_byt
 from meshtrain.train.optim import build_optimizer, set_lr
 from meshtrain.train.paths import unwritable_reason
 from meshtrain.train.prepare import ensure_prepared
+from meshtrain.train.profiling import StepProfiler
 from meshtrain.train.tokenizer import load_tokenizer
 
 
@@ -273,6 +274,13 @@ class Trainer:
         self.ckpt_root = self.out_dir / "checkpoints" if self.out_dir else None
         self.checkpointer = Checkpointer(self.ckpt_root, self.mesh.group("world"), self.mesh.rank, t.ckpt_keep,
                                          t.ckpt_async)
+        trace = self.out_dir / "profile" / f"rank{self.mesh.rank:05d}.json.gz" if self.out_dir else None
+        self.profiler = StepProfiler(t.profile_start, t.profile_steps, self.device, trace)
+        timed = min(3, t.steps)  # the steady step the run report and `meshtrain plan --check-run` time
+        if t.profile_steps and t.profile_start <= timed < t.profile_start + t.profile_steps:
+            self.notes.append(f"train.profile_start={t.profile_start}: the profiler's window holds step {timed}, the "
+                              f"steady step the run report and `meshtrain plan --check-run` time, so their measured "
+                              f"step time includes the profiler's overhead.")
         if self.checkpointer.removed:
             self.notes.append(f"removed {len(self.checkpointer.removed)} unfinished save(s) of an interrupted run "
                               f"from {self.ckpt_root}: {', '.join(p.name for p in self.checkpointer.removed)}")
@@ -460,9 +468,10 @@ class Trainer:
                 if measure:
                     comm.METER.reset()
                 waited = comm.METER.seconds()
-                rec = self.train_step(self.step)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
+                with self.profiler.step(self.step + 1):
+                    rec = self.train_step(self.step)
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
                 elapsed = time.perf_counter() - start
                 comm_wait = comm.METER.seconds() - waited  # this rank blocked in collectives (the run report)
                 if measure:
@@ -481,6 +490,9 @@ class Trainer:
                     rec["unigram_loss"] = self.baseline
                 if self.step % t.log_every == 0 or last or "val_loss" in rec or rec.get("skipped"):
                     log.log(rec)
+                profiled = self.profiler.take_summary()
+                if profiled and self.is_logger:
+                    log.write(profiled)
                 records.append(rec)
                 if rec.get("skipped"):
                     self._after_bad_step(rec, log)
