@@ -328,10 +328,10 @@ def profile_row(row: Row, steps: range, device: torch.device, prefetch: Callable
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
-        for s in steps:
-            timed(row, s, device, prefetch)
+        wall = sum(timed(row, s, device, prefetch) for s in steps)
     cuda = device.type == "cuda"
-    print(f"\nprofile of {row.name}: " + summary(kernel_times(prof, cuda), len(steps), "device" if cuda else "CPU"))
+    print(f"\nprofile of {row.name}: "
+          + summary(kernel_times(prof, cuda), len(steps), "device" if cuda else "CPU", wall))
 
 
 def write_json(path: str, args: argparse.Namespace, rows: dict[str, Row]) -> None:

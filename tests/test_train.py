@@ -268,6 +268,8 @@ def test_profile_window_traces_its_steps_and_says_where_the_time_went(tmp_path, 
     kinds = dict(kv.rsplit(" ", 1) for kv in said.split("by kind (ms per step): ")[1].splitlines()[0].split(", "))
     assert float(kinds["matmul"]) > 0 and float(kinds["attention"]) > 0 and float(kinds["communication"]) == 0
     assert "aten::mm" in said  # the top kernels
+    busy, wall = (float(said.split(k)[0].rsplit(" ", 2)[-1]) for k in (" ms of CPU time per step", " ms wall ("))
+    assert 0 < busy < wall * 1.5, said  # ops' time against the steps' wall time (the rest: Python, waits)
     assert [p.name for p in (out / "profile").iterdir()] == ["rank00000.json.gz"]  # no .part left behind
     assert _traced_steps(out / "profile" / "rank00000.json.gz") == [3, 4]
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -47,16 +48,18 @@ def kernel_times(prof: profile, cuda: bool) -> list[tuple[str, float, int]]:
             and not e.key.startswith("Optimizer.") and (not cuda or e.device_type.name == "CUDA")]
 
 
-def summary(times: Iterable[tuple[str, float, int]], n_steps: int, where: str, top: int = 14) -> str:
-    """Lines saying where ``n_steps`` steps' time went: the total and each kind in ms per step, then the
-    ``top`` kernels."""
+def summary(times: Iterable[tuple[str, float, int]], n_steps: int, where: str, wall_s: float, top: int = 14) -> str:
+    """Lines saying where ``n_steps`` steps' time went: the total against the wall time ``wall_s`` of the steps
+    (on CUDA, the rest is the device waiting for the host), each kind in ms per step, then the ``top`` kernels."""
     times = sorted(times, key=lambda t: -t[1])
     per_step = [(name, us / 1e3 / n_steps, calls // n_steps) for name, us, calls in times]
     kinds = dict.fromkeys([*KERNEL_KINDS, "other"], 0.0)
     for name, ms, _ in per_step:
         kinds[kind_of(name)] += ms
-    lines = [f"{sum(kinds.values()):.1f} ms of {where} time per step over {n_steps} steps; by kind (ms per step): "
-             + ", ".join(f"{k} {v:.1f}" for k, v in kinds.items()), "top kernels (ms per step, calls per step):"]
+    busy, wall = sum(kinds.values()), wall_s * 1e3 / n_steps
+    lines = [f"{busy:.1f} ms of {where} time per step of {wall:.1f} ms wall ({busy / wall:.0%}) over {n_steps} "
+             f"steps; by kind (ms per step): " + ", ".join(f"{k} {v:.1f}" for k, v in kinds.items()),
+             "top kernels (ms per step, calls per step):"]
     lines += [f"  {ms:8.2f} ms  {calls:5d}x  {name[:100]}" for name, ms, calls in per_step[:top]]
     return "\n".join(lines)
 
@@ -72,6 +75,7 @@ class StepProfiler:
         self.start, self.stop, self.device, self.trace = start, start + steps, device, trace
         self._prof: profile | None = None
         self._first = start  # the window's first traced step (later when a run resumes inside it)
+        self._wall_s = 0.0  # the traced steps' wall time
         self._summary: str | None = None
 
     @contextlib.contextmanager
@@ -85,13 +89,15 @@ class StepProfiler:
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
             self._prof = profile(activities=acts)
             self._prof.start()
-            self._first = step
+            self._first, self._wall_s = step, 0.0
+        start = time.perf_counter()
         try:
             with record_function(f"meshtrain step {step}"):
                 yield
         except BaseException:
             self._prof.stop()  # a failing step ends the run: the profiler must not outlive it
             raise
+        self._wall_s += time.perf_counter() - start
         if step == self.stop - 1:
             self._finish(step + 1 - self._first)
 
@@ -101,7 +107,7 @@ class StepProfiler:
         cuda = self.device.type == "cuda"
         where = "device" if cuda else "CPU"
         self._summary = f"profile of steps {self._first}-{self._first + n_steps - 1}: " + summary(
-            kernel_times(prof, cuda), n_steps, where)
+            kernel_times(prof, cuda), n_steps, where, self._wall_s)
         if self.trace is not None:
             self.trace.parent.mkdir(parents=True, exist_ok=True)
             part = self.trace.with_name(f".{self.trace.name[:-len('.json.gz')]}.part.json.gz")
