@@ -141,7 +141,7 @@ class TrainConfig:
     eval_batches: int = 4
     log_every: int = 1
     ckpt_every: int = 0  # 0: only at the end
-    ckpt_keep: int = 2
+    ckpt_keep: int = 2  # newest checkpoints kept; 0: all
     ckpt_async: bool = False  # write checkpoints in the background while training goes on
     resume: bool = False  # resume from the latest checkpoint in --out; none there: start fresh (and say so)
     resume_required: bool = False  # with resume: no checkpoint in --out is an error, not a fresh start
@@ -210,6 +210,8 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
             return value.lower() in ("true", "1", "yes", "on")
+        if isinstance(value, int) and value in (0, 1):  # YAML reads a bare 1 or 0 as an integer
+            return bool(value)
         raise ConfigError(f"{key} must be true or false, got {value!r}.")
     if typ is int:
         if isinstance(value, bool):
@@ -370,10 +372,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _need(m.init_std > 0, "model.init_std must be positive.")
     _check_moe(m)
 
-    for name in ("steps", "global_batch", "grad_accum", "seq_len", "log_every", "eval_batches", "ckpt_keep",
-                 "max_bad_steps"):
+    for name in ("steps", "global_batch", "grad_accum", "seq_len", "log_every", "eval_batches", "max_bad_steps"):
         _need(getattr(t, name) > 0, f"train.{name} must be positive, got {getattr(t, name)}.")
-    for name in ("eval_every", "ckpt_every", "warmup_steps", "sample_tokens", "threads", "profile_steps"):
+    for name in ("eval_every", "ckpt_every", "ckpt_keep", "warmup_steps", "sample_tokens", "threads", "profile_steps"):
         _need(getattr(t, name) >= 0, f"train.{name} must be >= 0, got {getattr(t, name)}.")
     _need(t.profile_steps == 0 or 1 <= t.profile_start <= t.steps - t.profile_steps + 1,
           f"train.profile_start={t.profile_start} with train.profile_steps={t.profile_steps} must trace steps 1 to "

@@ -98,3 +98,8 @@ def test_profile_window_is_checked(overrides, message):
     with pytest.raises(ConfigError) as e:
         load_config("tiny", overrides)
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("value, want", [("1", True), ("0", False), ("yes", True), ("off", False)])
+def test_a_bool_takes_1_and_0_as_yaml_reads_them(value, want):
+    assert load_config("tiny", [f"train.progress={value}"]).train.progress is want

@@ -285,3 +285,13 @@ def test_profile_under_two_processes_traces_every_rank_and_counts_the_all_reduce
     assert float(kinds["communication"]) > 0  # the gradient all-reduce
     for rank in (0, 1):
         assert _traced_steps(out / "profile" / f"rank{rank:05d}.json.gz") == [2]
+
+
+def test_ckpt_keep_0_keeps_every_checkpoint(tmp_path):
+    from meshtrain.train.checkpoint import list_checkpoints
+
+    out = tmp_path / "run"
+    cfg = load_config("tiny", ["data.source=synthetic", "train.steps=3", "train.ckpt_every=1", "train.ckpt_keep=0",
+                               "train.progress=false", "train.tensorboard=false", "train.sample_tokens=0"])
+    Trainer(cfg, out_dir=out).train()
+    assert len(list_checkpoints(out / "checkpoints")) == 3
