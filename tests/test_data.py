@@ -206,14 +206,14 @@ def test_val_fallback_keeps_both_splits_non_empty(tmp_path: Path, corpus: Path) 
 def test_prepare_argument_errors(tmp_path: Path, corpus: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"does not exist \(option --src of prepare-data\)"):
         prepare_data(tmp_path / "nope", tmp_path / "o")
-    with pytest.raises(ValueError, match="data.val_fraction"):
+    with pytest.raises(ValueError, match="--val-fraction must be between 0 and 0.5, got 0.7"):
         prepare_data(corpus, tmp_path / "o", val_fraction=0.7)
     with pytest.raises(ValueError, match=r"no files with extensions \.rs"):
         prepare_data(corpus, tmp_path / "o", extensions=(".rs",))
     one = tmp_path / "one"
     one.mkdir()
     (one / "a.py").write_text("a = 1\n")
-    with pytest.raises(ValueError, match="at least 2"):
+    with pytest.raises(ValueError, match=r"at least 2 .*--val-fraction 0"):
         prepare_data(one, tmp_path / "o", val_fraction=0.1)
     # An existing folder that is not prepared data is never overwritten.
     with pytest.raises(ValueError, match="not a prepared data folder"):

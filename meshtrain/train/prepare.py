@@ -238,7 +238,8 @@ def prepare_data(
     src = Path(src).expanduser()
     out = Path(out).expanduser()
     if not (0.0 <= val_fraction <= 0.5):
-        raise ValueError(f"data.val_fraction must be between 0 and 0.5, got {val_fraction}")
+        # The trainer checks data.val_fraction in its config first, so this names prepare-data's option.
+        raise ValueError(f"--val-fraction must be between 0 and 0.5, got {val_fraction}")
     if not src.exists():
         raise FileNotFoundError(f"data source {src} does not exist (option --src of prepare-data)")
     if out.exists() and not (out / "meta.json").is_file():
@@ -291,7 +292,7 @@ def prepare_data(
             if total_docs < 2:
                 raise ValueError(
                     f"only one readable document under {src}: need at least 2 for a train/val split "
-                    "(or set data.val_fraction=0)"
+                    "(or pass --val-fraction 0: no validation split)"
                 )
             if val.docs == 0:
                 val.add(train.take_last())

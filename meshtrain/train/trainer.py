@@ -407,7 +407,7 @@ class Trainer:
         self.bad_steps += 1
         self.skipped_steps += 1
         if self.is_logger:
-            log.write(f"step {self.step}: loss {rec['loss']}, grad norm {rec['grad_norm']}: not applied "
+            log.write(f"step {self.step}: loss {rec['loss']:.4g}, grad norm {rec['grad_norm']:.4g}: not applied "
                       f"({self.bad_steps} in a row of train.max_bad_steps={t.max_bad_steps})")
         if self.bad_steps < t.max_bad_steps:
             return
@@ -416,7 +416,7 @@ class Trainer:
         advice = (f"resume from {last} (train.resume=true) with a lower train.lr" if last is not None
                   else "start again with a lower train.lr")
         raise NonFiniteError(f"step {self.step}: {self.bad_steps} steps in a row had a non-finite loss or gradient "
-                             f"norm (loss {rec['loss']}, grad norm {rec['grad_norm']}; train.max_bad_steps="
+                             f"norm (loss {rec['loss']:.4g}, grad norm {rec['grad_norm']:.4g}; train.max_bad_steps="
                              f"{t.max_bad_steps}). None was applied or saved: {advice} (now {t.lr:g}, e.g. "
                              f"train.lr={t.lr / 10:g}).")
 
