@@ -95,6 +95,12 @@ def test_a_non_finite_step_is_skipped_on_every_rank_and_the_run_goes_on_as_on_on
         assert torch.allclose(ranks[1]["params"][key], t, rtol=1e-5, atol=1e-6), key
     # The skipped step's checkpoint slot holds no new state, and no checkpoint is anything but finite.
     assert _checkpoints_are_finite(tmp_path / "dp2" / "checkpoints") == ["step_000005", "step_000006"]
+    # metrics.jsonl stays strict JSON: the skipped step's NaN norm is written as null.
+    def strict(c: str) -> float:
+        raise ValueError(f"{c} in metrics.jsonl")
+    lines = (tmp_path / "dp2" / "metrics.jsonl").read_text().splitlines()
+    logged = [json.loads(ln, parse_constant=strict) for ln in lines]
+    assert logged[2]["skipped"] and logged[2]["grad_norm"] is None
 
 
 def test_bad_steps_in_a_row_stop_with_one_line_and_the_last_checkpoint_resumes(tmp_path):
@@ -104,6 +110,8 @@ def test_bad_steps_in_a_row_stop_with_one_line_and_the_last_checkpoint_resumes(t
         assert r["step"] == 4
         # Step 3 and 4 were skipped and not saved: the newest checkpoint is the state before the streak.
         assert r["error"].startswith("step 4: 2 steps in a row had a non-finite loss or gradient norm")
+        loss = r["error"].split("(loss ")[1].split(",")[0]
+        assert len(loss.replace(".", "")) <= 4, r["error"]  # 4 significant digits, as docs/reliability.md quotes
         assert "train.max_bad_steps=2" in r["error"] and "step_000002" in r["error"]
         assert "train.lr=0.0003" in r["error"]
     assert _checkpoints_are_finite(tmp_path / "checkpoints") == ["step_000001", "step_000002"]

@@ -3,6 +3,7 @@ processes, check, report; every figure in report.md read from the run's own file
 
 import email
 import json
+import math
 import os
 import re
 import statistics
@@ -65,6 +66,17 @@ def test_report_of_a_synthetic_run_has_every_section_and_the_files_figures(tmp_p
     assert "every byte count equal, state memory within 5%" in text  # check_run against the planner's bytes
     assert "validation loss 3.300" in text and "unigram baseline 3.250" in text
     assert "## Sample" in text and "def x" in text
+
+
+def test_report_reads_a_skipped_step_written_as_null(tmp_path):
+    """metrics.jsonl writes a skipped step's non-finite loss and norm as null (strict JSON); the report reads
+    them as NaN and leaves the step out of the loss curve."""
+    run = _synthetic_run(tmp_path)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    row = {**json.loads(lines[4]), "loss": None, "grad_norm": None, "skipped": True}
+    (run / "metrics.jsonl").write_text("\n".join([*lines[:4], json.dumps(row), *lines[5:]]) + "\n")
+    assert "loss 4.800 at step 1 -> 3.400 at step 8" in write_report(run).read_text()
+    assert math.isnan(RunFiles(run).records[4]["loss"])
 
 
 def test_report_refuses_a_folder_that_is_not_a_finished_run(tmp_path):

@@ -4,6 +4,7 @@ bar."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import secrets
@@ -77,6 +78,17 @@ class WandbSink:
         self.run.finish()
 
 
+def _finite_or_null(v: Any) -> Any:
+    """``v`` with every non-finite float, in lists and dicts too, replaced by None (JSON null)."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _finite_or_null(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite_or_null(x) for x in v]
+    return v
+
+
 class MetricsLogger:
     """Writes metrics on the logging rank only; every other rank gets a logger that does nothing."""
 
@@ -118,7 +130,9 @@ class MetricsLogger:
     def log(self, record: dict[str, Any]) -> None:
         """Append one step's record ({"step": int, ...}) to every sink."""
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record) + "\n")
+            # A skipped step's NaN or inf is written as null: Python's json would write a bare NaN, which strict
+            # JSON readers (jq, most languages' parsers) refuse. ``report.RunFiles`` reads null back as NaN.
+            self._jsonl.write(json.dumps(_finite_or_null(record), allow_nan=False) + "\n")
             self._jsonl.flush()
         if self._wandb is not None:
             self._wandb.log(record)

@@ -39,8 +39,10 @@ class RunFiles:
                                         f"(comm.json is written after its third step).")
         self.cfg: Config = update_from_dict(Config(), yaml.safe_load((self.dir / "config.yaml").read_text()),
                                             str(self.dir / "config.yaml"))
-        self.records: list[dict[str, Any]] = [json.loads(ln) for ln in
-                                              (self.dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+        # A non-finite value (a skipped step's loss or norm) is written as null (``MetricsLogger.log``): NaN here.
+        self.records: list[dict[str, Any]] = [
+            {k: float("nan") if v is None else v for k, v in json.loads(ln).items()}
+            for ln in (self.dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
         self.comm: dict[str, Any] = json.loads((self.dir / "comm.json").read_text())
         plan = self.dir / "plan.json"
         self.plan: dict[str, Any] | None = json.loads(plan.read_text()) if plan.is_file() else None
