@@ -479,8 +479,8 @@ def resolve_dp(cfg: Config, world_size: int | None = None) -> int:
         _need(
             p.dp * others == world_size,
             f"World size {world_size} does not match the layout pp*dp*cp*tp = "
-            f"{p.pp}*{p.dp}*{p.cp}*{p.tp} = {p.dp * others}: launch {p.dp * others} processes "
-            f"(--nproc {p.dp * others}) or change parallel.dp.",
+            f"{p.pp}*{p.dp}*{p.cp}*{p.tp} = {p.dp * others}: launch {p.dp * others} processes (--nproc "
+            f"{p.dp * others} on one node; --nproc x --nnodes = {p.dp * others} on several) or change parallel.dp.",
         )
         return p.dp
     _need(

@@ -63,7 +63,8 @@ def test_context_and_expert_shapes_are_checked(overrides, message):
 def test_world_size_must_match_layout():
     cfg = load_config("tiny")
     cfg.parallel.dp = 2
-    with pytest.raises(ConfigError, match=r"World size 4 does not match the layout .*\(--nproc 2\)"):
+    with pytest.raises(ConfigError, match=r"World size 4 does not match the layout .*\(--nproc 2 on one node; "
+                                          r"--nproc x --nnodes = 2 on several\)"):
         validate(cfg, world_size=4)
     cfg.parallel.dp = 0
     validate(cfg, world_size=4)  # dp fills the world
