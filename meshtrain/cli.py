@@ -211,6 +211,9 @@ def _find_checkpoint(arg: str) -> tuple[Path, dict, Config]:
             raise CheckpointError(f"--ckpt {path} holds no checkpoint: pass a run's --out folder or a step_* folder.")
         path = found
     meta = read_checkpoint_meta(path)
+    if not isinstance(meta.get("config"), dict):
+        raise CheckpointError(f"{path / 'meta.json'} holds no model config (key 'config'): the checkpoint is "
+                              f"incomplete or not meshtrain's; pass another --ckpt.")
     return path, meta, update_from_dict(Config(), meta["config"], str(path / "meta.json"))
 
 

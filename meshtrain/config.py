@@ -189,8 +189,8 @@ _SECTION_TYPES = {"model": ModelConfig, "parallel": ParallelConfig, "train": Tra
 # ----------------------------------------------------------------------------- parsing
 
 
-def _closest(name: str, options: list[str]) -> str:
-    match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+def _closest(name: object, options: list[str]) -> str:
+    match = difflib.get_close_matches(str(name), options, n=1, cutoff=0.5)
     return f" Did you mean '{match[0]}'?" if match else f" Valid keys: {', '.join(sorted(options))}."
 
 
@@ -267,7 +267,10 @@ def update_from_dict(cfg: Config, data: dict[str, Any], origin: str = "config") 
         if not isinstance(values, dict):
             raise ConfigError(f"{origin}: section '{section}' must be a mapping of keys to values.")
         for key, value in values.items():
-            _apply(cfg, section, key, value)
+            try:
+                _apply(cfg, section, str(key), value)
+            except ConfigError as e:
+                raise ConfigError(f"{origin}: {e}") from None
     return cfg
 
 
@@ -296,8 +299,15 @@ def preset_names() -> list[str]:
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"Config file {path} is not valid YAML: {e}") from None
+    except yaml.YAMLError as e:  # PyYAML's message spans lines: the problem and where, on one
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"Config file {path} is not valid YAML: {problem}{where}.") from None
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else "not UTF-8 text"
+        raise ConfigError(f"Config file {path} cannot be read ({reason}): pass a YAML file or a preset name "
+                          f"to --config.") from None
     return data or {}
 
 
@@ -369,7 +379,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     )
     _need(m.ffn_hidden >= 0, "model.ffn_hidden must be >= 0 (0 uses the Llama rule).")
     _need(m.norm_eps > 0, "model.norm_eps must be positive.")
-    _need(m.init_std > 0, "model.init_std must be positive.")
+    _need(math.isfinite(m.init_std) and m.init_std > 0, f"model.init_std must be a positive number, got {m.init_std}.")
+    _need(math.isfinite(m.rope_theta) and m.rope_theta > 0,
+          f"model.rope_theta must be a positive number (Llama: 10000, Llama 3: 500000), got {m.rope_theta}.")
+    _need(m.vocab_size != 1, "model.vocab_size must be 0 (from the tokenizer) or at least 2, got 1.")
     _check_moe(m)
 
     for name in ("steps", "global_batch", "grad_accum", "seq_len", "log_every", "eval_batches", "max_bad_steps"):
@@ -385,14 +398,20 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}: "
         f"raise model.max_seq_len or lower train.seq_len.",
     )
-    _need(t.lr > 0, f"train.lr must be positive, got {t.lr}.")
+    _need(t.seed >= 0, f"train.seed must be >= 0, got {t.seed}.")
+    _need(math.isfinite(t.lr) and t.lr > 0, f"train.lr must be a positive number, got {t.lr}.")
+    _need(math.isfinite(t.eps) and t.eps > 0, f"train.eps (AdamW's epsilon) must be a positive number, got {t.eps}.")
+    _need(math.isfinite(t.weight_decay) and t.weight_decay >= 0,
+          f"train.weight_decay must be a number >= 0, got {t.weight_decay}.")
+    _need(math.isfinite(t.peak_flops) and t.peak_flops >= 0,
+          f"train.peak_flops must be >= 0 FLOP/s (0: the chip table or a measurement), got {t.peak_flops}.")
     _need(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio must be in [0, 1].")
     _need(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1).")
-    _need(t.grad_clip >= 0, "train.grad_clip must be >= 0 (0 disables clipping).")
+    _need(math.isfinite(t.grad_clip) and t.grad_clip >= 0, "train.grad_clip must be >= 0 (0 disables clipping).")
     _need(t.optimizer in ("adamw", "muon"), f"train.optimizer must be 'adamw' or 'muon', got '{t.optimizer}'.")
     _need(t.recompute in RECOMPUTE_MODES,
           f"train.recompute must be none, full or selective, got '{t.recompute}'.")
-    _need(t.muon_lr >= 0 and 0 <= t.muon_momentum < 1,
+    _need(math.isfinite(t.muon_lr) and t.muon_lr >= 0 and 0 <= t.muon_momentum < 1,
           "train.muon_lr must be >= 0 (0: train.lr) and train.muon_momentum in [0, 1).")
     _need(math.isfinite(t.collective_timeout_s) and t.collective_timeout_s > 0,
           f"train.collective_timeout_s must be a positive number of seconds (how long a collective waits for its "
@@ -420,7 +439,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
           "train.optimizer=muon needs whole matrices: use parallel.zero=1 or 2 with zero_layout=per_tensor.")
     _need(p.reduce_dtype in REDUCE_DTYPES, f"parallel.reduce_dtype must be fp32 or bf16 (the dtype gradients are "
           f"reduced in), got '{p.reduce_dtype}'.")
-    _need(p.bucket_mb > 0, f"parallel.bucket_mb must be positive, got {p.bucket_mb}.")
+    _need(math.isfinite(p.bucket_mb) and p.bucket_mb > 0, f"parallel.bucket_mb must be a positive number of MB, "
+          f"got {p.bucket_mb}.")
+    _need(p.schedule in SCHEDULES, f"parallel.schedule must be one of {', '.join(SCHEDULES)}, got '{p.schedule}'.")
+    _need(p.virtual_stages >= 1, f"parallel.virtual_stages must be >= 1, got {p.virtual_stages}.")
     _need(p.p2p_posting in ("auto", "ahead", "ordered"), f"parallel.p2p_posting must be auto, ahead or ordered, "
           f"got '{p.p2p_posting}': set parallel.p2p_posting=auto (ordered on NCCL, ahead on gloo).")
     _need(p.dp_shard >= 0, f"parallel.dp_shard must be >= 0 (0: shard over all of dp), got {p.dp_shard}.")

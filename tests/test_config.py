@@ -104,3 +104,45 @@ def test_profile_window_is_checked(overrides, message):
 @pytest.mark.parametrize("value, want", [("1", True), ("0", False), ("yes", True), ("off", False)])
 def test_a_bool_takes_1_and_0_as_yaml_reads_them(value, want):
     assert load_config("tiny", [f"train.progress={value}"]).train.progress is want
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.rope_theta=0", "model.rope_theta must be a positive number"),
+    ("model.rope_theta=.nan", "model.rope_theta must be a positive number"),
+    ("model.init_std=.inf", "model.init_std must be a positive number, got inf."),
+    ("model.vocab_size=1", "model.vocab_size must be 0 (from the tokenizer) or at least 2, got 1."),
+    ("train.lr=.inf", "train.lr must be a positive number, got inf."),
+    ("train.eps=0", "train.eps (AdamW's epsilon) must be a positive number, got 0.0."),
+    ("train.weight_decay=-1", "train.weight_decay must be a number >= 0, got -1.0."),
+    ("train.weight_decay=.nan", "train.weight_decay must be a number >= 0, got nan."),
+    ("train.peak_flops=-1", "train.peak_flops must be >= 0 FLOP/s"),
+    ("train.muon_lr=.inf", "train.muon_lr must be >= 0"),
+    ("train.grad_clip=.nan", "train.grad_clip must be >= 0"),
+    ("train.seed=-1", "train.seed must be >= 0, got -1."),
+    ("parallel.bucket_mb=.inf", "parallel.bucket_mb must be a positive number of MB, got inf."),
+    ("parallel.schedule=nosuch", "parallel.schedule must be one of afab, 1f1b, interleaved, zb-h1, dualpipev, "
+                                 "got 'nosuch'."),
+    ("parallel.virtual_stages=0", "parallel.virtual_stages must be >= 1, got 0."),
+])
+def test_values_that_would_train_to_nan_or_fail_late_are_refused(override, message):
+    """Each of these was accepted and then gave a NaN loss, or failed only after launch (a fuzz of every option)."""
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", [override])
+    assert message in str(e.value)
+
+
+def test_config_files_that_are_not_a_yaml_mapping_of_sections_get_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    for text, message in [("1: 2\n", "unknown config section '1'"),
+                          ("train: {1: 2}\n", "Unknown config key 'train.1'"),
+                          ("train: {steps: [\n", "is not valid YAML: "),
+                          ("- a\n- b\n", "expected a mapping of sections")]:
+        bad.write_text(text)
+        with pytest.raises(ConfigError) as e:
+            load_config(str(bad))
+        assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+    bad.write_bytes(b"\x84\xff\x00")
+    with pytest.raises(ConfigError, match=r"bad.yaml cannot be read \(not UTF-8 text\)"):
+        load_config(str(bad))
+    with pytest.raises(ConfigError, match=r"cannot be read \(Is a directory\)"):
+        load_config(str(tmp_path))

@@ -110,6 +110,14 @@ class _FakeHF:
         return "".join(chr(i + ord("a")) for i in ids if i < 26)
 
 
+def test_a_tokenizer_file_that_is_not_one_is_refused_in_one_line(tmp_path: Path) -> None:
+    for text in ("not json {", "{}"):
+        bad = tmp_path / "tokenizer.json"
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=r"tokenizer.json is not a HuggingFace tokenizer.json .*data.tokenizer"):
+            HFTokenizer(bad)
+
+
 def test_hf_tokenizer_eos_and_prepare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "tokenizers", types.SimpleNamespace(Tokenizer=_FakeHF))
     with_eos = tmp_path / "with_eos.json"

@@ -182,6 +182,11 @@ def test_bad_checkpoints_are_refused_before_starting_processes(tmp_path):
     meta = json.loads((step / "meta.json").read_text())
     (step / "meta.json").write_text(json.dumps({**meta, "format": 99}))
     assert "written by a newer meshtrain (checkpoint format 99" in refused("parallel.dp=2", "train.resume=true")
+    (step / "meta.json").write_text("[]")
+    assert "meta.json is corrupt (not a JSON object)" in refused("parallel.dp=2", "train.resume=true")
+    (step / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "config"}))
+    r = _cli("generate", "--ckpt", str(step), "--prompt", "a", "--tokens", "2")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "holds no model config" in r.stderr, r.stderr
     msg = refused("parallel.dp=2", f"train.init_from={tmp_path / 'no_such_hf_folder'}")
     assert "no_such_hf_folder" in msg
 

@@ -240,9 +240,12 @@ def _read_json(file: Path, missing: str) -> dict[str, Any]:
     if not file.is_file():
         raise CheckpointError(missing)
     try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as e:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{file} is corrupt ({e}): resume from another checkpoint.") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file} is corrupt (not a JSON object): resume from another checkpoint.")
+    return data
 
 
 def read_checkpoint_meta(path: Path) -> dict[str, Any]:

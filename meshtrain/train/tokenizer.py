@@ -79,7 +79,12 @@ class HFTokenizer:
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"the tokenizer file {self.path} is missing (option data.tokenizer)")
-        self._tok = _HFTokenizer.from_file(str(self.path))
+        try:
+            self._tok = _HFTokenizer.from_file(str(self.path))
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception for a bad file
+            raise ValueError(f"the tokenizer file {self.path} is not a HuggingFace tokenizer.json ({e}): pass the "
+                             f"tokenizer.json of a model folder (option data.tokenizer, or prepare-data "
+                             f"--tokenizer)") from None
         self._base_vocab = int(self._tok.get_vocab_size(with_added_tokens=True))
         eos = None
         for cand in EOS_CANDIDATES:
