@@ -241,6 +241,29 @@ def test_query_bad_input_is_one_error_line(argv, names, capsys):
     assert len(err) == 1 and err[0].startswith("error: ") and names in err[0]
 
 
+@pytest.mark.parametrize("argv, names", [
+    (["--tp", "0"], "--tp takes sizes >= 1"), (["--cp", "0"], "--cp takes sizes >= 1"), (["--tp", ","], "got none"),
+    (["--zero", "7"], "--zero takes ZeRO stages from 0 to 3"), (["--schedules", "nosuch"], "got nosuch"),
+    (["--devices", "0"], "--devices must be >= 1, got 0."), (["--devices", "-8"], "--devices must be >= 1"),
+    (["--seq-len", "-5"], "--seq-len must be >= 0"), (["--top", "0"], "--top and --max-pp must be >= 1"),
+    (["--train-tokens", "nan"], "--train-tokens must be"),
+])
+def test_search_bad_flags_are_one_error_line(argv, names, capsys):
+    """Each crashed (a ZeroDivisionError, an IndexError, a KeyError) or was taken for another value (--devices 0
+    planned 8 devices) before a fuzz of the plan flags."""
+    assert cli.main(["plan", "--model", "tiny", "--hardware", "h100", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and names in err[0], err
+
+
+def test_a_hardware_file_that_is_not_a_profile_is_one_error_line(tmp_path, capsys):
+    for text, names in [("{}", "lacks bf16_flops"), ("x", "not JSON"), ("[]", "not a JSON object")]:
+        (tmp_path / "hw.json").write_text(text)
+        assert cli.main(["plan", "--model", "tiny", "--hardware", str(tmp_path / "hw.json")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "is not a hardware profile" in err[0] and names in err[0], err
+
+
 def test_the_answer_starts_with_why_the_best_layout_wins(capsys):
     args = ["plan", "--model", "llama2-7b", "--hardware", "a100", "--nodes", "1", "--batch-tokens", "256K",
             "--top", "2", "--max-pp", "2"]

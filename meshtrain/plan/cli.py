@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 
-from meshtrain.config import REDUCE_DTYPES, ArgumentParser, ConfigError, load_config
+from meshtrain.config import REDUCE_DTYPES, SCHEDULES, ArgumentParser, ConfigError, load_config
 from meshtrain.plan.book import DEFAULT_REVISION, MIXED_REVISIONS
 from meshtrain.plan.explain import explain, format_table, why_best
 from meshtrain.plan.figure import plot_comm_vs_compute
@@ -30,18 +31,44 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
+def check_search_flags(args: argparse.Namespace) -> None:
+    """The search's flags, each refused in one line naming it: sizes >= 1, ZeRO stages 0-3, known schedules, no
+    empty list, a top, a max pp and a token budget that make sense."""
+    def listed(values: tuple[int, ...] | None) -> str:
+        return ",".join(map(str, values or ())) or "none"
+
+    for flag in ("tp", "pp", "cp"):
+        sizes = getattr(args, flag)
+        if sizes is not None and (not sizes or min(sizes) < 1):
+            raise ValueError(f"--{flag} takes sizes >= 1, e.g. --{flag} 1,2,4; got {listed(sizes)}.")
+    if not args.zero or not set(args.zero) <= {0, 1, 2, 3}:
+        raise ValueError(f"--zero takes ZeRO stages from 0 to 3, e.g. --zero 1,3; got {listed(args.zero)}.")
+    schedules = [s for s in args.schedules.split(",") if s]
+    unknown = [s for s in schedules if s not in SCHEDULES]
+    if not schedules or unknown:
+        raise ValueError(f"--schedules takes some of {', '.join(SCHEDULES)}; got {', '.join(unknown) or 'none'}.")
+    if args.top < 1 or args.max_pp < 1:
+        raise ValueError(f"--top and --max-pp must be >= 1, got {args.top} and {args.max_pp}.")
+    if not (math.isfinite(args.train_tokens) and args.train_tokens >= 0):
+        raise ValueError(f"--train-tokens must be a number of tokens >= 0, got {args.train_tokens}.")
+
+
 def build_problem(args: argparse.Namespace) -> Problem:
     """The Problem the options describe (model preset or YAML, batch, cluster, assumptions)."""
     cfg = load_config(args.model)
     if cfg.model.vocab_size == 0:  # taken from the tokenizer at run time; plan with the byte tokenizer's
         cfg.model.vocab_size = 257
+    if args.seq_len < 0:
+        raise ValueError(f"--seq-len must be >= 0 (0: the config's train.seq_len), got {args.seq_len}.")
     seq_len = args.seq_len or cfg.train.seq_len
     tokens = parse_tokens(args.batch_tokens)
     sequences = tokens // seq_len
     if sequences < 1:
         raise ValueError(f"--batch-tokens {args.batch_tokens} is less than one sequence of {seq_len} tokens.")
     hw = get_hardware(args.hardware)
-    if args.devices:
+    if args.devices is not None:
+        if args.devices < 1:
+            raise ValueError(f"--devices must be >= 1, got {args.devices}.")
         if args.devices % hw.devices_per_node:
             raise ValueError(f"--devices {args.devices} is not a whole number of {hw.devices_per_node}-device nodes.")
         nodes = args.devices // hw.devices_per_node
@@ -98,7 +125,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--model", default="llama3-8b", help="preset name (llama3-70b, ...) or a YAML config")
     ap.add_argument("--hardware", default="h100", help=f"one of {', '.join(HARDWARE)}, cpu-local or a profile .json")
     ap.add_argument("--nodes", type=int, default=1, help="nodes (hosts) of --hardware")
-    ap.add_argument("--devices", type=int, default=0, help="devices instead of nodes")
+    ap.add_argument("--devices", type=int, default=None, help="devices instead of nodes")
     ap.add_argument("--batch-tokens", default="4M", help="global batch in tokens (4M = 4 x 2^20)")
     ap.add_argument("--seq-len", type=int, default=0, help="sequence length (default: the config's train.seq_len)")
     ap.add_argument("--top", type=int, default=10, help="layouts to print")
@@ -165,6 +192,7 @@ def main(argv: list[str]) -> int:
         return 0
     if not (0 < args.efficiency <= 1 and 0 < args.memory_fraction <= 1):
         raise ValueError("--efficiency and --memory-fraction must be in (0, 1]")
+    check_search_flags(args)
     problem = build_problem(args)
     if args.plot:
         plot_comm_vs_compute(problem, args.plot)

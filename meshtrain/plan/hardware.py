@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -228,10 +228,20 @@ def hardware_cache_dir() -> Path:
 
 
 def load_profile(path: str | Path) -> Hardware:
-    """Read a profile written by ``save_profile`` (JSON of the ``Hardware`` fields)."""
-    data = json.loads(Path(path).read_text())
-    data["mesh_axes"] = tuple(data.get("mesh_axes", ()))
+    """Read a profile written by ``save_profile`` (JSON of the ``Hardware`` fields); a file that is not one is a
+    ``ValueError`` naming it."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--hardware {path} is not a hardware profile (not JSON: {e}): pass a file written by "
+                         f"`meshtrain plan --calibrate` or a preset name.") from None
     known = {f.name for f in fields(Hardware)}
+    required = {f.name for f in fields(Hardware) if f.default is MISSING and f.default_factory is MISSING}
+    if not isinstance(data, dict) or required - set(data):
+        missing = sorted(required - set(data)) if isinstance(data, dict) else ["(not a JSON object)"]
+        raise ValueError(f"--hardware {path} is not a hardware profile: it lacks {', '.join(missing)}; pass a "
+                         f"file written by `meshtrain plan --calibrate` or a preset name.")
+    data["mesh_axes"] = tuple(data.get("mesh_axes", ()))
     return Hardware(**{k: v for k, v in data.items() if k in known})
 
 
