@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shlex
@@ -238,6 +239,11 @@ def _generate(argv: list[str]) -> int:
 
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: launch at least 1 process (--nproc N, N >= 1).")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ConfigError(f"--temperature must be a number >= 0 (0 or --greedy: the most likely token), got "
+                          f"{args.temperature}.")
+    if args.top_k < 0:
+        raise ConfigError(f"--top-k must be >= 0 (0: sample from every token), got {args.top_k}.")
     path, meta, saved = _find_checkpoint(args.ckpt)
     if not meta.get("tokenizer"):
         raise CheckpointError(f"{path} was trained on synthetic data: there is no tokenizer to decode with.")
@@ -316,8 +322,8 @@ def _parse_size(text: str) -> int:
         value = float(digits) * units[t[len(digits):]]
     except (ValueError, KeyError):
         raise ConfigError(f"--max-shard-size {text!r}: expected bytes or a size like 5GB, 200MB, 2GiB.") from None
-    if value < 1:
-        raise ConfigError(f"--max-shard-size {text!r} must be positive.")
+    if not math.isfinite(value) or value < 1:
+        raise ConfigError(f"--max-shard-size {text!r} must be a positive, finite size, e.g. 5GB.")
     return int(value)
 
 
@@ -334,6 +340,11 @@ def _convert(argv: list[str]) -> int:
     from meshtrain.train.tokenizer import load_tokenizer
 
     max_bytes = _parse_size(args.max_shard_size)
+    from meshtrain.train.paths import unwritable_reason
+
+    reason = unwritable_reason(Path(args.out).expanduser().parent, leave_nothing=True)
+    if reason:
+        raise ConfigError(f"--out {args.out} cannot be written ({reason}): choose another folder.")
     path, meta, cfg = _find_checkpoint(args.ckpt)
     tokenizer_json = path / "tokenizer.json"
     files = [tokenizer_json] if tokenizer_json.is_file() else []

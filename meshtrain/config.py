@@ -189,6 +189,19 @@ _SECTION_TYPES = {"model": ModelConfig, "parallel": ParallelConfig, "train": Tra
 # ----------------------------------------------------------------------------- parsing
 
 
+def check_output_file(flag: str, path: str | Path, suffix: str | None = None) -> Path:
+    """``path`` as a file a command may write (``--emit``, ``--png``): refused in one line naming ``flag`` when it is
+    a folder, lacks ``suffix`` (a library would append one and write elsewhere) or its folder does not exist."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise ConfigError(f"{flag} {path} is a folder: name a file in it, e.g. {p / ('out' + (suffix or ''))}.")
+    if suffix and p.suffix.lower() != suffix:
+        raise ConfigError(f"{flag} {path} must end in {suffix}, e.g. {p.with_suffix(suffix)}.")
+    if not p.parent.is_dir():
+        raise ConfigError(f"{flag} {path}: the folder {p.parent} does not exist: create it first.")
+    return p
+
+
 def _closest(name: object, options: list[str]) -> str:
     match = difflib.get_close_matches(str(name), options, n=1, cutoff=0.5)
     return f" Did you mean '{match[0]}'?" if match else f" Valid keys: {', '.join(sorted(options))}."

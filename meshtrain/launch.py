@@ -87,8 +87,9 @@ def nodes_from_args(args: argparse.Namespace) -> Nodes | None:
                           f"(SLURM: $SLURM_NODEID); node 0 hosts the rendezvous.")
     if not 0 <= args.node_rank < args.nnodes:
         raise ConfigError(f"--node-rank {args.node_rank} is outside 0..{args.nnodes - 1} (--nnodes {args.nnodes}).")
-    if not args.rdzv_timeout > 0:
-        raise ConfigError(f"--rdzv-timeout {args.rdzv_timeout}: give the seconds to wait for the nodes, > 0.")
+    if not 0 < args.rdzv_timeout <= 7 * 86400:  # also refuses nan and inf (torchrun takes whole seconds)
+        raise ConfigError(f"--rdzv-timeout {args.rdzv_timeout}: give the seconds to wait for the nodes, > 0 and at "
+                          f"most a week (604800).")
     if not args.rdzv_id or any(c in args.rdzv_id for c in ", ="):
         raise ConfigError(f"--rdzv-id {args.rdzv_id!r}: give a name without spaces, commas or '=' (e.g. the job id).")
     host, port = parse_endpoint(args.rdzv_endpoint)

@@ -353,6 +353,31 @@ def test_cli_prints_a_failed_collective_as_one_error_line(monkeypatch, capsys):
     assert capsys.readouterr().err == f"error: {msg}\n"
 
 
+@pytest.mark.parametrize("argv, names", [
+    (["schedule", "--png", "{tmp}"], "--png {tmp} is a folder"),
+    (["schedule", "--png", "{tmp}/chart"], "must end in .png"),  # matplotlib would write chart.png, not chart
+    (["schedule", "--png", "{tmp}/no/chart.png"], "does not exist: create it first"),
+    (["schedule", "--f", "inf"], "--f and --b must be > 0"),
+    (["plan", "--model", "tiny", "--emit", "{tmp}"], "--emit {tmp} is a folder"),
+    (["plan", "--model", "tiny", "--plot", "{tmp}/p"], "--plot {tmp}/p must end in .png"),
+    (["generate", "--ckpt", "{tmp}", "--temperature", "nan"], "--temperature must be a number >= 0"),
+    (["generate", "--ckpt", "{tmp}", "--top-k", "-1"], "--top-k must be >= 0"),
+    (["convert", "--ckpt", "{tmp}", "--out", "{tmp}/hf", "--max-shard-size", "inf"], "--max-shard-size 'inf'"),
+    (["convert", "--ckpt", "{tmp}", "--out", "/proc/hf"], "--out /proc/hf cannot be written"),
+    (["prepare-data", "--src", "{tmp}", "--out", "/proc/data"], "--out /proc/data cannot be written"),
+    (["train", "--config", "tiny", "--nproc", "1", "--dry-run", "--nnodes", "2", "--node-rank", "0",
+      "--rdzv-endpoint", "localhost:29500", "--rdzv-timeout", "inf"], "--rdzv-timeout inf"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_bad_flags_of_every_command_are_one_line_before_any_work(argv, names, tmp_path, capsys, monkeypatch):
+    """Each crashed with a traceback, wrote elsewhere than asked (--png without .png), or failed only after the
+    work (prepare-data tokenized everything before finding --out unwritable) before a fuzz of every flag."""
+    monkeypatch.delenv("MESHTRAIN_DEBUG", raising=False)
+    assert cli.main([a.format(tmp=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and names.format(tmp=tmp_path) in err[0], err
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "chart.png").exists()
+
+
 @pytest.mark.slow
 def test_a_stalled_rank_is_named_within_the_timeout(tmp_path):
     msg, raised, ended = _hang_run(tmp_path, "stop", "parallel.zero=1")

@@ -16,7 +16,7 @@ import json
 import math
 import sys
 
-from meshtrain.config import REDUCE_DTYPES, SCHEDULES, ArgumentParser, ConfigError, load_config
+from meshtrain.config import REDUCE_DTYPES, SCHEDULES, ArgumentParser, ConfigError, check_output_file, load_config
 from meshtrain.plan.book import DEFAULT_REVISION, MIXED_REVISIONS
 from meshtrain.plan.explain import explain, format_table, why_best
 from meshtrain.plan.figure import plot_comm_vs_compute
@@ -193,6 +193,10 @@ def main(argv: list[str]) -> int:
     if not (0 < args.efficiency <= 1 and 0 < args.memory_fraction <= 1):
         raise ValueError("--efficiency and --memory-fraction must be in (0, 1]")
     check_search_flags(args)
+    if args.emit:
+        check_output_file("--emit", args.emit)
+    if args.plot:
+        check_output_file("--plot", args.plot, ".png")
     problem = build_problem(args)
     if args.plot:
         plot_comm_vs_compute(problem, args.plot)

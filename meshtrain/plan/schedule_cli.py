@@ -6,7 +6,9 @@
 
 from __future__ import annotations
 
-from meshtrain.config import SCHEDULES, ArgumentParser
+import math
+
+from meshtrain.config import SCHEDULES, ArgumentParser, check_output_file
 from meshtrain.plan.schedules import DEFAULT_VIRTUAL, build_schedule
 from meshtrain.plan.simulator import check_schedule, png_chart, simulate, text_chart
 
@@ -32,11 +34,14 @@ def main(argv: list[str]) -> int:
     w = args.b / 2 if args.w is None else args.w
     # The generated orders (zb-h1, dualpipev) are built for the costs they will be simulated with.
     gen_costs = (args.f, args.b, w)
-    if not (args.f > 0 and args.b > 0 and 0 <= w <= args.b and args.p2p >= 0):
+    if not (all(math.isfinite(x) for x in (args.f, args.b, w, args.p2p))
+            and args.f > 0 and args.b > 0 and 0 <= w <= args.b and args.p2p >= 0):
         raise ValueError(f"--f and --b must be > 0, --w in [0, b] and --p2p >= 0 (got f={args.f}, b={args.b}, "
                          f"w={w}, p2p={args.p2p})")
     if args.width < 10:
         raise ValueError(f"--width must be at least 10 columns, got {args.width}")
+    if args.png:
+        check_output_file("--png", args.png, ".png")
     sched = build_schedule(args.schedule, args.pp, args.microbatches, virtual, gen_costs=gen_costs)
     check_schedule(sched)
     res = simulate(sched, args.f, args.b, w, args.p2p)

@@ -53,6 +53,9 @@ def check_generation(cfg: Config, world_size: int, new_tokens: int) -> None:
     """What can be refused before any process starts: the layout (tp divides the heads, the MLP; --nproc equals
     tp), the device (a GPU per process), the number of tokens."""
     tp = cfg.parallel.tp
+    if tp < 1:
+        raise ConfigError(f"parallel.tp={tp}: generation needs parallel.tp >= 1 (one process per tensor-parallel "
+                          f"rank; pass --nproc N parallel.tp=N).")
     if world_size != tp:
         raise ConfigError(f"--nproc {world_size} with parallel.tp={tp}: generation runs one process per "
                           f"tensor-parallel rank; pass parallel.tp={world_size} (or --nproc {tp}).")

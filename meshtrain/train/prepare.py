@@ -430,6 +430,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{meta['val_tokens']:,} val tokens in {out} (use --force to rebuild)"
             )
             return 0
+        reason = unwritable_reason(out.expanduser().parent, leave_nothing=True)  # before tokenizing, not after
+        if reason:
+            raise ValueError(f"--out {out} cannot be written ({reason}): choose another folder.")
         meta = prepare_data(src, out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
                             extensions=tuple(args.ext) if args.ext else None, fmt=fmt, field=args.field,
                             overwrite=args.force, progress=None)
