@@ -53,8 +53,15 @@ def test_bad_values_get_clear_errors(override, message):
     (["parallel.ep=3", "model.moe_experts=4"], "parallel.ep=3 must divide model.moe_experts=4"),
     (["parallel.dp=2", "parallel.ep=4", "model.moe_experts=4"], "parallel.ep=4 must divide dp*cp = 2*1"),
     (["model.moe_experts=4", "model.moe_top_k=5"], "model.moe_top_k=5 must be between 1 and"),
+    (["train.profile_steps=-1"], "train.profile_steps must be >= 0, got -1."),
+    (["train.steps=10", "train.profile_steps=2", "train.profile_start=10"],
+     "train.profile_start=10 with train.profile_steps=2 must trace steps 1 to train.steps=10: set "
+     "train.profile_start between 1 and 9."),
+    (["train.steps=10", "train.profile_steps=2", "train.profile_start=0"], "between 1 and 9."),
+    (["train.steps=4", "train.profile_steps=5"], "between 1 and 1 (or lower train.profile_steps)."),
 ])
-def test_context_and_expert_shapes_are_checked(overrides, message):
+def test_option_combinations_are_checked(overrides, message):
+    """Context and expert shapes against the sequence and the model; the profiler's window against the run."""
     with pytest.raises(ConfigError) as e:
         load_config("tiny", overrides)
     assert message in str(e.value)
@@ -85,20 +92,6 @@ def test_missing_file_and_bad_yaml(tmp_path):
     wrong.write_text("train:\n  stepz: 3\n")
     with pytest.raises(ConfigError, match="Did you mean 'train.steps'"):
         load_config(wrong)
-
-
-@pytest.mark.parametrize("overrides, message", [
-    (["train.profile_steps=-1"], "train.profile_steps must be >= 0, got -1."),
-    (["train.steps=10", "train.profile_steps=2", "train.profile_start=10"],
-     "train.profile_start=10 with train.profile_steps=2 must trace steps 1 to train.steps=10: set "
-     "train.profile_start between 1 and 9."),
-    (["train.steps=10", "train.profile_steps=2", "train.profile_start=0"], "between 1 and 9."),
-    (["train.steps=4", "train.profile_steps=5"], "between 1 and 1 (or lower train.profile_steps)."),
-])
-def test_profile_window_is_checked(overrides, message):
-    with pytest.raises(ConfigError) as e:
-        load_config("tiny", overrides)
-    assert message in str(e.value)
 
 
 @pytest.mark.parametrize("value, want", [("1", True), ("0", False), ("yes", True), ("off", False)])
