@@ -119,7 +119,10 @@ def main(argv: list[str], launch: Callable[[list[str]], int], sample: Callable[.
         raise ConfigError(f"--nproc {nproc}: run at least 1 process.")
     cfg = load_config(args.config, args.overrides)
     if cfg.parallel.dp or cfg.parallel.tp > 1 or cfg.parallel.pp > 1 or cfg.parallel.cp > 1:
-        raise ConfigError(f"{args.config} sets a layout (parallel.*): meshtrain demo lets the planner choose it; "
+        mine = [o for o in args.overrides if o.split("=", 1)[0] in ("parallel.dp", "parallel.tp", "parallel.pp",
+                                                                      "parallel.cp")]
+        who = f"the override{'s' if len(mine) > 1 else ''} {' '.join(mine)}" if mine else args.config
+        raise ConfigError(f"{who} sets a layout (parallel.*): meshtrain demo lets the planner choose it; "
                           f"run `meshtrain train --nproc {nproc}` to train under your own.")
     import matplotlib  # noqa: F401  (the report's figure: refused now, not after the training)
 

@@ -62,7 +62,10 @@ def parse_endpoint(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
-    if not sep or not host or ":" in host and not text.startswith("["):
+    if ":" in host and not text.startswith("["):  # a bare IPv6 address: its last group reads as a port
+        raise ConfigError(f"--rdzv-endpoint {text!r}: an IPv6 address needs brackets, [ADDRESS]:PORT, e.g. "
+                          f"[::1]:29500.")
+    if not sep or not host:
         raise ConfigError(f"--rdzv-endpoint {text!r} has no port: {fix}.")
     if not port.isdigit() or not 1 <= int(port) <= 65535:
         raise ConfigError(f"--rdzv-endpoint {text!r}: the port must be a number 1..65535: {fix}.")

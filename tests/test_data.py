@@ -118,6 +118,15 @@ def test_a_tokenizer_file_that_is_not_one_is_refused_in_one_line(tmp_path: Path)
             HFTokenizer(bad)
 
 
+def test_a_checkpoint_without_its_tokenizer_says_so(tmp_path: Path) -> None:
+    """generate/convert load a checkpoint's tokenizer with ``load_tokenizer("hf", ckpt)``: a missing file is named
+    as the checkpoint's, not as a data folder's."""
+    for name in ("meta.json", "index.json"):
+        (tmp_path / name).write_text("{}")
+    with pytest.raises(ValueError, match=r"holds no tokenizer.json .*copy the run's tokenizer.json"):
+        load_tokenizer("hf", tmp_path)
+
+
 def test_hf_tokenizer_eos_and_prepare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "tokenizers", types.SimpleNamespace(Tokenizer=_FakeHF))
     with_eos = tmp_path / "with_eos.json"

@@ -235,6 +235,7 @@ def test_sbatch_template_launches_the_planner_config_unchanged(tmp_path):
     (["--nproc", "2", "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"], "--node-rank 2 is outside 0..1"),
     (["--nproc", "2", "--nnodes", "0", "--node-rank", "0", "--rdzv-endpoint", "h:1"], "--nnodes 0"),
     (["--nproc", "2", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "h"], "has no port"),
+    (["--nproc", "2", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "::1:29500"], "needs brackets"),
     (["--nproc", "2", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "h:70000"], "port must be"),
     (["--nproc", "2", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "h:1", "--rdzv-timeout", "0"],
      "--rdzv-timeout 0"),

@@ -368,6 +368,7 @@ def test_cli_prints_a_failed_collective_as_one_error_line(monkeypatch, capsys):
     (["train", "--config", "tiny", "--nproc", "1", "--dry-run", "--nnodes", "2", "--node-rank", "0",
       "--rdzv-endpoint", "localhost:29500", "--rdzv-timeout", "inf"], "--rdzv-timeout inf"),
     (["train", "--config", "", "--nproc", "1", "--dry-run"], "--config is empty"),  # an unset shell variable
+    (["demo", "--config", "tiny", "--out", "{tmp}/d", "parallel.tp=2"], "the override parallel.tp=2 sets a layout"),
     (["train", "--config", "tiny", "--out", " ", "--nproc", "1", "--dry-run"], "--out is empty"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_bad_flags_of_every_command_are_one_line_before_any_work(argv, names, tmp_path, capsys, monkeypatch):

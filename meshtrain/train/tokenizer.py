@@ -150,6 +150,11 @@ def load_tokenizer(spec: str, data_dir: str | Path | None = None) -> ByteTokeniz
     if spec == "hf":
         if data_dir is not None and (Path(data_dir) / "tokenizer.json").is_file():
             return HFTokenizer(Path(data_dir) / "tokenizer.json")
+        if data_dir is not None and (Path(data_dir) / "meta.json").is_file() \
+                and (Path(data_dir) / "index.json").is_file():  # a checkpoint folder, not a data folder
+            raise ValueError(f"checkpoint {data_dir} was trained with a HuggingFace tokenizer but holds no "
+                             f"tokenizer.json (it is saved beside every checkpoint): copy the run's tokenizer.json "
+                             f"into it, or use another checkpoint.")
         where = f"data folder {data_dir}" if data_dir is not None else "data folder (data.path is not set)"
         raise ValueError(
             f"data.tokenizer=hf needs a tokenizer.json in the {where}; "
