@@ -276,7 +276,9 @@ class Trainer:
                                          t.ckpt_async)
         trace = self.out_dir / "profile" / f"rank{self.mesh.rank:05d}.json.gz" if self.out_dir else None
         self.profiler = StepProfiler(t.profile_start, t.profile_steps, self.device, trace)
-        timed = min(3, t.steps)  # the steady step the run report and `meshtrain plan --check-run` time
+        # The steady step (as logged, after warm-up) whose bytes and time comm.json records for the run report and
+        # `meshtrain plan --check-run`.
+        self.timed_step = timed = min(3, t.steps)
         if t.profile_steps and t.profile_start <= timed < t.profile_start + t.profile_steps:
             self.notes.append(f"train.profile_start={t.profile_start}: the profiler's window holds step {timed}, the "
                               f"steady step the run report and `meshtrain plan --check-run` time, so their measured "
@@ -464,7 +466,7 @@ class Trainer:
         try:
             while self.step < min(t.steps, until or t.steps):
                 start = time.perf_counter()
-                measure = self.step == min(2, t.steps - 1)  # a steady-state step (after warm-up)
+                measure = self.step + 1 == self.timed_step
                 if measure:
                     comm.METER.reset()
                 waited = comm.METER.seconds()
