@@ -207,19 +207,18 @@ def test_dp_family_bytes_equals_runtime_model():
 
 
 def test_tp_layer_collectives_sum_to_runtime_model():
-    """Per block, the planner's tp collectives add up to the runtime's bytes, in one dtype and in meshtrain's bf16
-    autocast (row-parallel outputs in bf16, the norms' outputs entering the column-parallel layers in fp32)."""
+    """Per block, the planner's tp collectives add up to the runtime's bytes, in fp32 and in bf16 (where the
+    residual stream, the norms' outputs and every tp activation are bf16: model/layers.py)."""
     cfg = _small()
     tokens, tp, accum = 512, 4, 2
-    for act, entry in ((2, 2), (4, 4), (2, 4)):
-        s_in = tokens * cfg.d_model * entry
+    for act in (2, 4):
+        s_in = tokens * cfg.d_model * act
         extra = accum * (2 * s_in)  # the embedding output and the head input gradient
         for sp, regather in ((False, True), (True, False), (True, True)):
             per_layer: dict[str, int] = {}
-            for _, op, nbytes, _ in tp_layer_collectives(tokens, cfg.d_model, tp, sp, act, regather, entry):
+            for _, op, nbytes, _ in tp_layer_collectives(tokens, cfg.d_model, tp, sp, act, regather):
                 per_layer[op] = per_layer.get(op, 0) + nbytes
-            runtime = tp_comm_bytes(cfg, tp, sp, tokens, accum, entry, sp_regather=regather, regather_bytes=act,
-                                    exit_bytes=act)
+            runtime = tp_comm_bytes(cfg, tp, sp, tokens, accum, act, sp_regather=regather)
             loss_norms = accum * 12 * tokens + (2 * cfg.n_layers + 1) * cfg.d_model * 4
             if sp:
                 head = accum * tokens * cfg.d_model * act if regather else 0  # the head's input gathered again

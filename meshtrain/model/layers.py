@@ -1,5 +1,13 @@
-"""Building blocks shared by the dense model and the mixture of experts: RMSNorm, RoPE, the SwiGLU MLP
-and the causal attention core. No distributed code lives here."""
+"""Building blocks shared by the dense model and the mixture of experts: the embedding, RMSNorm, RoPE, the
+SwiGLU MLP and the causal attention core. No distributed code lives here.
+
+Under bf16 autocast the residual stream is bf16, as Megatron-LM and torchtitan (FSDP2's ``param_dtype``) run it:
+the embedding's output is cast to the compute dtype as a matmul's would be, and each RMSNorm computes in fp32 but
+returns its input's dtype with its weight rounded to it. Autocast alone would keep the residual fp32 (the
+embedding and the adds are not autocast ops), which costs twice the bytes in every elementwise kernel, every
+pipeline hand-over and tensor-parallel entry; and it makes one device differ from ZeRO-3, whose bf16 gather
+already gives every weight, the embedding and norms included, the compute dtype. With the cast, both run the
+same program."""
 
 from __future__ import annotations
 
@@ -10,8 +18,24 @@ from torch import nn
 from meshtrain.config import ModelConfig
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the model computes in for ``x``: autocast's where it is on for x's device, else x's own."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` whose output is in the compute dtype: a lookup is a matmul with one-hot rows, so under
+    autocast it returns what a matmul would (the module docstring says why)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = super().forward(tokens)
+        return h.to(compute_dtype(h))
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm with a learned scale (computed in fp32 for stability)."""
+    """Root-mean-square layer norm with a learned scale, computed in fp32 for stability; the output and the scale
+    are in the input's dtype (bf16 under autocast, as with 16-bit weights: the module docstring)."""
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -21,7 +45,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).type_as(x)
+        return (xf * self.weight.to(x.dtype).float()).type_as(x)
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

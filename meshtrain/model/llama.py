@@ -20,7 +20,7 @@ from torch import nn
 
 from meshtrain.config import ModelConfig
 from meshtrain.model.kv_cache import KVCache, LayerKV
-from meshtrain.model.layers import CausalAttention, FeedForward, RMSNorm, apply_rope, rope_tables
+from meshtrain.model.layers import CausalAttention, Embedding, FeedForward, RMSNorm, apply_rope, rope_tables
 from meshtrain.model.moe import MoEFeedForward
 from meshtrain.model.source import Box, full_box, relative
 
@@ -93,7 +93,7 @@ class Llama(nn.Module):
         if cfg.vocab_size <= 0:
             raise ValueError("model.vocab_size must be set (it is taken from the tokenizer by the trainer).")
         self.cfg = cfg
-        self.tok_embeddings: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.tok_embeddings: nn.Module | None = Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm: nn.Module | None = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.output: nn.Module | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)

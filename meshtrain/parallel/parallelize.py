@@ -316,7 +316,7 @@ def parallelize(model: Llama, mesh: Mesh, cfg: Config) -> Parallel:
         seq = t.seq_len // p.cp // (p.tp if p.sp else 1)
         posting = None if p.p2p_posting == "auto" else p.p2p_posting  # None: by the pp group's backend
         micro: Accumulation | PipelineEngine = PipelineEngine(schedule, stages, mesh, (rows, seq, cfg.model.d_model),
-                                                              forward, wgrad, posting=posting)
+                                                              forward, wgrad, act_dtype=dtype, posting=posting)
     else:
         micro = Accumulation(model, forward, t.grad_accum)
     return Parallel(model, mesh, cfg, rules, shapes, sync, micro, forward, tp, cp, moe, schedule, partition)

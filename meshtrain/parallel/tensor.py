@@ -44,6 +44,7 @@ from meshtrain.config import ModelConfig
 from meshtrain.mesh import AxisGroup, Mesh
 from meshtrain.model.axes import param_axes
 from meshtrain.model.kv_cache import LayerKV
+from meshtrain.model.layers import compute_dtype
 from meshtrain.model.llama import Attention, Block, FeedForward, apply_rope, attend
 from meshtrain.parallel.cross_entropy import lean_cross_entropy
 from meshtrain.parallel.pieces import Placement, Placements, TPSlice
@@ -322,7 +323,9 @@ class ParallelFeedForward(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """Rows [start, start + V/tp) of the (padded) embedding; other ids contribute zeros, and the parts
-    are added by an all-reduce (or a reduce-scatter to sequence shards with SP)."""
+    are added by an all-reduce (or a reduce-scatter to sequence shards with SP). The parts are cast to the
+    compute dtype first, as the plain ``Embedding``'s output is: exact (one rank's row plus zeros) and half the
+    bytes under bf16."""
 
     def __init__(self, weight: torch.Tensor, tp: TPSlice, group: AxisGroup, sp: bool) -> None:
         super().__init__()
@@ -334,6 +337,7 @@ class VocabParallelEmbedding(nn.Module):
         mine = (tokens >= self.start) & (tokens < self.end)
         local = torch.where(mine, tokens - self.start, torch.zeros_like(tokens))
         h = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        h = h.to(compute_dtype(h))
         return scatter_seq(h, self.group) if self.sp else reduce_from_tp(h, self.group)
 
 

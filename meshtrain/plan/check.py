@@ -96,17 +96,18 @@ def predict_rank(cfg: Config, world_size: int, coords: dict[str, int]) -> tuple[
         k = coords["dp"] % (p.dp_shard or dp) * p.cp + coords["cp"]  # this rank's index in the shard group
         norms = norm_elems_held(m, p.tp, layers, first, last, p.zero, n, k, p.ep) + sum(
             _shard_overlap(u, edp if expert_zero else 1, coords["edp"] if expert_zero else 0) for u in expert_units)
-        out.update(tp_comm_bytes(m, p.tp, p.sp, tokens, grad_accum=micro, act_bytes=4, layers=len(layers),
+        out.update(tp_comm_bytes(m, p.tp, p.sp, tokens, grad_accum=micro, act_bytes=compute_bytes,
+                                 layers=len(layers),
                                  embedding=first, head=last, norm_elems=norms,
                                  recompute=t.recompute != "none", mlp_tp=not m.moe_experts,
                                  kv_elems=norm_elems_held(m, p.tp, layers, first, last, p.zero, n, k, p.ep,
                                                           over="tp_kv"),
-                                 sp_regather=p.sp_regather, regather_bytes=compute_bytes,
-                                 exit_bytes=compute_bytes))
+                                 sp_regather=p.sp_regather))
     _add(out, cp_comm_bytes(m, p.cp, p.tp, tokens, p.cp_attention, len(layers), micro, compute_bytes,
                             t.recompute != "none"))
     if schedule is not None:
-        out.update(pipeline_rank_p2p(schedule, coords["pp"], pp_p2p_bytes(tokens, m.d_model, p.tp, p.sp)))
+        out.update(pipeline_rank_p2p(schedule, coords["pp"],
+                                     pp_p2p_bytes(tokens, m.d_model, p.tp, p.sp, compute_bytes)))
     if moe_layers:
         _add(out, _moe_bytes(cfg, dp, tokens, micro, moe_layers, compute_bytes))
     if experts and edp > 1:  # the experts' own data-parallel sync over edp: all-reduce, or ZeRO-1/2

@@ -112,19 +112,17 @@ def tp_comm_bytes(cfg: ModelConfig, tp: int, sp: bool, tokens: int, grad_accum: 
 
     ``sp_regather`` (SP only, ``parallel.sp_regather``): each column-parallel layer (fused QKV, fused gate/up,
     the head) saves its sequence shard and all-gathers it again in backward: one more all-gather of S per
-    column layer and microbatch (2 per block, 1 with MoE, + 1 for the head), in ``regather_bytes`` per element
-    (the compute dtype the shard is saved in; default ``act_bytes``). Recompute does not change this count.
+    column layer and microbatch (2 per block, 1 with MoE, + 1 for the head). Recompute does not change this count.
 
-    Dtypes: the residual stream, the embedding's output and the norms' outputs that enter the column-parallel layers
-    are ``act_bytes`` per element (fp32: under bf16 autocast the norms and the residual adds stay fp32); what
-    leaves a row-parallel layer (attention's and the MLP's output projections) is the matmul's compute dtype,
-    ``exit_bytes`` (default ``act_bytes``), and so is its gradient in backward.
+    Dtypes: everything tp moves per token is in the compute dtype, ``act_bytes`` per element (fp32 4, bf16 2):
+    the embedding's output, the norms' outputs entering the column-parallel layers and the re-gathered shards,
+    what leaves a row-parallel layer, and their gradients (under bf16 autocast the residual stream is bf16 too:
+    model/layers.py). The loss's per-token values and the replicated weights' gradients are fp32.
     """
     if tp == 1:
         return {}
     n_layers = cfg.n_layers if layers is None else layers
     act = tokens * cfg.d_model * act_bytes
-    out_s = tokens * cfg.d_model * (act_bytes if exit_bytes is None else exit_bytes)
     exits = (2 if mlp_tp else 1) * n_layers  # row-parallel outputs per microbatch
     entries = exits + (1 if embedding else 0) + (1 if head else 0)  # column inputs, the embedding's output
     loss = 3 * 4 * tokens if head else 0
@@ -132,23 +130,23 @@ def tp_comm_bytes(cfg: ModelConfig, tp: int, sp: bool, tokens: int, grad_accum: 
         norm_elems = (2 * n_layers + (1 if head else 0)) * cfg.d_model
     norms = norm_elems * 4
     again = n_layers if recompute else 0  # recompute repeats each block's entries and its attention's exit
-    each_way = entries * act + exits * out_s  # forward + backward, one direction of SP's pair each
+    each_way = (entries + exits) * act  # forward + backward, one direction of SP's pair each
     if sp:
         columns = (2 if mlp_tp else 1) * n_layers + (1 if head else 0) if sp_regather else 0
-        regather = columns * tokens * cfg.d_model * (act_bytes if regather_bytes is None else regather_bytes)
+        regather = columns * act
         out = {("tp", "all_gather"): grad_accum * (each_way + (2 if mlp_tp else 1) * again * act + regather),
-               ("tp", "reduce_scatter"): grad_accum * (each_way + again * out_s),
+               ("tp", "reduce_scatter"): grad_accum * (each_way + again * act),
                ("tp", "all_reduce"): grad_accum * loss + norms}
     else:
-        out = {("tp", "all_reduce"): grad_accum * (each_way + again * out_s + loss) + norms}
+        out = {("tp", "all_reduce"): grad_accum * (each_way + again * act + loss) + norms}
     if cfg.kv_heads < tp:
         out[("tp_kv", "all_reduce")] = 4 * (2 * n_layers * cfg.head_dim * cfg.d_model if kv_elems is None
                                             else kv_elems)
     return {k: v for k, v in out.items() if v}
 
 
-def tp_layer_collectives(tokens: int, d_model: int, tp: int, sp: bool, act_bytes: int = 2, sp_regather: bool = True,
-                         entry_bytes: int | None = None) -> list[tuple[str, str, int, str]]:
+def tp_layer_collectives(tokens: int, d_model: int, tp: int, sp: bool, act_bytes: int = 2,
+                         sp_regather: bool = True) -> list[tuple[str, str, int, str]]:
     """Tensor-parallel collectives of one block for one microbatch of ``tokens`` tokens on this rank:
     (what, op, payload bytes, phase "fwd"/"bwd").
 
@@ -159,14 +157,11 @@ def tp_layer_collectives(tokens: int, d_model: int, tp: int, sp: bool, act_bytes
     re-gather overlaps the input-gradient matmul, so this is an upper bound). Summed over layers this is
     ``tp_comm_bytes`` without its embedding, head, loss and norm terms.
 
-    Dtypes as ``tp_comm_bytes``: a row-parallel output and its gradient are ``act_bytes`` per element (the compute
-    dtype), a column-parallel input (a norm's output: fp32 under meshtrain's autocast) and its gradient
-    ``entry_bytes`` (default ``act_bytes``); a re-gathered input is saved in the compute dtype.
+    Dtypes as ``tp_comm_bytes``: every activation and gradient is ``act_bytes`` per element (the compute dtype).
     """
     if tp <= 1:
         return []
-    out_s = tokens * d_model * act_bytes
-    in_s = tokens * d_model * (act_bytes if entry_bytes is None else entry_bytes)
+    out_s = in_s = tokens * d_model * act_bytes
     if not sp:
         return [("attention out", "all_reduce", out_s, "fwd"), ("mlp out", "all_reduce", out_s, "fwd"),
                 ("attention in grad", "all_reduce", in_s, "bwd"), ("mlp in grad", "all_reduce", in_s, "bwd")]
@@ -182,7 +177,8 @@ def tp_layer_collectives(tokens: int, d_model: int, tp: int, sp: bool, act_bytes
 
 def pp_p2p_bytes(tokens: int, d_model: int, tp: int = 1, sp: bool = False, hidden_bytes: int = 4) -> int:
     """Bytes one rank sends across one stage boundary per microbatch and direction (the hidden state forward,
-    its gradient backward); with SP each tp rank holds and sends 1/tp of the sequence."""
+    its gradient backward, ``hidden_bytes`` per element: the compute dtype's); with SP each tp rank holds and
+    sends 1/tp of the sequence."""
     return tokens * d_model * hidden_bytes // (tp if sp else 1)
 
 

@@ -13,9 +13,9 @@ class Precision:
     """Bytes per element of each kind of state, so one memory/byte model covers several recipes.
 
     ``optim`` counts every optimizer byte per parameter (AdamW: two fp32 moments = 8; with 16-bit
-    parameters an fp32 master copy joins them: K = 12 in the ZeRO paper). ``act`` is what is saved for
-    backward and what TP/SP/CP move (the compute dtype); ``hidden`` the residual stream that pipeline
-    stages send; ``gather`` what ZeRO-3 all-gathers (the compute dtype); ``reduce`` what the gradient
+    parameters an fp32 master copy joins them: K = 12 in the ZeRO paper). ``act`` is the compute dtype: of
+    what is saved for backward, of the residual stream (what pipeline stages send) and of what TP/SP/CP/EP
+    move; ``gather`` what ZeRO-3 all-gathers (the compute dtype); ``reduce`` what the gradient
     collectives of the DP family send (``parallel.reduce_dtype``); ZeRO-1/2 all-gather updated parameters in
     ``param``.
     """
@@ -24,17 +24,17 @@ class Precision:
     grad: int = 4
     optim: int = 8
     act: int = 2
-    hidden: int = 4
     gather: int = 2
     reduce: int = 4
 
 
-# meshtrain itself: fp32 parameters, gradients and AdamW moments, bf16 autocast (docs/ARCHITECTURE.md).
-MESHTRAIN_BF16 = Precision(param=4, grad=4, optim=8, act=2, hidden=4, gather=2, reduce=4)
+# meshtrain itself: fp32 parameters, gradients and AdamW moments, bf16 autocast with a bf16 residual stream
+# (model/layers.py; docs/ARCHITECTURE.md).
+MESHTRAIN_BF16 = Precision(param=4, grad=4, optim=8, act=2, gather=2, reduce=4)
 
 
 # The ZeRO paper's / Megatron's mixed precision: 16-bit params and grads, fp32 master + Adam (K = 12).
-MIXED_16BIT = Precision(param=2, grad=2, optim=12, act=2, hidden=2, gather=2, reduce=2)
+MIXED_16BIT = Precision(param=2, grad=2, optim=12, act=2, gather=2, reduce=2)
 
 
 PRECISIONS = {"meshtrain": MESHTRAIN_BF16, "mixed": MIXED_16BIT}
@@ -53,11 +53,11 @@ def logits_bytes(tokens: float, vocab_local: int, act_bytes: float) -> float:
 
 
 def run_precision(dtype: str = "bf16", reduce_dtype: str = "fp32") -> Precision:
-    """meshtrain's precision for a run's ``train.dtype`` (what activations, TP/CP/EP traffic and ZeRO-3's gathers
-    use) and ``parallel.reduce_dtype`` (what the DP family's gradient collectives send); parameters,
-    gradients and AdamW moments stay fp32."""
+    """meshtrain's precision for a run's ``train.dtype`` (what activations, the residual stream, TP/CP/EP and
+    pipeline traffic and ZeRO-3's gathers use) and ``parallel.reduce_dtype`` (what the DP family's gradient
+    collectives send); parameters, gradients and AdamW moments stay fp32."""
     b = DTYPE_BYTES[dtype]
-    return Precision(param=4, grad=4, optim=8, act=b, hidden=4, gather=b, reduce=DTYPE_BYTES[reduce_dtype])
+    return Precision(param=4, grad=4, optim=8, act=b, gather=b, reduce=DTYPE_BYTES[reduce_dtype])
 
 
 def state_bytes(n_params: float, zero: int, n_shard: int, param_bytes: float = 4, grad_bytes: float = 4,

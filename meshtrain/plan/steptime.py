@@ -214,7 +214,7 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
     # --- tensor parallelism: every collective on the critical path
     tp_link = group_link(hw, tp, 1)
     tp_f = tp_b = 0.0
-    for _, op, nbytes, phase in tp_layer_collectives(t, d, tp, lay.sp, prec.act, entry_bytes=prec.hidden):
+    for _, op, nbytes, phase in tp_layer_collectives(t, d, tp, lay.sp, prec.act):
         dt = op_time(hw, op, nbytes, tp_link) * layers_max
         if phase == "fwd":
             tp_f += dt
@@ -222,9 +222,9 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
             tp_b += dt
     if tp > 1:  # embedding output / head input gradient: one more activation each way (under SP a reduce-scatter
         # and an all-gather, and the head's input re-gathered in backward), and the loss's three small all-reduces
-        tp_f += op_time(hw, "all_reduce", t * d * prec.hidden, tp_link, metered=2 if lay.sp else 1) \
+        tp_f += op_time(hw, "all_reduce", t * d * prec.act, tp_link, metered=2 if lay.sp else 1) \
             + op_time(hw, "all_reduce", 3 * 4 * t, tp_link, calls=3)
-        tp_b += op_time(hw, "all_reduce", t * d * prec.hidden, tp_link, metered=3 if lay.sp else 1)
+        tp_b += op_time(hw, "all_reduce", t * d * prec.act, tp_link, metered=3 if lay.sp else 1)
     if lay.recompute == "full":
         tp_b += tp_f  # the recomputed forward repeats its collectives
 
@@ -260,7 +260,7 @@ def pipeline_time(problem: Problem, lay: Layout, t: int, act: StageAction, step:
     if pp > 1:
         world = problem.devices
         p2p_link = group_link(hw, 2, world // pp)
-        p2p_t = op_time(hw, "send", pp_p2p_bytes(t, problem.model.d_model, lay.tp, lay.sp, prec.hidden), p2p_link)
+        p2p_t = op_time(hw, "send", pp_p2p_bytes(t, problem.model.d_model, lay.tp, lay.sp, prec.act), p2p_link)
         span0, idle0, peaks = pipeline_sim_fast(lay.schedule, pp, mc, v, F, B, 0.0)
         span, _, _ = pipeline_sim_fast(lay.schedule, pp, mc, v, F, B, p2p_t)
         busy = span0 - idle0
@@ -386,7 +386,7 @@ def memory(problem: Problem, lay: Layout, t: int, act: StageAction, units: list[
         # current + prefetched unit, and its gradient packed for the reduce-scatter
         mem["zero3_gathered"] = max(units) * (2 * prec.gather + prec.reduce)
     mem["activations"] = activation_bytes(cfg, t, act.layers, lay.recompute, tp, lay.sp, prec.act, inflight) \
-        + t * cfg.d_model * prec.hidden * inflight  # each stage's input hidden state
+        + t * cfg.d_model * prec.act * inflight  # each stage's input hidden state
     mem["logits"] = logits_bytes(t, -(-cfg.vocab_size // tp), prec.act)  # on the last stage
     return mem
 
@@ -434,8 +434,7 @@ def _collectives(problem: Problem, lay: Layout, t: int, layers: int, tp_link: Li
     mc = lay.microbatches
     out: list[Collective] = []
     per_step = mc * layers * lay.virtual  # block-level calls per step on this rank
-    for what, op, nbytes, phase in tp_layer_collectives(t, cfg.d_model, lay.tp, lay.sp, prec.act,
-                                                        entry_bytes=prec.hidden):
+    for what, op, nbytes, phase in tp_layer_collectives(t, cfg.d_model, lay.tp, lay.sp, prec.act):
         calls = per_step * (2 if (lay.recompute == "full" and phase == "fwd") else 1)
         out.append(Collective("tp", op, f"{phase}: {what}", lay.tp, nbytes, op_time(problem.hw, op, nbytes, tp_link),
                               calls, "yes"))
@@ -459,7 +458,7 @@ def _collectives(problem: Problem, lay: Layout, t: int, layers: int, tp_link: Li
                 out.append(Collective("ep", "all_to_all", f"{phase}: {what} (tokens x top_k rows)", lay.ep, rows,
                                       op_time(problem.hw, "all_to_all", rows, link), calls, "yes"))
     if lay.pp > 1:
-        nbytes = pp_p2p_bytes(t, cfg.d_model, lay.tp, lay.sp, prec.hidden)
+        nbytes = pp_p2p_bytes(t, cfg.d_model, lay.tp, lay.sp, prec.act)
         out.append(Collective("pp", "send", "activation to next stage / its gradient back", 2, nbytes, p2p_t,
                               2 * mc, "partly (pipeline fill and drain)"))
     block = max(units[1:-1] or units)

@@ -121,7 +121,8 @@ class PipelineEngine:
     """Executes a PipelineSchedule for this rank, posting its point-to-point operations as ``p2p_program`` says.
 
     ``posting`` is the policy (``plan/p2p_order.py``): ``None`` picks it from the pp group's backend (``ordered``
-    on NCCL, ``ahead`` on gloo); ``recv_ahead`` tunes ``ahead``.
+    on NCCL, ``ahead`` on gloo); ``recv_ahead`` tunes ``ahead``. ``act_dtype`` is the residual stream's, what
+    travels between stages both ways (hidden states and their gradients): the compute dtype (model/layers.py).
     """
 
     def __init__(self, schedule: PipelineSchedule, stages: dict[int, PipelineStage], mesh: Mesh,
@@ -213,6 +214,8 @@ class PipelineEngine:
         m = remote_output(self.s, a)
         if m is None:
             local[(0 if a.kind == "F" else 1, a.mb, to_stage)] = t
+        elif t.dtype != self.dtype:  # the peer's receive buffer holds act_shape in self.dtype: sizes must agree
+            raise RuntimeError(f"pipeline stage {a.stage} would send {t.dtype} where the engine moves {self.dtype}")
         else:
             outbox[m] = t.contiguous()
 

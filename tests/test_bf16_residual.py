@@ -1,0 +1,140 @@
+"""The residual stream in the compute dtype (model/layers.py): under ``train.dtype=bf16`` the hidden states
+between blocks are bf16 on every layout, as Megatron-LM and torchtitan run them, so what pipeline stages send
+and what tensor parallelism gathers and reduces is bf16, half the bytes of an fp32 residual.
+
+One process: the embedding's, every block's and every norm's output are bf16 under autocast, fp32 without it.
+
+Four gloo ranks, pipeline and tensor-parallel layouts, each with an fp32 twin trained in the same world:
+- the fp32 twins equal the single-device fp32 run to 1e-5 (the layouts are the same computation);
+- each bf16 layout agrees with the single-device bf16 run within k·u relative (u = 2^-8, bf16's unit
+  roundoff; k counts the bf16 roundings one device does not make, first order, so they add; the module
+  docstring of test_mixed_precision.py says the same for the data-parallel family):
+    - the batch split (``SPLIT`` = 2): dp = 2 and the pipeline's microbatches each round a partial
+      weight-gradient matmul to bf16 where one device rounds the whole batch's once;
+    - tensor parallelism (``TP_SUM`` = 2 per row-parallel output, 2L of them): each rank rounds its partial
+      product to bf16, and the all-reduce (or reduce-scatter) of two bf16 values rounds their sum once more;
+      one device rounds the whole product once;
+  a lost or doubled microbatch, a stage that received another's hidden states, or an unreduced shard is off by
+  tens of percent;
+- the pipeline's p2p bytes of every bf16 layout are exactly half of its fp32 twin's, and the planner
+  (plan/check.py) predicts every rank's bytes of every run, tp's bf16 activations included, exactly.
+"""
+
+import pytest
+import torch
+
+from meshtrain.testing.equivalence import (
+    LOSS_RTOL,
+    assert_layout_ran,
+    assert_planner_predicts_runs,
+    assert_same_runs,
+    assert_same_scalars,
+    assert_same_tensors,
+    layouts_worker,
+    op_bytes,
+    prepared_stdlib,
+    reference_runs,
+    run_dir,
+    run_overrides,
+    worst_rel,
+)
+from meshtrain.testing.spawn import spawn
+
+STEPS = 5
+BASE = run_overrides(STEPS)
+U = 2.0 ** -8  # bf16 unit roundoff
+L = 2  # the tiny preset's blocks
+SPLIT, TP_SUM = 2, 2  # roundings (module docstring)
+BF16 = ["train.dtype=bf16"]
+
+# (name, fp32 overrides, k of the bf16 twin's tolerance)
+LAYOUTS = [
+    ("pp2 dp2 1f1b", ["parallel.pp=2", "parallel.microbatches=2"], SPLIT),
+    ("pp2 tp2 sp zb-h1", ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true", "parallel.microbatches=2",
+                          "parallel.schedule=zb-h1"], SPLIT + TP_SUM * 2 * L),
+    ("tp2 sp dp2", ["parallel.tp=2", "parallel.sp=true"], SPLIT + TP_SUM * 2 * L),
+]
+
+
+def _all_layouts() -> list[tuple[str, list[str]]]:
+    return [(name, over) for name, over, _ in LAYOUTS] + [(f"{name} bf16", over + BF16) for name, over, _ in LAYOUTS]
+
+
+def test_the_residual_stream_is_in_the_compute_dtype():
+    """Every block's input and output, the embedding's output and every norm's output: bf16 under bf16 autocast
+    (the residual adds keep it there), fp32 without autocast."""
+    from meshtrain.config import load_config
+    from meshtrain.model.llama import build_model
+
+    cfg = load_config("tiny").model
+    cfg.vocab_size = 257
+    model = build_model(cfg, seed=0)
+    seen: list[tuple[str, torch.dtype]] = []
+    for name, m in model.named_modules():
+        if name.startswith("layers.") and name.count(".") == 1 or name == "tok_embeddings" or name.endswith("norm"):
+            m.register_forward_hook(lambda mod, args, out, name=name: seen.append((name, out.dtype)))
+    tokens = torch.randint(0, 257, (2, 16))
+    for autocast, want in ((True, torch.bfloat16), (False, torch.float32)):
+        seen.clear()
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            logits = model(tokens)
+        names = {n for n, _ in seen}
+        assert {"tok_embeddings", "layers.0", "layers.1", "layers.0.attention_norm", "norm"} <= names, names
+        assert all(dtype == want for _, dtype in seen), (autocast, seen)
+        assert logits.dtype == want
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return prepared_stdlib(tmp_path_factory, "bf16residualdata")
+
+
+@pytest.fixture(scope="module")
+def reference(data):
+    return reference_runs(data, BASE)
+
+
+@pytest.fixture(scope="module")
+def per_rank(data):
+    return spawn(layouts_worker, 4, args=(data, BASE, _all_layouts()), timeout=600)
+
+
+@pytest.mark.slow
+def test_fp32_twins_equal_one_device_to_1e5(per_rank, reference, data):
+    for name, overrides, _ in LAYOUTS:
+        results = [r[name] for r in per_rank]
+        assert_layout_ran(name, overrides, 4, results, run_dir(data, 4, name))
+        assert_same_runs(name, results, reference(overrides))
+
+
+@pytest.mark.slow
+def test_bf16_layouts_agree_with_one_device_bf16_within_k_roundings(per_rank, reference, data):
+    for name, overrides, k in LAYOUTS:
+        name, overrides = f"{name} bf16", overrides + BF16
+        results = [r[name] for r in per_rank]
+        assert_layout_ran(name, overrides, 4, results, run_dir(data, 4, name))
+        ref, rtol = reference(overrides), k * U
+        assert rtol > LOSS_RTOL
+        for rank, got in enumerate(results):
+            who = f"{name} (rank {rank}, {k}u = {rtol:.2g})"
+            assert_same_scalars(who, "loss", got["losses"], ref["losses"], rtol)
+            assert_same_scalars(who, "grad_norm", got["grad_norms"], ref["grad_norms"], rtol)
+            assert_same_tensors(who, "step-1 gradient", got["grads"], ref["grads"], rtol)
+            assert_same_tensors(who, "parameter", got["params"], ref["params"], rtol)
+        print(f"4 ranks, {name}: {k}u = {rtol:.1e}; worst step-1 gradient "
+              f"{max(worst_rel(r['grads'], ref['grads']) for r in results):.1e}, parameter "
+              f"{max(worst_rel(r['params'], ref['params']) for r in results):.1e}")
+
+
+@pytest.mark.slow
+def test_pipeline_sends_half_the_bytes_and_the_planner_predicts_every_run(per_rank, data):
+    for name, overrides, _ in LAYOUTS:
+        if "parallel.pp=2" not in overrides:
+            continue
+        low, full = op_bytes(run_dir(data, 4, f"{name} bf16")), op_bytes(run_dir(data, 4, name))
+        for rank in range(4):
+            p2p = {key: b for key, b in full[rank].items() if key.startswith("pp/")}
+            assert p2p, (name, rank, full[rank])
+            for key, b in p2p.items():
+                assert b > 0 and b % 2 == 0 and low[rank][key] == b // 2, (name, rank, key, low[rank][key], b)
+    assert_planner_predicts_runs(data)
