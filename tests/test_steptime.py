@@ -204,8 +204,8 @@ def test_predicted_calls_equal_counted_calls():
 @pytest.mark.slow
 def test_predicted_calls_equal_counted_calls_live(tmp_path):
     """The same on runs made now, through the CLI: tp2+sp with full recompute and tp2 without SP with selective
-    recompute, both in bf16 (which also checks the predicted bytes: under autocast the row-parallel outputs travel
-    in bf16, the norms' outputs and the residual stream in fp32), and ring cp2 with grad accumulation."""
+    recompute, both in bf16 (which also checks the predicted bytes: every tp activation and gradient travels in
+    bf16, the residual stream's dtype), and ring cp2 with grad accumulation."""
     import subprocess
     import sys
 
