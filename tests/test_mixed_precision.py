@@ -33,12 +33,10 @@ twin (same layout, fp32 compute and reduce) trained in the same spawned world, s
 import pytest
 
 from meshtrain.testing.equivalence import (
-    LOSS_RTOL,
     assert_layout_ran,
     assert_planner_predicts_runs,
     assert_same_runs,
-    assert_same_scalars,
-    assert_same_tensors,
+    assert_within_bf16_roundings,
     op_bytes,
     prepared_stdlib,
     reference_runs,
@@ -46,7 +44,6 @@ from meshtrain.testing.equivalence import (
     run_layout,
     run_overrides,
     state_dtypes,
-    worst_rel,
 )
 from meshtrain.testing.spawn import spawn
 
@@ -54,7 +51,6 @@ pytestmark = pytest.mark.slow
 
 STEPS = 5
 BASE = run_overrides(STEPS)
-U = 2.0 ** -8  # bf16 unit roundoff
 COMPUTE, GATHER = 2, 2  # roundings added by bf16 compute and by ZeRO-3's bf16 gather (module docstring)
 BF16 = ["train.dtype=bf16", "parallel.reduce_dtype=bf16"]
 REDUCE = ["parallel.reduce_dtype=bf16"]  # fp32 compute: reduce_dtype does not need train.dtype=bf16
@@ -132,18 +128,8 @@ def test_bf16_layouts_agree_with_one_device_within_k_roundings(worlds, reference
         for name, _, _, k, _ in mixed:
             results = [r[name] for r in per_rank]
             assert_layout_ran(name, overrides[name], n, results, run_dir(data, n, name))
-            ref, rtol = reference(overrides[name]), k * U
-            assert rtol > LOSS_RTOL
-            for rank, got in enumerate(results):
-                who = f"{name} (rank {rank}, {k}u = {rtol:.2g})"
-                assert_same_scalars(who, "loss", got["losses"], ref["losses"], rtol)
-                assert_same_scalars(who, "grad_norm", got["grad_norms"], ref["grad_norms"], rtol)
-                assert_same_tensors(who, "step-1 gradient", got["grads"], ref["grads"], rtol)
-                assert_same_tensors(who, "parameter", got["params"], ref["params"], rtol)
             # The measured margin (pytest -s shows it; docs/data-parallel.md quotes it).
-            print(f"{n} ranks, {name}: {k}u = {rtol:.1e}; worst step-1 gradient "
-                  f"{max(worst_rel(r['grads'], ref['grads']) for r in results):.1e}, parameter "
-                  f"{max(worst_rel(r['params'], ref['params']) for r in results):.1e}")
+            print(f"{n} ranks,", assert_within_bf16_roundings(name, results, reference(overrides[name]), k))
 
 
 def test_bf16_halves_exactly_the_gradient_and_gather_bytes(worlds, data):

@@ -165,6 +165,27 @@ def assert_same_run(name: str, got: dict, ref: dict) -> None:
     assert_same_tensors(name, "parameter", got["params"], ref["params"], PARAM_RTOL)
 
 
+BF16_U = 2.0 ** -8  # bf16's unit roundoff (8 significant bits)
+
+
+def assert_within_bf16_roundings(name: str, per_rank: list[dict], ref: dict, k: int) -> str:
+    """Every rank's losses, grad norms, step-1 gradient and final parameters (per tensor, relative Frobenius)
+    within k·u of ``ref``, u = 2^-8: a bf16 layout against the one-device run of its dtype, where k counts the
+    bf16 roundings the layout makes and one device does not (the calling file's docstring derives it). Returns a
+    line with the measured worst step-1 gradient and parameter, for the docs' margins (``pytest -s``)."""
+    rtol = k * BF16_U
+    assert rtol > LOSS_RTOL
+    for rank, got in enumerate(per_rank):
+        who = f"{name} (rank {rank}, {k}u = {rtol:.2g})"
+        assert_same_scalars(who, "loss", got["losses"], ref["losses"], rtol)
+        assert_same_scalars(who, "grad_norm", got["grad_norms"], ref["grad_norms"], rtol)
+        assert_same_tensors(who, "step-1 gradient", got["grads"], ref["grads"], rtol)
+        assert_same_tensors(who, "parameter", got["params"], ref["params"], rtol)
+    return (f"{name}: {k}u = {rtol:.1e}; worst step-1 gradient "
+            f"{max(worst_rel(r['grads'], ref['grads']) for r in per_rank):.1e}, parameter "
+            f"{max(worst_rel(r['params'], ref['params']) for r in per_rank):.1e}")
+
+
 def assert_same_runs(name: str, per_rank: list[dict], ref: dict) -> None:
     """``assert_same_run`` on every rank's copy of the (replicated) results, not rank 0's alone."""
     assert per_rank, f"{name}: no rank returned a result"
