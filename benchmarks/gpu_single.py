@@ -2,7 +2,8 @@
 
 The model is a ~1B Llama: d_model 2048, 16 layers, 32 query / 8 key-value heads (GQA, head_dim 64), SwiGLU
 hidden 5632 (Llama's rule 2/3 x 4d rounded up to 256), vocabulary 32000 (Llama 2's; ``--vocab 128256`` for
-Llama 3's), untied head, seq 2048, bf16 autocast over fp32 master weights. Rows:
+Llama 3's), untied head, seq 2048, bf16 autocast over fp32 master weights (ours with its bf16 residual stream,
+model/layers.py; HF's stays fp32 under autocast). Rows:
 
 - ours eager: ``meshtrain.train.trainer.Trainer`` built from the same overrides ``meshtrain train`` takes
   (printed), synthetic data, each step ``Trainer.train_step`` (batch, forward/backward, clip, AdamW);
@@ -23,7 +24,9 @@ rounding differences grow until single steps part by a few percent. On an H200 (
 agreed within 7e-5 in every row, and by step 50 ours compiled, the same program as ours eager with other fusions,
 was 3.3e-2 off at its worst step and 1.9e-2 in the mean of the last round. A fixed tolerance there would pass or
 fail on chance; the script prints every row's losses, its worst step and its last-round mean, and ours compiled's
-beside them as the yardstick.
+beside them as the yardstick. The reference is ours eager; ``--rows`` without it makes ours compiled the
+reference, for a batch whose eager activations would not fit beside the other rows (``--batch 32 --rows "ours
+compiled,HF compiled"``; benchmarks/gpu_session.sh runs it).
 
 Rows alternate ours/theirs/theirs/ours, reversed each round; warm-up steps (compilation included) come before
 the rounds; each timed step sits between two ``torch.cuda.synchronize()``. Ours includes building its batch
@@ -56,7 +59,7 @@ NO_CUDA = ("gpu_single.py needs a CUDA device; none is visible (torch.cuda.is_av
 GPU_DEFAULTS = {"steps": 10, "warmup": 3, "rounds": 5, "batch": 4, "seq": 2048, "vocab": 32000}
 DRY_DEFAULTS = {"steps": 3, "warmup": 1, "rounds": 2, "batch": 2, "seq": 64, "vocab": 512}
 ROWS = ("ours eager", "HF eager", "HF compiled", "ours compiled")  # round 0's order; odd rounds reverse it
-# Same-run tolerances (relative loss difference to ours eager): (first step, every step).
+# Same-run tolerances (relative loss difference to the reference row, ours eager by default): (first step, every step).
 TOLERANCE = {"fp32": (1e-5, 1e-3), "bf16": (1e-3, 1e-3)}
 BF16_CHECKED_STEPS = 3  # bf16: the steps checked (the module docstring says why not all)
 
@@ -218,9 +221,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--json {args.json}: its folder does not exist; create it or name a file in an existing folder")
     args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = [r for r in args.rows if r not in ROWS]
-    if unknown or "ours eager" not in args.rows:
-        ap.error(f"--rows: {', '.join(unknown) or 'ours eager is missing'}; choose from {', '.join(ROWS)} "
-                 f"(ours eager is the reference every row's losses are checked against)")
+    if unknown or not {"ours eager", "ours compiled"} & set(args.rows):
+        ap.error(f"--rows: {', '.join(unknown) or 'neither of ours is asked for'}; choose from {', '.join(ROWS)} "
+                 f"with ours eager or ours compiled among them (the reference every row's losses are checked against)")
+    # The reference: ours eager, or ours compiled where eager is left out (a batch whose eager activations would
+    # not fit beside the other rows).
+    args.reference = "ours eager" if "ours eager" in args.rows else "ours compiled"
+    if args.dry_run_cpu and args.reference == "ours compiled":
+        ap.error("--rows: the dry run compiles nothing, so ours compiled cannot be the reference; add ours eager")
     return args
 
 
@@ -237,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     prefetchers: dict[str, Callable[[int], None] | None] = {}
 
     def build(name: str, make: Callable[[], tuple]) -> None:
-        """Build a row and run its warm-up. A row other than ours eager (the reference) that fails is skipped
-        with its one-line reason, so one library's failure on a GPU machine does not lose the other rows."""
+        """Build a row and run its warm-up. A row other than the reference that fails is skipped with its one-line
+        reason, so one library's failure on a GPU machine does not lose the other rows."""
         row = rows[name]
         sync(device)
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
@@ -250,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         except torch.cuda.OutOfMemoryError:
             raise
         except Exception as e:  # noqa: BLE001 - reported per row; the reference re-raises
-            if name == "ours eager":
+            if name == args.reference:
                 raise
             row.step, row.note = None, f"failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
             row.losses.clear()
@@ -264,20 +272,27 @@ def main(argv: list[str] | None = None) -> int:
         progress(f"{name}: built and warmed up in {time.perf_counter() - t0:.0f} s, resident "
                  f"{row.resident / 2**30:.2f} GiB")
 
-    # Ours eager first: its initial weights, taken before its warm-up, are every other row's.
+    # The reference first (ours eager, or ours compiled without it): its initial weights, taken before its warm-up,
+    # are the HF rows'; ours are built from the same seed, so the same weights.
     trainer = None
     weights: dict[str, torch.Tensor] = {}
 
-    def make_ours_eager():
+    def make_reference():
         nonlocal trainer
-        trainer, step = build_ours(overrides)
+        trainer, step = build_ours(overrides + (["train.compile=true"] if args.reference == "ours compiled" else []))
         weights.update(hf_weights(trainer))
         return step, None
 
     def make_hf(compiled: bool):
         return lambda: build_hf(trainer.cfg, weights, device, compiled)
 
-    build("ours eager", make_ours_eager)
+    if args.reference == "ours compiled" and not compile_ok:
+        print("gpu_single.py: ours compiled is the reference (--rows has no ours eager), but this meshtrain has no "
+              "train.compile option", file=sys.stderr)
+        return 2
+    build(args.reference, make_reference)
+    if "ours eager" not in args.rows:
+        rows["ours eager"].note = "not asked for (--rows)"
     cfg = trainer.cfg
     for name in ("HF eager", "HF compiled"):
         if name not in args.rows:
@@ -288,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
             build(name, make_hf(name == "HF compiled"))
     weights.clear()
     name = "ours compiled"
-    if name not in args.rows:
+    if name == args.reference:
+        pass
+    elif name not in args.rows:
         rows[name].note = "not asked for (--rows)"
     elif args.dry_run_cpu:
         rows[name].note = "skipped: --dry-run-cpu runs no torch.compile"
@@ -396,10 +413,10 @@ def report(args: argparse.Namespace, cfg, device: torch.device, rows: dict[str, 
 
 
 def check_same_run(args: argparse.Namespace, rows: dict[str, Row]) -> int:
-    """Every row's losses against ours eager's (same weights, same batches; tolerances in the module docstring);
-    returns the exit code."""
+    """Every row's losses against the reference's (ours eager, or ours compiled without it: same weights, same
+    batches; tolerances in the module docstring); returns the exit code."""
     first_tol, later_tol = TOLERANCE[args.dtype]
-    ref = rows["ours eager"].losses
+    ref = rows[args.reference].losses
     checked = len(ref) if args.dtype == "fp32" else min(len(ref), BF16_CHECKED_STEPS)
     last = slice(args.warmup + (args.rounds - 1) * args.steps, args.warmup + args.rounds * args.steps)
     every = max(1, len(ref) // 10)
@@ -408,14 +425,14 @@ def check_same_run(args: argparse.Namespace, rows: dict[str, Row]) -> int:
         if rows[name].losses:
             print(f"  {name:>13}: {' '.join(f'{x:.4f}' for x in rows[name].losses[::every])}")
     print(f"\nsame run: first-step loss {ref[0]:.4f} (ln vocab = {math.log(args.vocab):.4f}); each row's relative "
-          f"difference to ours eager, first step (tolerance {first_tol:g}) and largest over steps 0-{checked - 1} "
-          f"(tolerance {later_tol:g}), {args.dtype}" + ("" if checked == len(ref) else
+          f"difference to {args.reference}, first step (tolerance {first_tol:g}) and largest over steps "
+          f"0-{checked - 1} (tolerance {later_tol:g}), {args.dtype}" + ("" if checked == len(ref) else
           f"; reported, not checked: the largest over all {len(ref)} steps and the last round's mean "
           f"(steps {last.start}-{last.stop - 1})") + ":")
     bad = []
-    for name in ROWS[1:]:
+    for name in ROWS:
         losses = rows[name].losses
-        if rows[name].step is None or not losses:
+        if name == args.reference or rows[name].step is None or not losses:
             continue
         rel = [abs(a - b) / abs(b) for a, b in zip(losses, ref, strict=True)]
         worst = max(rel[:checked])
@@ -428,7 +445,7 @@ def check_same_run(args: argparse.Namespace, rows: dict[str, Row]) -> int:
         print(f"{line} {'ok' if ok else 'NOT THE SAME RUN'}")
         bad += [] if ok else [name]
     if bad:
-        print(f"error: {', '.join(bad)} did not compute the same run as ours eager: the timings above do not "
+        print(f"error: {', '.join(bad)} did not compute the same run as {args.reference}: the timings above do not "
               f"compare like with like.", file=sys.stderr)
         return 1
     return 0

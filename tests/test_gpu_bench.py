@@ -45,6 +45,36 @@ def test_dry_run_prints_every_row_and_checks_the_same_run():
         assert f"profile of {name}: " in out.stdout and "by kind (ms per step): communication" in out.stdout
 
 
+def test_rows_need_one_of_ours_as_the_reference():
+    """Every row's losses are checked against ours eager, or ours compiled without it; the dry run compiles
+    nothing, so there ours eager must be asked for. Refused by argparse before any model is built."""
+    for rows, says in (("HF eager,HF compiled", "neither of ours is asked for"),
+                       ("ours compiled,HF compiled", "ours compiled cannot be the reference")):
+        out = _run("--dry-run-cpu", "--rows", rows)
+        assert out.returncode == 2 and says in out.stderr.strip().splitlines()[-1], out.stderr
+
+
+@pytest.mark.slow
+def test_the_gpu_session_script_runs_its_three_measurements(tmp_path):
+    """benchmarks/gpu_session.sh, the next GPU session's one command, on the CPU dry run: its three runs (batch 8
+    with the profile, 16 and 32) each leave their output and JSON in $OUT, beside the machine's facts; the
+    extra arguments reach every run and win over the script's own (here --rows, as the dry run needs ours eager)."""
+    import json
+
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "--dry-run-cpu", "--steps", "1",
+                          "--warmup", "1", "--rounds", "1", "--rows", "ours eager,HF eager"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "env.txt").read_text().strip()
+    for name, batch in (("b8", 8), ("b16", 16), ("b32", 32)):
+        record = json.loads((tmp_path / f"{name}.json").read_text())
+        assert record["args"]["batch"] == batch and record["args"]["rows"] == ["ours eager", "HF eager"], record["args"]
+        assert record["rows"]["HF eager"]["losses"], name
+        assert "same run:" in (tmp_path / f"{name}.txt").read_text()
+    assert "profile of ours eager" in (tmp_path / "b8.txt").read_text()
+
+
 @pytest.mark.parametrize("name, key", [
     ("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA H100 NVL", "H100 NVL"),
     ("NVIDIA H200", "H200 SXM"), ("NVIDIA H200 NVL", "H200 NVL"), ("NVIDIA A100-SXM4-80GB", "A100 SXM"),

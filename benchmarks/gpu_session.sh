@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One GPU session's measurements as one command, sized for a device call of at most 10 minutes (a task is lent
+# 15 minutes of device time in all, start-up included): where the trainer stands against transformers and where
+# its step goes, then how MFU grows with the batch. Every run's output and JSON land in $OUT (default runs/gpu).
+#
+#   bash benchmarks/gpu_session.sh                      # on the GPU machine, from the repository root
+#   bash benchmarks/gpu_session.sh --dry-run-cpu ...    # the same three runs on a tiny CPU model: checks the script
+#
+# 1. batch 8, all four rows, --profile 2: the ratios to HF (eager and compiled) and each row's kernel time by kind
+#    against its wall time (the idle gap read off directly); ~2.5 minutes on an H200.
+# 2. batch 16, then 3. batch 32, the compiled rows only (ours needs ~11.5 GiB more per 4 sequences: ~106 GiB alone at
+#    32, which an H200 has beside two rows' weights and AdamW state): AdamW and the clip are a fixed cost per step,
+#    so MFU rises with the tokens it is spread over. Each run has its own timeout so a slow one cannot take the rest.
+# Extra arguments go to every run (after the run's own, so they win). $PYTHON (default python) runs them.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu}
+PYTHON=${PYTHON:-python}
+mkdir -p "$OUT"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+{
+    git rev-parse --short HEAD 2>/dev/null || echo "commit unknown"
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,power.limit --format=csv 2>/dev/null
+    "$PYTHON" -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, transformers.__version__)"
+} > "$OUT/env.txt" 2>&1
+status=0
+run() {  # name, seconds, gpu_single.py arguments...
+    local name=$1 limit=$2
+    shift 2
+    echo "[gpu_session $(date +%H:%M:%S)] $name: $PYTHON benchmarks/gpu_single.py $*" >&2
+    timeout "$limit" "$PYTHON" benchmarks/gpu_single.py "$@" --json "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
+    local rc=$?
+    [ "$rc" -eq 0 ] || { echo "[gpu_session] $name exited $rc: see $OUT/$name.txt" >&2; status=1; }
+}
+run b8 230 --batch 8 --profile 2 "$@"
+run b16 190 --batch 16 --rows "ours compiled,HF compiled" "$@"
+run b32 170 --batch 32 --rows "ours compiled,HF compiled" "$@"
+exit $status
