@@ -60,8 +60,14 @@ LAYOUTS_2 = [
     ("tp2 sp accum", ["parallel.tp=2", "parallel.sp=true", "train.grad_accum=2"]),
     ("tp2 sp full", ["parallel.tp=2", "parallel.sp=true", "train.recompute=full"]),
 ]
-# (tp, sp, sp_regather) of the byte and activation-memory measurements on 4 ranks.
-MEASURED = [(4, False, True), (4, True, True), (4, True, False)]
+# (tp, sp, sp_regather) of the byte and activation-memory measurements on 4 ranks (tp=2: dp=2, half the rows;
+# a rank holds two heads there, one at tp=4).
+MEASURED = [(4, False, True), (4, True, True), (4, True, False), (2, False, True), (2, True, True)]
+
+
+def _tokens(tp: int) -> int:
+    """This rank's tokens of the 4 x 64 batch: dp = 4 / tp ranks share the rows."""
+    return 4 * 64 * tp // 4
 
 
 def _measure(data, tp, sp, regather):
@@ -116,8 +122,7 @@ def test_tp_bytes_per_step_equal_the_formula(world4):
     for rank, (_, meas) in enumerate(world4):
         for tp, sp, regather in MEASURED:
             measured, _ = meas[(tp, sp, regather)]
-            # 4 sequences x 64 tokens; tp ranks share the data-parallel rows (dp = 1 here).
-            want = tp_comm_bytes(cfg, tp=tp, sp=sp, tokens=4 * 64, sp_regather=regather)
+            want = tp_comm_bytes(cfg, tp=tp, sp=sp, tokens=_tokens(tp), sp_regather=regather)
             assert measured == want, (rank, sp, regather, measured, want)
         # Re-gathering costs one all-gather per column-parallel layer in backward: QKV and gate/up of 2 blocks, head.
         extra = meas[(4, True, True)][0][("tp", "all_gather")] - meas[(4, True, False)][0][("tp", "all_gather")]
@@ -131,7 +136,7 @@ def test_sequence_parallel_cuts_activation_memory(world4):
     for rank, (_, meas) in enumerate(world4):
         saved = {key: meas[key][1] for key in MEASURED}
         for tp, sp, regather in MEASURED:
-            assert saved[(tp, sp, regather)] == tp_forward_saved_bytes(cfg, 4 * 64, tp, sp, regather), \
+            assert saved[(tp, sp, regather)] == tp_forward_saved_bytes(cfg, _tokens(tp), tp, sp, regather), \
                 (rank, sp, regather, saved)
         # SP holds the norms and residuals as 1/4 of the sequence; re-gathering also the column-parallel inputs
         # (2 per block and the head's: 5 x 3/4 of 4 x 64 x 32 fp32).

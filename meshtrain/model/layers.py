@@ -33,9 +33,34 @@ class Embedding(nn.Embedding):
         return h.to(compute_dtype(h))
 
 
+class _RMSNormFn(torch.autograd.Function):
+    """``(x / rms(x)) * w`` in fp32, returned in x's dtype, with the scale rounded to x's dtype first. Keeps for
+    backward x and one rsqrt per row, and rebuilds the normalised rows there: autograd through the plain ops would
+    keep fp32 copies of x and of x / rms(x) (under bf16, 8 bytes per element where x is 2), as fused norms
+    (Megatron's, Transformer Engine's) also avoid. The gradients are the plain ops' (the weight's rounded to x's
+    dtype, as through the cast)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (xf * rstd * weight.to(x.dtype).float()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, weight, rstd = ctx.saved_tensors
+        xn, gf = x.float() * rstd, g.float()
+        gn = gf * weight.to(x.dtype).float()  # dL/d(x / rms(x))
+        gx = rstd * (gn - xn * (gn * xn).mean(-1, keepdim=True))
+        gw = (gf * xn).reshape(-1, xn.shape[-1]).sum(0)
+        return gx.to(x.dtype), gw.to(x.dtype).to(weight.dtype), None
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm with a learned scale, computed in fp32 for stability; the output and the scale
-    are in the input's dtype (bf16 under autocast, as with 16-bit weights: the module docstring)."""
+    are in the input's dtype (bf16 under autocast, as with 16-bit weights: the module docstring). What backward
+    keeps is the input and one value per row (``_RMSNormFn``)."""
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -43,9 +68,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.to(x.dtype).float()).type_as(x)
+        return _RMSNormFn.apply(x, self.weight, self.eps)
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

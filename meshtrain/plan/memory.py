@@ -96,20 +96,20 @@ def activation_elems_per_token(cfg: ModelConfig, recompute: str = "none", tp: in
     layers x bytes). Counted from meshtrain's block (RMSNorm, fused QKV, SDPA, wo, SwiGLU) with
     D = d_model, F = MLP hidden, H = n_heads, kv = max(n_kv_heads, tp) x head_dim (a rank holds whole kv heads):
 
-    - ``none`` (exact for fp32, ``tests/test_tensor_parallel.py`` measures it): each RMSNorm keeps its input,
-      its normalised copy and one rsqrt per token (2D + 1, twice); each column-parallel layer (fused QKV,
+    - ``none`` (exact for fp32, ``tests/test_tensor_parallel.py`` measures it): each RMSNorm keeps its input
+      and one rsqrt per token (D + 1, twice; model/layers._RMSNormFn); each column-parallel layer (fused QKV,
       fused gate/up) its input, D. With SP the norms' tensors are sequence-sharded (1/tp), and so are the
       column inputs with ``sp_regather`` (backward gathers them again, parallel.sp_regather); without it they
       are the gathered whole sequence. Split tp ways: attention's inputs (MHA: the QKV output, which the value
       view keeps alive, D + 2kv, and rotated q and k, D + kv; GQA: rotated q and the repeated k and v, 3D), its
-      output D and log-sum-exp H, wo's input D (a copy only when a rank has more than one head), and gate/up
-      2F, SiLU F, their product F.
+      output D and log-sum-exp H (wo's input is a view of that output: SDPA's flash kernels lay it out
+      [B, T, heads, head_dim], so the transpose back needs no copy), and gate/up 2F, SiLU F, their product F.
     - ``selective`` (meshtrain's policy: keep matmul and attention outputs, recompute norms, RoPE, SiLU and
       products): block input D, QKV D + 2kv, attention output D, wo and w2 outputs (whole partial sums, 2D),
       gate/up 2F. The column inputs are recomputed, so ``sp_regather`` does not change it.
     - ``full``: only the block input D.
     Flash attention keeps no T x T scores, so there is no quadratic term. Under bf16 autocast this is an
-    estimate: the norms and RoPE compute in fp32, and the matmuls keep compute-dtype copies of their inputs.
+    estimate: the norms' rsqrt and RoPE compute in fp32, and the matmuls keep compute-dtype copies of their inputs.
     """
     d, f = cfg.d_model, cfg.hidden_dim
     kv = max(cfg.kv_heads, tp) * cfg.head_dim  # kv/tp per rank: whole heads (tp > kv heads: one, replicated)
@@ -122,8 +122,7 @@ def activation_elems_per_token(cfg: ModelConfig, recompute: str = "none", tp: in
         column = d / seq if sp and sp_regather else d
         # as many kv heads as query heads on a rank: no repeat (MHA); else k and v are repeated (GQA)
         attn_in = (d + 2 * kv) + (d + kv) if kv == d else 3 * d
-        wo_in = d if cfg.n_heads // tp > 1 else 0  # one head's transpose back is a view, not a copy
-        return 2 * (2 * d + 1) / seq + 2 * column + (attn_in + d + cfg.n_heads + wo_in + 4 * f) / tp
+        return 2 * (d + 1) / seq + 2 * column + (attn_in + d + cfg.n_heads + 4 * f) / tp
     raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
 
 
@@ -132,7 +131,7 @@ def tp_forward_saved_bytes(cfg: ModelConfig, tokens: int, tp: int, sp: bool = Fa
     """Bytes one tensor-parallel rank (tp > 1) keeps for backward after one forward of the whole model
     (embedding, blocks, final norm, head; not the loss) over ``tokens`` tokens, without recompute: the
     blocks per ``activation_elems_per_token``; the vocabulary-parallel embedding's local ids (int64) and
-    its mask of the ids this rank holds (one element per token); the final norm (2D + 1, sequence-sharded
+    its mask of the ids this rank holds (one element per token); the final norm (D + 1, sequence-sharded
     with SP) and the head's input (as a column-parallel layer's); and each block's fused weights (the
     concatenated QKV and gate/up shards, a copy per forward). Exact for fp32, which the test measures."""
     d = cfg.d_model
@@ -140,7 +139,7 @@ def tp_forward_saved_bytes(cfg: ModelConfig, tokens: int, tp: int, sp: bool = Fa
     seq = tp if sp else 1
     blocks = activation_elems_per_token(cfg, "none", tp, sp, sp_regather) * tokens * cfg.n_layers
     column = d / seq if sp and sp_regather else d
-    outside = (1 + (2 * d + 1) / seq + column) * tokens
+    outside = (1 + (d + 1) / seq + column) * tokens
     fused = cfg.n_layers * (d + 2 * kv + 2 * cfg.hidden_dim) * d / tp
     return 8 * tokens + act_bytes * (blocks + outside + fused)
 
