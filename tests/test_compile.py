@@ -150,6 +150,29 @@ def test_compiled_loss_saves_the_bf16_logits_not_an_fp32_copy():
     torch.testing.assert_close(gb, ga, rtol=1e-5, atol=1e-7)
 
 
+def test_compiled_rmsnorm_gives_the_eager_gradients():
+    """RMSNorm's own autograd Function (model/layers._RMSNormFn, which keeps the input and one rsqrt per row)
+    under torch.compile: the output and both gradients of the eager Function, in fp32 (1e-6) and bf16 (u, as
+    inductor skips the intermediate roundings). torch 2.11 compiled an earlier form of it, whose output was a
+    no-op cast, to zero gradients."""
+    from meshtrain.model.layers import RMSNorm
+
+    torch.manual_seed(0)
+    for dtype, rtol in ((torch.float32, 1e-6), (torch.bfloat16, 2.0 ** -8)):
+        norm = RMSNorm(64)
+        norm.weight.data.uniform_(0.5, 1.5)
+        x0, g = torch.randn(4, 32, 64).to(dtype), torch.randn(4, 32, 64).to(dtype)
+        got = []
+        for module in (norm, torch.compile(norm)):
+            x = x0.clone().requires_grad_()
+            norm.weight.grad = None
+            y = module(x)
+            y.backward(g)
+            got.append((y.float(), x.grad.float(), norm.weight.grad.clone()))
+        for (a, b), what in zip(zip(*got, strict=True), ("output", "input gradient", "weight gradient"), strict=True):
+            assert b.norm() > 0 and (a - b).norm() <= rtol * a.norm(), (dtype, what, float((a - b).norm() / a.norm()))
+
+
 def _train_until(data: str, out: str, overrides: list[str], until: int | None) -> tuple[list[float], list[str]]:
     cfg = load_config("tiny", [f"data.path={data}", *BASE, "train.steps=6", "train.ckpt_every=3", *overrides])
     trainer = Trainer(cfg, out)

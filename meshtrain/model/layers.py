@@ -45,7 +45,10 @@ class _RMSNormFn(torch.autograd.Function):
         xf = x.float()
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
-        return (xf * rstd * weight.to(x.dtype).float()).to(x.dtype)
+        y = xf * rstd * weight.to(x.dtype).float()
+        # Cast only when it is one: torch 2.11's compile of a Function whose output is a no-op .to() of an
+        # intermediate returns zero gradients (seen with the GPU image's torch; tests/test_model.py holds it).
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
