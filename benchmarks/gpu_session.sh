@@ -16,7 +16,10 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu}
 PYTHON=${PYTHON:-python}
-mkdir -p "$OUT"
+if ! mkdir -p "$OUT" 2>/dev/null || [ ! -w "$OUT" ]; then
+    echo "gpu_session.sh: OUT=$OUT cannot be created or written; set OUT to a writable folder" >&2
+    exit 2
+fi
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 {
     git rev-parse --short HEAD 2>/dev/null || echo "commit unknown"

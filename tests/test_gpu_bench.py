@@ -54,6 +54,17 @@ def test_rows_need_one_of_ours_as_the_reference():
         assert out.returncode == 2 and says in out.stderr.strip().splitlines()[-1], out.stderr
 
 
+def test_the_gpu_session_script_refuses_an_out_it_cannot_write_in_one_line(tmp_path):
+    """$OUT that is a file (or cannot be made) stops the script before any run, with one line naming OUT."""
+    (tmp_path / "a_file").write_text("")
+    env = {**os.environ, "OUT": str(tmp_path / "a_file"), "PYTHON": sys.executable}
+    out = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "--dry-run-cpu"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and "OUT=" in lines[0] and "writable" in lines[0], out.stderr
+    assert (tmp_path / "a_file").read_text() == ""
+
+
 @pytest.mark.slow
 def test_the_gpu_session_script_runs_its_three_measurements(tmp_path):
     """benchmarks/gpu_session.sh, the next GPU session's one command, on the CPU dry run: its three runs (batch 8
