@@ -344,11 +344,9 @@ def _convert(argv: list[str]) -> int:
     from meshtrain.train.tokenizer import load_tokenizer
 
     max_bytes = _parse_size(args.max_shard_size)
-    from meshtrain.train.paths import unwritable_reason
+    from meshtrain.train.paths import check_out_parent
 
-    reason = unwritable_reason(Path(args.out).expanduser().parent, leave_nothing=True)
-    if reason:
-        raise ConfigError(f"--out {args.out} cannot be written ({reason}): choose another folder.")
+    check_out_parent(args.out)
     path, meta, cfg = _find_checkpoint(args.ckpt)
     tokenizer_json = path / "tokenizer.json"
     files = [tokenizer_json] if tokenizer_json.is_file() else []

@@ -9,6 +9,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from meshtrain.config import ConfigError
+
 
 def unwritable_reason(folder: Path, leave_nothing: bool = False) -> str | None:
     """Why ``folder`` cannot be made and written to (``None`` when it can); makes it when missing. With
@@ -38,3 +40,12 @@ def unwritable_reason(folder: Path, leave_nothing: bool = False) -> str | None:
             except OSError:
                 break
     return None
+
+
+def check_out_parent(out: str | Path) -> None:
+    """Before any work of a command that writes ``--out`` whole at its end (``convert``, ``prepare-data``): the
+    folder that will hold it can be made and written, probed without leaving anything behind; else one line
+    naming ``--out``."""
+    reason = unwritable_reason(Path(out).expanduser().parent, leave_nothing=True)
+    if reason:
+        raise ConfigError(f"--out {out} cannot be written ({reason}): choose another folder.")

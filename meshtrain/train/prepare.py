@@ -27,7 +27,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from meshtrain.config import ArgumentParser
-from meshtrain.train.paths import unwritable_reason
+from meshtrain.train.paths import check_out_parent, unwritable_reason
 from meshtrain.train.sources import (  # noqa: F401  (list_source_files: re-exported)
     DEFAULT_EXCLUDE_DIRS,
     DEFAULT_EXTENSIONS,
@@ -430,9 +430,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{meta['val_tokens']:,} val tokens in {out} (use --force to rebuild)"
             )
             return 0
-        reason = unwritable_reason(out.expanduser().parent, leave_nothing=True)  # before tokenizing, not after
-        if reason:
-            raise ValueError(f"--out {out} cannot be written ({reason}): choose another folder.")
+        check_out_parent(out)  # before tokenizing, not after
         meta = prepare_data(src, out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
                             extensions=tuple(args.ext) if args.ext else None, fmt=fmt, field=args.field,
                             overwrite=args.force, progress=None)
