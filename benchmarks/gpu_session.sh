@@ -6,11 +6,14 @@
 #   bash benchmarks/gpu_session.sh                      # on the GPU machine, from the repository root
 #   bash benchmarks/gpu_session.sh --dry-run-cpu ...    # the same three runs on a tiny CPU model: checks the script
 #
+# On an H200 (the plan below for >= 100 GiB):
 # 1. batch 8, all four rows, --profile 2: the ratios to HF (eager and compiled) and each row's kernel time by kind
 #    against its wall time (the idle gap read off directly); ~2.5 minutes on an H200.
 # 2. batch 16, then 3. batch 32, the compiled rows only (ours needs ~11.5 GiB more per 4 sequences: ~106 GiB alone at
 #    32, which an H200 has beside two rows' weights and AdamW state): AdamW and the clip are a fixed cost per step,
 #    so MFU rises with the tokens it is spread over. Each run has its own timeout so a slow one cannot take the rest.
+# On an H100 (80 GB) four rows do not fit at batch 8, so: the compiled pair at batch 8 with the profile (b8c), the
+# compiled pair at 16 (b16), the eager pair at 8 (b8e).
 # Extra arguments go to every run (after the run's own, so they win). $PYTHON (default python) runs them.
 set -u
 cd "$(dirname "$0")/.."
@@ -35,7 +38,22 @@ run() {  # name, seconds, gpu_single.py arguments...
     local rc=$?
     [ "$rc" -eq 0 ] || { echo "[gpu_session] $name exited $rc: see $OUT/$name.txt" >&2; status=1; }
 }
-run b8 230 --batch 8 --profile 2 "$@"
-run b16 190 --batch 16 --rows "ours compiled,HF compiled" "$@"
-run b32 170 --batch 32 --rows "ours compiled,HF compiled" "$@"
+# The plan follows the card's memory (nvidia-smi; GPU_MEM_GIB overrides it; none read, as on the CPU dry run, takes
+# the large plan). Every row stays resident so rounds can alternate, ~13 GiB each (fp32 weights, gradients, AdamW).
+mem=${GPU_MEM_GIB:-$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)}
+mem=${mem%%.*}
+[ -n "${GPU_MEM_GIB:-}" ] || mem=$(( ${mem:-0} / 1024 ))
+echo "[gpu_session] $mem GiB of GPU memory read" >&2
+if [ "$mem" -eq 0 ] || [ "$mem" -ge 100 ]; then  # an H200 (141 GiB): four rows at batch 8 fit
+    run b8 230 --batch 8 --profile 2 "$@"
+    run b16 190 --batch 16 --rows "ours compiled,HF compiled" "$@"
+    run b32 170 --batch 32 --rows "ours compiled,HF compiled" "$@"
+else  # an H100 (80 GB): ours eager at batch 8 (~47 GiB) and three other rows' ~39 do not fit, so pairs; the
+    # compiled pair first (MFU and the profile), then the largest batch ours compiled fits beside HF's state, then
+    # the eager pair. Expandable segments: batch 16 runs near the card's limit, where fragmentation decides.
+    export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+    run b8c 200 --batch 8 --profile 2 --rows "ours compiled,HF compiled" "$@"
+    run b16 200 --batch 16 --rows "ours compiled,HF compiled" "$@"
+    run b8e 150 --batch 8 --rows "ours eager,HF eager" "$@"
+fi
 exit $status

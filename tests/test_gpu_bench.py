@@ -66,24 +66,31 @@ def test_the_gpu_session_script_refuses_an_out_it_cannot_write_in_one_line(tmp_p
 
 
 @pytest.mark.slow
-def test_the_gpu_session_script_runs_its_three_measurements(tmp_path):
-    """benchmarks/gpu_session.sh, the next GPU session's one command, on the CPU dry run: its three runs (batch 8
-    with the profile, 16 and 32) each leave their output and JSON in $OUT, beside the machine's facts; the
-    extra arguments reach every run and win over the script's own (here --rows, as the dry run needs ours eager)."""
+@pytest.mark.parametrize("mem, runs", [
+    ("", (("b8", 8), ("b16", 16), ("b32", 32))),  # no GPU memory read: the H200 plan
+    ("80", (("b8c", 8), ("b16", 16), ("b8e", 8))),  # an H100's 80 GB: pairs of rows
+])
+def test_the_gpu_session_script_runs_its_three_measurements(tmp_path, mem, runs):
+    """benchmarks/gpu_session.sh, the next GPU session's one command, on the CPU dry run: its three runs (the H200
+    plan: batch 8 with the profile, 16 and 32; the H100 plan: the compiled pair at 8 with the profile, at 16, the
+    eager pair at 8) each leave their output and JSON in $OUT, beside the machine's facts; the extra arguments reach
+    every run and win over the script's own (here --rows, as the dry run needs ours eager)."""
     import json
 
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "",
+           "GPU_MEM_GIB": mem}
     out = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "--dry-run-cpu", "--steps", "1",
                           "--warmup", "1", "--rounds", "1", "--rows", "ours eager,HF eager"],
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "env.txt").read_text().strip()
-    for name, batch in (("b8", 8), ("b16", 16), ("b32", 32)):
+    for name, batch in runs:
         record = json.loads((tmp_path / f"{name}.json").read_text())
         assert record["args"]["batch"] == batch and record["args"]["rows"] == ["ours eager", "HF eager"], record["args"]
         assert record["rows"]["HF eager"]["losses"], name
         assert "same run:" in (tmp_path / f"{name}.txt").read_text()
-    assert "profile of ours eager" in (tmp_path / "b8.txt").read_text()
+    assert "profile of ours eager" in (tmp_path / f"{runs[0][0]}.txt").read_text()
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == sorted(f"{n}.json" for n, _ in runs)
 
 
 @pytest.mark.parametrize("name, key", [
