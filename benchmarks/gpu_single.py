@@ -73,6 +73,7 @@ class Row:
     losses: list[float] = field(default_factory=list)
     times: list[list[float]] = field(default_factory=list)  # per round, seconds per timed step
     peak: int = 0  # bytes, the row alone (see the module docstring)
+    kernels: list[tuple[str, float, int]] = field(default_factory=list)  # --profile: (name, ms, calls) per step
 
 
 def model_overrides(args: argparse.Namespace) -> list[str]:
@@ -347,8 +348,10 @@ def profile_row(row: Row, steps: range, device: torch.device, prefetch: Callable
     with profile(activities=acts) as prof:
         wall = sum(timed(row, s, device, prefetch) for s in steps)
     cuda = device.type == "cuda"
-    print(f"\nprofile of {row.name}: "
-          + summary(kernel_times(prof, cuda), len(steps), "device" if cuda else "CPU", wall))
+    times = kernel_times(prof, cuda)
+    n = len(steps)
+    row.kernels = sorted(((name, us / 1e3 / n, calls // n) for name, us, calls in times), key=lambda k: -k[1])
+    print(f"\nprofile of {row.name}: " + summary(times, n, "device" if cuda else "CPU", wall))
 
 
 def write_json(path: str, args: argparse.Namespace, rows: dict[str, Row]) -> None:
@@ -356,7 +359,8 @@ def write_json(path: str, args: argparse.Namespace, rows: dict[str, Row]) -> Non
 
     out = {"args": vars(args), "torch": torch.__version__,
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.dry_run_cpu else "cpu",
-           "rows": {n: {"losses": r.losses, "times": r.times, "peak": r.peak, "note": r.note} for n, r in rows.items()}}
+           "rows": {n: {"losses": r.losses, "times": r.times, "peak": r.peak, "note": r.note,
+                        "kernels_ms_per_step": r.kernels} for n, r in rows.items()}}
     tmp = f"{path}.tmp"  # renamed into place whole: never a half-written file at PATH
     with open(tmp, "w") as f:
         json.dump(out, f, indent=1)

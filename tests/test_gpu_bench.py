@@ -90,6 +90,8 @@ def test_the_gpu_session_script_runs_its_three_measurements(tmp_path, mem, runs)
         assert record["rows"]["HF eager"]["losses"], name
         assert "same run:" in (tmp_path / f"{name}.txt").read_text()
     assert "profile of ours eager" in (tmp_path / f"{runs[0][0]}.txt").read_text()
+    kernels = json.loads((tmp_path / f"{runs[0][0]}.json").read_text())["rows"]["ours eager"]["kernels_ms_per_step"]
+    assert kernels and all(ms > 0 for _, ms, _ in kernels)  # the whole table, not only the printed top
     assert sorted(p.name for p in tmp_path.glob("*.json")) == sorted(f"{n}.json" for n, _ in runs)
 
 
