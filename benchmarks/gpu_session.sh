@@ -25,7 +25,7 @@ if ! mkdir -p "$OUT" 2>/dev/null || [ ! -w "$OUT" ]; then
 fi
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 {
-    git rev-parse --short HEAD 2>/dev/null || echo "commit unknown"
+    git describe --always --dirty 2>/dev/null || echo "commit unknown"  # -dirty: the tree is not HEAD's
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,power.limit --format=csv 2>/dev/null
     "$PYTHON" -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, transformers.__version__)"
 } > "$OUT/env.txt" 2>&1
