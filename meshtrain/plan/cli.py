@@ -69,7 +69,9 @@ def build_problem(args: argparse.Namespace) -> Problem:
     if args.devices is not None:
         if args.devices < 1:
             raise ValueError(f"--devices must be >= 1, got {args.devices}.")
-        if args.devices % hw.devices_per_node:
+        if args.devices < hw.devices_per_node and not hw.mesh_axes:
+            hw = hw.part_of_node(args.devices)  # one GPU, say
+        elif args.devices % hw.devices_per_node:
             raise ValueError(f"--devices {args.devices} is not a whole number of {hw.devices_per_node}-device nodes.")
         nodes = args.devices // hw.devices_per_node
     else:
@@ -238,7 +240,8 @@ def main(argv: list[str]) -> int:
           f"{problem.nodes} x {problem.hw.devices_per_node} {problem.hw.name} = {problem.devices} devices")
     reduced = "bf16" if problem.precision.reduce == 2 else "fp32"
     speed = "measured step costs (--calibrate)" if problem.hw.measured_steps else \
-        f"matmuls at {problem.efficiency:.0%} of peak"
+        f"matmuls at {problem.efficiency:.0%} of peak" + (", other kernels as measured on an H100 (GPU_KERNELS)"
+                                                          if problem.hw.gpu_kernels else "")
     print(f"assumptions: {args.precision} precision (gradients reduced in {reduced}), {speed}, "
           f"{problem.memory_fraction:.0%} of device memory usable, mixed FSDP+TP revision {problem.revision}")
     print(f"{result.tried:,} layouts tried, {len(result.ranked):,} fit in "

@@ -18,6 +18,10 @@ The planner (``plan/steptime.py``) prices a layout's work with the same features
 term used there. The fit is ordinary least squares on relative error, constrained to non-negative coefficients (a
 negative per-FLOP cost would be no machine): every subset of the terms is fitted and the best whose coefficients
 are all positive is kept (5 terms: 31 subsets, no solver needed).
+
+``fit_gpu_kernels`` is the GPU's counterpart, from a kernel profile rather than whole steps: on a GPU the matmuls
+stay a datasheet roofline (they reach ~75% of peak), and what it fits is the rest (``hardware.GPU_KERNELS``),
+from ``benchmarks/gpu_single.py --profile`` runs (``benchmarks/gpu_kernels_fit.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshtrain.config import ModelConfig
-from meshtrain.plan.flops import layer_flops, param_count, stage_part_flops
+from meshtrain.plan.flops import attention_flops_per_token, layer_flops, param_count, stage_part_flops
 from meshtrain.plan.memory import activation_elems_per_token
 
 TERMS = ("flops", "elems", "scores", "blocks", "params", "steps")
@@ -168,3 +172,29 @@ def fit_axis_work(points: list[tuple[list[float], float]], allowed: tuple[int, .
                 for c, v in zip(cols, sol, strict=True):
                     best[c] = float(v)
     return best
+
+
+def fit_gpu_kernels(cfg: ModelConfig, seq_len: int, runs: list[tuple[int, dict[str, float]]], peak: float,
+                    hbm_bw: float, efficiency: float = 0.75) -> dict[str, float]:
+    """``hardware.GPU_KERNELS`` from profiled one-device steps of ``cfg`` at ``seq_len``: each run is (sequences
+    per step, ms per step by kernel kind as ``train/profiling.kind_of`` names them). Attention's time beyond its
+    FLOPs at ``efficiency`` x ``peak`` per causal score, in FLOPs at ``peak``; the element-wise kinds ("compiled",
+    "other") split by least squares into bytes at ``hbm_bw`` per kept activation element and per parameter (two
+    runs of different batch or more); the optimizer kind in bytes per parameter."""
+    n_params = float(param_count(cfg).total)
+    rows, elementwise, scores, excess, optim = [], [], [], [], []
+    for batch, kinds in runs:
+        tokens = batch * seq_len
+        blk, head = block_features(cfg, tokens, seq_len), head_features(cfg, tokens, seq_len)
+        attn_flops = 3.0 * tokens * attention_flops_per_token(cfg, seq_len)
+        scores.append(cfg.n_layers * blk["scores"])
+        excess.append(kinds.get("attention", 0.0) * 1e-3 - attn_flops / (peak * efficiency))
+        rows.append({"elems": cfg.n_layers * blk["elems"] + head["elems"], "params": n_params})
+        elementwise.append((kinds.get("compiled", 0.0) + kinds.get("other", 0.0)) * 1e-3)
+        optim.append(kinds.get("optimizer", 0.0) * 1e-3)
+    if len({r["elems"] for r in rows}) < 2:
+        raise ValueError("fit_gpu_kernels needs runs of at least two batch sizes (elements and parameters apart)")
+    (per_elem, per_param), _ = fit_nonnegative(rows, elementwise, ("elems", "params"))
+    per_score = float(np.dot(excess, scores) / np.dot(scores, scores))
+    return {"elem_bytes": per_elem * hbm_bw, "score_flops": per_score * peak, "cast_bytes": per_param * hbm_bw,
+            "optim_bytes": float(np.mean(optim)) / n_params * hbm_bw}

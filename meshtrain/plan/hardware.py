@@ -127,6 +127,15 @@ class Hardware:
     block_s: float = 0.0  # seconds per block forward + backward call (dispatch overhead)
     param_s: float = 0.0  # seconds per parameter of gradient clipping + the optimizer step
     step_s: float = 0.0  # fixed seconds per optimizer step
+    # A GPU step's work outside its matmuls (``GPU_KERNELS``, measured on an H100; 0 on the TPU presets, whose step
+    # is the book's roofline): HBM bytes per activation element a block keeps (``activation_elems_per_token``),
+    # forward + backward; attention's cost per causal score beyond its FLOPs at the matmul rate, in FLOPs at peak;
+    # HBM bytes per parameter per microbatch (autocast's weight cast, the gradient's cast back and its copy into the
+    # bucket) and per local parameter per step (the clip's norm and scale, fused AdamW).
+    elem_bytes: float = 0.0
+    score_flops: float = 0.0
+    cast_bytes: float = 0.0
+    optim_bytes: float = 0.0
     probe_s: float = 0.0  # seconds of calibrate.probe_speed's reference step when measured (drift check)
     # Measured collectives (``--calibrate``): each op's own latency per tree level and bandwidth {op: [s, B/s]}
     # (gloo's all-reduce, all-gather, reduce-scatter, all-to-all and send differ more than one pair describes),
@@ -147,6 +156,20 @@ class Hardware:
     def measured_steps(self) -> bool:
         """Whether the profile carries measured step costs (``--calibrate``) rather than a datasheet peak."""
         return any(x > 0 for x in (self.elem_s, self.block_s, self.param_s, self.step_s))
+
+    @property
+    def gpu_kernels(self) -> bool:
+        """Whether the datasheet roofline is completed by the measured GPU kernel costs (``GPU_KERNELS``)."""
+        return not self.measured_steps and self.elem_bytes > 0
+
+    def part_of_node(self, devices: int) -> Hardware:
+        """This profile for ``devices`` devices of one node (one GPU, say): a node of that many on the same fabric."""
+        from dataclasses import replace
+
+        if self.mesh_axes or not 1 <= devices <= self.devices_per_node:
+            raise ValueError(f"{self.name}: {devices} devices are not part of one switched-fabric node")
+        return replace(self, devices_per_node=devices, domain=min(self.domain, devices),
+                       tp_max=min(self.tp_max, devices))
 
     def oversubscription(self, devices: int) -> float:
         """How much slower each of ``devices`` processes runs when they share ``cores`` (1 for real devices)."""
@@ -176,29 +199,42 @@ class Hardware:
         return d
 
 
+# What a GPU step spends beyond its matmuls at --efficiency x peak: ``benchmarks/gpu_kernels_fit.py`` over
+# ``benchmarks/gpu_single.py --profile 2`` runs on one H100 (2026-11-26, tests/fixtures/h100_2026-11-26/; docs/
+# benchmarks.md "Figures: one NVIDIA H100"): the ~1B Llama, bf16, train.compile=true, batch 8 and 24, each kernel's
+# device time by kind, at the H100's datasheet 989 TFLOP/s and 3.35 TB/s (so the bytes include the kernels' shortfall
+# from the datasheet bandwidth). Element-wise (the norms, RoPE, SwiGLU, residual adds and the loss, fused by
+# torch.compile; eager moves ~3x more): 8.4 bytes per kept activation element. Attention (cuDNN's flash kernels,
+# head_dim 64): 1,800 FLOPs per causal score beyond its own FLOPs (softmax's exponentials: a cost per score, which
+# does not grow with head_dim). Per parameter: 25 bytes a microbatch (by hand 6 + 6 + 8 = 20 for the weight's cast,
+# the gradient's cast and its copy; the fit also takes in the step's fixed element-wise work) and 51 a step (by hand
+# 40: the clip reads 4 and rewrites 8, AdamW moves 28). Batch 16, not fitted, is the check (predicted 0.94 of the
+# measured step, whose host gaps the planner does not model).
+GPU_KERNELS = {"elem_bytes": 8.4, "score_flops": 1800.0, "cast_bytes": 25.0, "optim_bytes": 51.0}
+
 _BOOK_TPU = ("How to Scale Your Model (Austin et al., 2025), Part 2 'How to Think About TPUs', chip and ICI "
              "tables (seed 000 quotes the v5p figures)")
 
 HARDWARE: dict[str, Hardware] = {
     "h100": Hardware(
         "h100", "H100 SXM (HGX/DGX H100)", 989e12, 80e9, 3.35e12, intra_bw=450e9, inter_bw=50e9,
-        devices_per_node=8, domain=8,
+        devices_per_node=8, domain=8, **GPU_KERNELS,
         source="NVIDIA H100 Tensor Core GPU datasheet (SXM5: 989 TFLOP/s dense BF16, 80 GB HBM3, 3.35 TB/s, "
                "NVLink 900 GB/s bidirectional = 450 GB/s per direction); DGX H100 user guide (8 GPUs, "
                "8x ConnectX-7 400 Gb/s InfiniBand NDR, one per GPU = 50 GB/s)"),
     "h200": Hardware(
         "h200", "H200 SXM (HGX H200)", 989e12, 141e9, 4.8e12, intra_bw=450e9, inter_bw=50e9,
-        devices_per_node=8, domain=8,
+        devices_per_node=8, domain=8, **GPU_KERNELS,
         source="NVIDIA H200 Tensor Core GPU datasheet (SXM: 989 TFLOP/s dense BF16, 141 GB HBM3e, 4.8 TB/s, "
                "NVLink 900 GB/s bidirectional); HGX H200 with one 400 Gb/s NDR NIC per GPU"),
     "b200": Hardware(
         "b200", "B200 (HGX/DGX B200)", 2.25e15, 192e9, 8e12, intra_bw=900e9, inter_bw=50e9,
-        devices_per_node=8, domain=8,
+        devices_per_node=8, domain=8, **GPU_KERNELS,
         source="NVIDIA B200 / HGX B200 datasheet (2.25 PFLOP/s dense BF16 per GPU, 192 GB HBM3e, 8 TB/s, "
                "NVLink 5 1.8 TB/s bidirectional = 900 GB/s per direction); DGX B200: 8x ConnectX-7 400 Gb/s"),
     "a100": Hardware(
         "a100", "A100 SXM 80GB (DGX A100)", 312e12, 80e9, 2.039e12, intra_bw=300e9, inter_bw=25e9,
-        devices_per_node=8, domain=8,
+        devices_per_node=8, domain=8, **GPU_KERNELS,
         source="NVIDIA A100 datasheet (80GB SXM: 312 TFLOP/s dense BF16, 2,039 GB/s, NVLink 3 600 GB/s "
                "bidirectional = 300 GB/s per direction); DGX A100: 8x ConnectX-6 200 Gb/s HDR, one per GPU"),
     "tpu-v4p": Hardware(

@@ -11,6 +11,12 @@
   ZeRO-1/2's all-gather of updated parameters after the optimizer step is exposed (the runtime does it then);
 - the optimizer step reads and writes the local parameters, gradients and moments at HBM bandwidth.
 
+On the GPU presets (``hw.gpu_kernels``) the roofline is completed by what a GPU measurably spends beside its
+matmuls (``hardware.GPU_KERNELS``, from an H100's kernel profile): the element-wise kernels at HBM bandwidth in
+proportion to the activations a block keeps, attention's cost per score beyond its FLOPs, each weight's cast and
+gradient copy per microbatch, and the clip and AdamW per parameter. They add rather than overlap the matmuls:
+a GPU runs one kernel at a time within a step. The TPU presets keep the book's roofline.
+
 A calibrated profile (``meshtrain plan --calibrate``: ``hw.measured_steps``) replaces the roofline by the measured
 step costs of ``plan/costfit.py`` (matmul FLOPs at the measured rate, non-matmul elements, attention scores, block
 calls; parameters and a fixed cost for the optimizer step), divides each process's share of the machine when more
@@ -36,7 +42,14 @@ from meshtrain.plan.comm_bytes import (
 from meshtrain.plan.costfit import StepCosts, block_features, head_features
 from meshtrain.plan.flops import attention_flops_per_token, flops_per_token, layer_flops, param_count, stage_part_flops
 from meshtrain.plan.hardware import Hardware
-from meshtrain.plan.memory import activation_bytes, activation_elems_per_token, logits_bytes, state_bytes
+from meshtrain.plan.memory import (
+    MESHTRAIN_BF16,
+    Precision,
+    activation_bytes,
+    activation_elems_per_token,
+    logits_bytes,
+    state_bytes,
+)
 from meshtrain.plan.network import Link, collective_time, dp_axes, exposed, group_link
 from meshtrain.plan.pipeline_cost import pipeline_sim_fast, stage_partition
 from meshtrain.plan.problem import Collective, Estimate, Layout, Problem, StepTime
@@ -133,6 +146,25 @@ def axis_microbatch_time(hw: Hardware, lay: Layout, cfg: ModelConfig) -> float:
     return sum(_axis_terms(hw.axis_block_s[axis])[2] for axis in _axes_used(lay, cfg) if axis in hw.axis_block_s)
 
 
+def gpu_kernel_time(hw: Hardware, features: dict[str, float], params: float) -> float:
+    """Forward + backward seconds a GPU spends beside the matmuls on work of ``features`` (``block_features`` or
+    ``head_features``) whose weights hold ``params`` parameters: the element-wise kernels at HBM bandwidth, attention
+    beyond its FLOPs, and each weight's cast and gradient copy (``hardware.GPU_KERNELS``, measured on an H100)."""
+    return (features.get("elems", 0.0) * hw.elem_bytes / hw.hbm_bw
+            + features.get("scores", 0.0) * hw.score_flops / hw.bf16_flops + params * hw.cast_bytes / hw.hbm_bw)
+
+
+def gpu_optimizer_bytes(hw: Hardware, prec: Precision) -> float:
+    """HBM bytes per local parameter of the clip and the optimizer step on a GPU preset: ``hw.optim_bytes``,
+    measured with meshtrain's fp32 state, in proportion for another precision to what the kernels move by hand
+    (AdamW reads parameter, gradient and moments and writes parameter and moments; the clip reads the gradient
+    for its norm, then reads and writes it to scale it)."""
+    def by_hand(p: Precision) -> int:
+        return 2 * p.param + p.grad + 2 * p.optim + 3 * p.grad
+
+    return hw.optim_bytes * by_hand(prec) / by_hand(MESHTRAIN_BF16)
+
+
 def step_costs(hw: Hardware) -> StepCosts:
     """The measured step-cost terms a calibrated profile carries (``plan/costfit.py``)."""
     return StepCosts(hw.bf16_flops, hw.elem_s, hw.score_s, hw.block_s, hw.param_s, hw.step_s)
@@ -190,6 +222,13 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
         t_layer = costs.seconds(block_features(cfg, t, T, tp, lay.sp)) / 3
         t_head = costs.seconds(head_features(cfg, t, T, tp)) / 3
         redo_s = max(redo, 0.0) * t * costs.elem_s / 3
+    elif hw.gpu_kernels:  # the matmuls' roofline plus what a GPU measurably spends beside them
+        weights = block_params(cfg) / tp * prec.act / hw.hbm_bw  # a small microbatch's matmuls read their weights
+        t_layer = max(layer_compute_time(cfg, t, T, C, 0.0, tp, eff), weights) \
+            + gpu_kernel_time(hw, block_features(cfg, t, T, tp, lay.sp), block_params(cfg) / tp) / 3
+        t_head = t * head_flops / tp / (C * eff) \
+            + gpu_kernel_time(hw, head_features(cfg, t, T, tp), cfg.vocab_size * cfg.d_model / tp) / 3
+        redo_s = max(redo, 0.0) * t * hw.elem_bytes / hw.hbm_bw / 3  # the forward's share of the element work
     else:
         t_layer = layer_compute_time(cfg, t, T, C, hw.hbm_bw, tp, eff, prec.act, prec.act)
         t_head = t * head_flops / tp / (C * eff)
@@ -414,6 +453,8 @@ def evaluate(problem: Problem, layout: Layout, with_collectives: bool = False) -
     local = psi / (shard if lay.zero >= 1 else 1) + experts / (edp if lay.zero >= 1 else 1)
     if hw.measured_steps:  # measured: gradient clipping + AdamW per parameter, and the step's fixed cost
         step.optimizer = local * hw.param_s + hw.step_s
+    elif hw.gpu_kernels:
+        step.optimizer = local * gpu_optimizer_bytes(hw, prec) / hw.hbm_bw
     else:
         step.optimizer = local * (2 * prec.param + prec.grad + 2 * prec.optim) / hw.hbm_bw
     inflight = max(peaks) if lay.pp > 1 else 1  # (mb, stage chunk) pairs held at once, from the simulator

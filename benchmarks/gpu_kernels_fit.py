@@ -1,0 +1,94 @@
+"""Fit the planner's GPU kernel costs (``plan/hardware.GPU_KERNELS``) from ``gpu_single.py --profile N --json``
+runs of ours compiled, and check the planner's one-device step against each run's measured step.
+
+    python benchmarks/gpu_kernels_fit.py runs/gpu/b8c.json runs/gpu/b24.json [runs/gpu/b16.json ...]
+
+Every JSON with a profile of ours compiled is fitted (two batch sizes at least); every JSON is checked: the step the
+planner predicts with the fitted costs (``--hardware``, default the preset the device's name matches) against the
+median measured step (wall time: it includes the host's gaps, which the planner does not model). ``--json PATH``
+writes the fit and the checks. The matmuls stay the preset's roofline at ``--efficiency`` (default 0.75) of peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+
+from gpu_single import model_overrides  # benchmarks/, beside this script
+
+from meshtrain.config import load_config
+from meshtrain.plan.costfit import fit_gpu_kernels
+from meshtrain.plan.hardware import get_hardware
+from meshtrain.plan.problem import Layout, Problem
+from meshtrain.plan.steptime import evaluate
+from meshtrain.train.profiling import kind_of
+
+ROW = "ours compiled"
+
+
+def load_run(path: str) -> dict:
+    """One gpu_single.py JSON: batch, seq, the model, ours compiled's median step and its kinds (if profiled)."""
+    with open(path) as f:
+        data = json.load(f)
+    args, row = data["args"], data["rows"].get(ROW, {})
+    if not row.get("times"):
+        raise ValueError(f"{path}: no timed steps of {ROW} (run gpu_single.py with it in --rows)")
+    overrides = model_overrides(argparse.Namespace(**args))  # the model gpu_single.py built
+    kinds: dict[str, float] = {}
+    for name, ms, _ in row.get("kernels_ms_per_step", []):
+        kinds[kind_of(name)] = kinds.get(kind_of(name), 0.0) + ms
+    return {"path": path, "batch": args["batch"], "seq": args["seq"], "cfg": load_config(None, overrides).model,
+            "device": data.get("device", ""),
+            "step_ms": 1e3 * statistics.median(statistics.median(t) for t in row["times"]),  # times: s per step
+            "kinds": kinds}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", nargs="+", help="gpu_single.py --json files with ours compiled")
+    ap.add_argument("--hardware", help="planner preset (default: from the device's name)")
+    ap.add_argument("--efficiency", type=float, default=0.75, help="matmul fraction of peak (default 0.75)")
+    ap.add_argument("--json", metavar="PATH", help="write the fit and the checks here")
+    args = ap.parse_args(argv)
+    try:
+        runs = [load_run(p) for p in args.runs]
+    except (OSError, ValueError, KeyError) as e:
+        print(f"gpu_kernels_fit.py: {e}", file=sys.stderr)
+        return 2
+    key = args.hardware or next((k for k in ("h100", "h200", "b200", "a100") if k in runs[0]["device"].lower()), None)
+    if key is None:
+        print(f"gpu_kernels_fit.py: no preset matches the device {runs[0]['device']!r}: pass --hardware",
+              file=sys.stderr)
+        return 2
+    hw = get_hardware(key).part_of_node(1)
+    cfg, seq = runs[0]["cfg"], runs[0]["seq"]
+    profiled = [(r["batch"], r["kinds"]) for r in runs if r["kinds"]]
+    try:
+        fit = fit_gpu_kernels(cfg, seq, profiled, hw.bf16_flops, hw.hbm_bw, args.efficiency)
+    except ValueError as e:
+        print(f"gpu_kernels_fit.py: {e} (profiled: {', '.join(r['path'] for r in runs if r['kinds']) or 'none'})",
+              file=sys.stderr)
+        return 2
+    hw = dataclasses.replace(hw, **fit)
+    print(f"{hw.name}, fitted on batches {', '.join(str(b) for b, _ in profiled)} of ours compiled:")
+    print("GPU_KERNELS = {" + ", ".join(f'"{k}": {v:.4g}' for k, v in fit.items()) + "}")
+    print("\n| batch | measured step (ms) | predicted (ms) | predicted / measured | fitted on it |")
+    print("|---|---|---|---|---|")
+    checks = []
+    for r in runs:
+        problem = Problem(r["cfg"], r["seq"], r["batch"], hw, 1, efficiency=args.efficiency)
+        predicted = evaluate(problem, Layout(dp=1)).step_s * 1e3
+        checks.append({"path": r["path"], "batch": r["batch"], "measured_ms": r["step_ms"], "predicted_ms": predicted})
+        print(f"| {r['batch']} | {r['step_ms']:.1f} | {predicted:.1f} | {predicted / r['step_ms']:.3f} "
+              f"| {'yes' if r['kinds'] else 'no'} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"hardware": key, "fit": fit, "checks": checks}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
