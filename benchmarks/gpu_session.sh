@@ -13,7 +13,8 @@
 #    32, which an H200 has beside two rows' weights and AdamW state): AdamW and the clip are a fixed cost per step,
 #    so MFU rises with the tokens it is spread over. Each run has its own timeout so a slow one cannot take the rest.
 # On an H100 (80 GB) four rows do not fit at batch 8, so: the compiled pair at batch 8 with the profile (b8c), the
-# compiled pair at 16 (b16), the eager pair at 8 (b8e).
+# compiled pair at 16 (b16), the eager pair at 8 (b8e). Batch 16 is profiled too, so that the last step can fit
+# the planner's GPU kernel costs on two batches and check its predictions (fit.txt; docs/planner.md).
 # Extra arguments go to every run (after the run's own, so they win). $PYTHON (default python) runs them.
 set -u
 cd "$(dirname "$0")/.."
@@ -46,14 +47,26 @@ mem=${mem%%.*}
 echo "[gpu_session] $mem GiB of GPU memory read" >&2
 if [ "$mem" -eq 0 ] || [ "$mem" -ge 100 ]; then  # an H200 (141 GiB): four rows at batch 8 fit
     run b8 230 --batch 8 --profile 2 "$@"
-    run b16 190 --batch 16 --rows "ours compiled,HF compiled" "$@"
+    run b16 190 --batch 16 --profile 2 --rows "ours compiled,HF compiled" "$@"
     run b32 170 --batch 32 --rows "ours compiled,HF compiled" "$@"
+    fitted="b8 b16 b32"
 else  # an H100 (80 GB): ours eager at batch 8 (~47 GiB) and three other rows' ~39 do not fit, so pairs; the
     # compiled pair first (MFU and the profile), then the largest batch ours compiled fits beside HF's state, then
     # the eager pair. Expandable segments: batch 16 runs near the card's limit, where fragmentation decides.
     export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
     run b8c 200 --batch 8 --profile 2 --rows "ours compiled,HF compiled" "$@"
-    run b16 200 --batch 16 --rows "ours compiled,HF compiled" "$@"
+    run b16 200 --batch 16 --profile 2 --rows "ours compiled,HF compiled" "$@"
     run b8e 150 --batch 8 --rows "ours eager,HF eager" "$@"
+    fitted="b8c b16"
 fi
+# The planner's GPU kernel costs (plan/hardware.GPU_KERNELS) fitted on this card's two profiled batches, and its
+# one-device step against every compiled run's. The CPU dry run compiles nothing, so it has nothing to fit.
+case " $* " in
+    *" --dry-run-cpu "*) ;;
+    *)
+        files=$(for n in $fitted; do [ -f "$OUT/$n.json" ] && echo "$OUT/$n.json"; done)
+        # shellcheck disable=SC2086  # one argument per file
+        "$PYTHON" benchmarks/gpu_kernels_fit.py $files > "$OUT/fit.txt" 2>&1 \
+            || { echo "[gpu_session] the kernel fit failed: see $OUT/fit.txt" >&2; status=1; } ;;
+esac
 exit $status

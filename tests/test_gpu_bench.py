@@ -95,6 +95,32 @@ def test_the_gpu_session_script_runs_its_three_measurements(tmp_path, mem, runs)
     assert sorted(p.name for p in tmp_path.glob("*.json")) == sorted(f"{n}.json" for n, _ in runs)
 
 
+def test_the_gpu_session_fits_the_planner_on_its_runs(tmp_path):
+    """On a GPU the session ends by fitting the planner's kernel costs on its two profiled batches
+    (benchmarks/gpu_kernels_fit.py -> $OUT/fit.txt). Here a stand-in for Python answers gpu_single.py with the
+    H100's recorded runs (tests/fixtures/h100_2026-11-26: batch 8, and batch 24 for the session's profiled 16) and
+    runs everything else for real."""
+    fixtures = ROOT / "tests" / "fixtures" / "h100_2026-11-26"
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/usr/bin/env bash
+if [ "$1" = benchmarks/gpu_single.py ]; then  # --batch B ... --json PATH: a recorded run
+    while [ $# -gt 0 ]; do case $1 in --batch) b=$2;; --json) j=$2;; esac; shift; done
+    [ "$b" = 16 ] && b=24
+    cp {fixtures}/b$b.json "$j"; exit 0
+fi
+exec {sys.executable} "$@"
+""")
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": str(fake), "GPU_MEM_GIB": "80"}
+    run = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh")], capture_output=True, text=True,
+                         env=env, timeout=300)
+    fit = (out / "fit.txt").read_text()
+    assert run.returncode == 0, run.stderr + fit
+    assert "fitted on batches 8, 24 of ours compiled" in fit and "GPU_KERNELS = {" in fit
+    assert "| 8 | 185.1 |" in fit and "| 24 | 508.7 |" in fit
+
+
 @pytest.mark.parametrize("name, key", [
     ("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA H100 NVL", "H100 NVL"),
     ("NVIDIA H200", "H200 SXM"), ("NVIDIA H200 NVL", "H200 NVL"), ("NVIDIA A100-SXM4-80GB", "A100 SXM"),
