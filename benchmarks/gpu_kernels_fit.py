@@ -3,10 +3,11 @@ runs of ours compiled, and check the planner's one-device step against each run'
 
     python benchmarks/gpu_kernels_fit.py runs/gpu/b8c.json runs/gpu/b24.json [runs/gpu/b16.json ...]
 
-Every JSON with a profile of ours compiled is fitted (two batch sizes at least); every JSON is checked: the step the
-planner predicts with the fitted costs (``--hardware``, default the preset the device's name matches) against the
-median measured step (wall time: it includes the host's gaps, which the planner does not model). ``--json PATH``
-writes the fit and the checks. The matmuls stay the preset's roofline at ``--efficiency`` (default 0.75) of peak.
+Every JSON with a profile of ours compiled and the first JSON's model is fitted (two batch sizes at least); every
+JSON is checked, other shapes included: the step the planner predicts with the fitted costs and with the preset's
+own (``--hardware``, default the preset the device's name matches) against the median measured step (wall time: it
+includes the host's gaps, which the planner does not model). ``--json PATH`` writes the fit and the checks. The
+matmuls stay the preset's roofline at ``--efficiency`` (default 0.75) of peak.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import json
 import statistics
 import sys
 
-from gpu_single import model_overrides  # benchmarks/, beside this script
+from gpu_single import GPU_DEFAULTS, model_overrides  # benchmarks/, beside this script
 
 from meshtrain.config import load_config
 from meshtrain.plan.costfit import fit_gpu_kernels
@@ -36,7 +37,7 @@ def load_run(path: str) -> dict:
     args, row = data["args"], data["rows"].get(ROW, {})
     if not row.get("times"):
         raise ValueError(f"{path}: no timed steps of {ROW} (run gpu_single.py with it in --rows)")
-    overrides = model_overrides(argparse.Namespace(**args))  # the model gpu_single.py built
+    overrides = model_overrides(argparse.Namespace(**{**GPU_DEFAULTS, **args}))  # the model gpu_single.py built
     kinds: dict[str, float] = {}
     for name, ms, _ in row.get("kernels_ms_per_step", []):
         kinds[kind_of(name)] = kinds.get(kind_of(name), 0.0) + ms
@@ -64,8 +65,10 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     hw = get_hardware(key).part_of_node(1)
+    # Fitted: the profiled runs of the first run's model and sequence; runs of another shape are checks only.
     cfg, seq = runs[0]["cfg"], runs[0]["seq"]
-    profiled = [(r["batch"], r["kinds"]) for r in runs if r["kinds"]]
+    fits = [r for r in runs if r["kinds"] and r["cfg"] == cfg and r["seq"] == seq]
+    profiled = [(r["batch"], r["kinds"]) for r in fits]
     try:
         fit = fit_gpu_kernels(cfg, seq, profiled, hw.bf16_flops, hw.hbm_bw, args.efficiency)
     except ValueError as e:
@@ -75,17 +78,19 @@ def main(argv: list[str] | None = None) -> int:
     fitted = dataclasses.replace(hw, **fit)
     print(f"{hw.name}, fitted on batches {', '.join(str(b) for b, _ in profiled)} of ours compiled:")
     print("GPU_KERNELS = {" + ", ".join(f'"{k}": {v:.4g}' for k, v in fit.items()) + "}")
-    print("\n| batch | measured step (ms) | predicted with this fit (ms) | / measured | with the preset's "
+    print("\n| model | batch | measured step (ms) | predicted with this fit (ms) | / measured | with the preset's "
           "GPU_KERNELS (ms) | / measured | fitted on it |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     checks = []
     for r in runs:
         ms = [evaluate(Problem(r["cfg"], r["seq"], r["batch"], h, 1, efficiency=args.efficiency),
                        Layout(dp=1)).step_s * 1e3 for h in (fitted, hw)]
-        checks.append({"path": r["path"], "batch": r["batch"], "measured_ms": r["step_ms"], "predicted_ms": ms[0],
-                       "preset_ms": ms[1]})
-        print(f"| {r['batch']} | {r['step_ms']:.1f} | {ms[0]:.1f} | {ms[0] / r['step_ms']:.3f} | {ms[1]:.1f} "
-              f"| {ms[1] / r['step_ms']:.3f} | {'yes' if r['kinds'] else 'no'} |")
+        checks.append({"path": r["path"], "batch": r["batch"], "d_model": r["cfg"].d_model, "fitted": r in fits,
+                       "measured_ms": r["step_ms"], "predicted_ms": ms[0], "preset_ms": ms[1]})
+        m = r["cfg"]
+        print(f"| d{m.d_model} L{m.n_layers} h{m.n_heads}/{m.kv_heads} | {r['batch']} | {r['step_ms']:.1f} "
+              f"| {ms[0]:.1f} | {ms[0] / r['step_ms']:.3f} | {ms[1]:.1f} | {ms[1] / r['step_ms']:.3f} "
+              f"| {'yes' if r in fits else 'no'} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"hardware": key, "fit": fit, "checks": checks}, f, indent=1)

@@ -56,8 +56,10 @@ import torch
 
 NO_CUDA = ("gpu_single.py needs a CUDA device; none is visible (torch.cuda.is_available() is False): run it on a "
            "GPU machine, or pass --dry-run-cpu to check the script on a tiny model on CPU.")
-GPU_DEFAULTS = {"steps": 10, "warmup": 3, "rounds": 5, "batch": 4, "seq": 2048, "vocab": 32000}
-DRY_DEFAULTS = {"steps": 3, "warmup": 1, "rounds": 2, "batch": 2, "seq": 64, "vocab": 512}
+GPU_DEFAULTS = {"steps": 10, "warmup": 3, "rounds": 5, "batch": 4, "seq": 2048, "vocab": 32000, "d_model": 2048,
+                "layers": 16, "heads": 32, "kv_heads": 8}
+DRY_DEFAULTS = {"steps": 3, "warmup": 1, "rounds": 2, "batch": 2, "seq": 64, "vocab": 512, "d_model": 64, "layers": 2,
+                "heads": 4, "kv_heads": 2}
 ROWS = ("ours eager", "HF eager", "HF compiled", "ours compiled")  # round 0's order; odd rounds reverse it
 # Same-run tolerances (relative loss difference to the reference row, ours eager by default): (first step, every step).
 TOLERANCE = {"fp32": (1e-5, 1e-3), "bf16": (1e-3, 1e-3)}
@@ -77,12 +79,9 @@ class Row:
 
 
 def model_overrides(args: argparse.Namespace) -> list[str]:
-    """The model section: ~1B Llama on a GPU, a tiny one for the dry run."""
-    if args.dry_run_cpu:
-        shape = {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 32}
-    else:
-        shape = {"d_model": 2048, "n_layers": 16, "n_heads": 32, "n_kv_heads": 8, "multiple_of": 256}
-    shape.update(vocab_size=args.vocab, max_seq_len=args.seq)
+    """The model section: ~1B Llama on a GPU, a tiny one for the dry run (unless --d-model etc. say otherwise)."""
+    shape = {"d_model": args.d_model, "n_layers": args.layers, "n_heads": args.heads, "n_kv_heads": args.kv_heads,
+             "multiple_of": 32 if args.dry_run_cpu else 256, "vocab_size": args.vocab, "max_seq_len": args.seq}
     return [f"model.{k}={v}" for k, v in shape.items()]
 
 
@@ -201,6 +200,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, help="sequences per step (default 4; dry run 2)")
     ap.add_argument("--seq", type=int, help="tokens per sequence (default 2048; dry run 64)")
     ap.add_argument("--vocab", type=int, help="vocabulary (default 32000, Llama 2's; dry run 512)")
+    ap.add_argument("--d-model", type=int, help="model width (default 2048; dry run 64)")
+    ap.add_argument("--layers", type=int, help="blocks (default 16; dry run 2)")
+    ap.add_argument("--heads", type=int, help="query heads (default 32, head_dim 64; dry run 4)")
+    ap.add_argument("--kv-heads", type=int, help="key-value heads (default 8; dry run 2)")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"rows to run, comma-separated from {', '.join(ROWS)}")
     ap.add_argument("--dry-run-cpu", action="store_true",
                     help="tiny model (d_model 64, 2 layers) on CPU, fp32, no compile: checks the script")
@@ -214,10 +217,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.dtype = args.dtype or ("fp32" if args.dry_run_cpu else "bf16")
-    lows = {"steps": 1, "rounds": 1, "batch": 1, "seq": 2, "vocab": 2, "warmup": 0, "profile": 0}
+    lows = {"steps": 1, "rounds": 1, "batch": 1, "seq": 2, "vocab": 2, "warmup": 0, "profile": 0, "d_model": 8,
+            "layers": 1, "heads": 1, "kv_heads": 1}
     for flag, low in lows.items():
         if getattr(args, flag) < low:
-            ap.error(f"--{flag} {getattr(args, flag)}: must be at least {low}")
+            ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least {low}")
+    if args.d_model % args.heads or args.heads % args.kv_heads:
+        ap.error(f"--d-model {args.d_model}, --heads {args.heads}, --kv-heads {args.kv_heads}: the heads must divide "
+                 f"the width and the kv heads the heads")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         ap.error(f"--json {args.json}: its folder does not exist; create it or name a file in an existing folder")
     args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]

@@ -54,6 +54,22 @@ def test_rows_need_one_of_ours_as_the_reference():
         assert out.returncode == 2 and says in out.stderr.strip().splitlines()[-1], out.stderr
 
 
+def test_the_model_shape_flags_build_both_sides(tmp_path):
+    """--d-model, --layers, --heads and --kv-heads shape ours and HF's alike (the same run from the same weights),
+    and reach the JSON, whose args gpu_kernels_fit.py reads back; shapes that cannot be built are refused first."""
+    import json
+
+    out = _run("--dry-run-cpu", "--d-model", "128", "--layers", "3", "--heads", "4", "--kv-heads", "1", "--steps", "1",
+               "--rounds", "1", "--rows", "ours eager,HF eager", "--json", str(tmp_path / "r.json"))
+    assert out.returncode == 0, out.stderr
+    assert "(d_model 128, 3 layers, 4/1 heads" in out.stdout and "HF eager: first" in out.stdout
+    args = json.loads((tmp_path / "r.json").read_text())["args"]
+    assert (args["d_model"], args["layers"], args["heads"], args["kv_heads"]) == (128, 3, 4, 1)
+    for flags, says in ((["--heads", "3"], "the heads must divide the width"), (["--d-model", "0"], "--d-model 0")):
+        out = _run("--dry-run-cpu", *flags)
+        assert out.returncode == 2 and says in out.stderr.strip().splitlines()[-1], out.stderr
+
+
 def test_the_gpu_session_script_refuses_an_out_it_cannot_write_in_one_line(tmp_path):
     """$OUT that is a file (or cannot be made) stops the script before any run, with one line naming OUT."""
     (tmp_path / "a_file").write_text("")
@@ -68,13 +84,13 @@ def test_the_gpu_session_script_refuses_an_out_it_cannot_write_in_one_line(tmp_p
 @pytest.mark.slow
 @pytest.mark.parametrize("mem, runs", [
     ("", (("b8", 8), ("b16", 16), ("b32", 32))),  # no GPU memory read: the H200 plan
-    ("80", (("b8c", 8), ("b16", 16), ("b8e", 8))),  # an H100's 80 GB: pairs of rows
+    ("80", (("b8c", 8), ("b16", 16), ("w8", 8), ("b8e", 8))),  # an H100's 80 GB: pairs of rows, a wider model
 ])
-def test_the_gpu_session_script_runs_its_three_measurements(tmp_path, mem, runs):
-    """benchmarks/gpu_session.sh, the next GPU session's one command, on the CPU dry run: its three runs (the H200
-    plan: batch 8 with the profile, 16 and 32; the H100 plan: the compiled pair at 8 with the profile, at 16, the
-    eager pair at 8) each leave their output and JSON in $OUT, beside the machine's facts; the extra arguments reach
-    every run and win over the script's own (here --rows, as the dry run needs ours eager)."""
+def test_the_gpu_session_script_runs_its_measurements(tmp_path, mem, runs):
+    """benchmarks/gpu_session.sh, the next GPU session's one command, on the CPU dry run: its runs (the H200 plan:
+    batch 8 with the profile, 16 and 32; the H100 plan: the compiled pair at 8 with the profile, at 16, a wider
+    model's, the eager pair at 8) each leave their output and JSON in $OUT, beside the machine's facts; the extra
+    arguments reach every run and win over the script's own (here --rows, as the dry run needs ours eager)."""
     import json
 
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "",
@@ -93,20 +109,26 @@ def test_the_gpu_session_script_runs_its_three_measurements(tmp_path, mem, runs)
     kernels = json.loads((tmp_path / f"{runs[0][0]}.json").read_text())["rows"]["ours eager"]["kernels_ms_per_step"]
     assert kernels and all(ms > 0 for _, ms, _ in kernels)  # the whole table, not only the printed top
     assert sorted(p.name for p in tmp_path.glob("*.json")) == sorted(f"{n}.json" for n, _ in runs)
+    if mem:  # the wider model is another shape (the dry run's own: twice the width, one block)
+        args = json.loads((tmp_path / "w8.json").read_text())["args"]
+        assert (args["d_model"], args["layers"]) == (128, 1)
 
 
 def test_the_gpu_session_fits_the_planner_on_its_runs(tmp_path):
-    """On a GPU the session ends by fitting the planner's kernel costs on its two profiled batches
-    (benchmarks/gpu_kernels_fit.py -> $OUT/fit.txt). Here a stand-in for Python answers gpu_single.py with the
-    H100's recorded runs (tests/fixtures/h100_2026-11-26: batch 8, and batch 24 for the session's profiled 16) and
-    runs everything else for real."""
+    """On a GPU the session ends by fitting the planner's kernel costs on its two profiled batches and checking
+    every compiled run, the wider model's too (benchmarks/gpu_kernels_fit.py -> $OUT/fit.txt). Here a stand-in for
+    Python answers gpu_single.py with the H100's recorded runs (tests/fixtures/h100_2026-11-26: batch 8, and batch
+    24 for the session's profiled 16) and runs everything else for real."""
     fixtures = ROOT / "tests" / "fixtures" / "h100_2026-11-26"
     fake = tmp_path / "python"
     fake.write_text(f"""#!/usr/bin/env bash
 if [ "$1" = benchmarks/gpu_single.py ]; then  # --batch B ... --json PATH: a recorded run
-    while [ $# -gt 0 ]; do case $1 in --batch) b=$2;; --json) j=$2;; esac; shift; done
+    w=2048
+    while [ $# -gt 0 ]; do case $1 in --batch) b=$2;; --json) j=$2;; --d-model) w=$2;; esac; shift; done
     [ "$b" = 16 ] && b=24
-    cp {fixtures}/b$b.json "$j"; exit 0
+    # the wider model's run: batch 8's record relabelled with its shape (a check of the glue, not of the model)
+    exec {sys.executable} -c "import json; d = json.load(open('{fixtures}/b$b.json')); \\
+d['args'].update(d_model=$w, layers=16 if $w == 2048 else 8); json.dump(d, open('$j', 'w'))"
 fi
 exec {sys.executable} "$@"
 """)
@@ -118,7 +140,9 @@ exec {sys.executable} "$@"
     fit = (out / "fit.txt").read_text()
     assert run.returncode == 0, run.stderr + fit
     assert "fitted on batches 8, 24 of ours compiled" in fit and "GPU_KERNELS = {" in fit
-    assert "| 8 | 185.1 |" in fit and "| 24 | 508.7 |" in fit
+    assert "| d2048 L16 h32/8 | 8 | 185.1 |" in fit and "| d2048 L16 h32/8 | 24 | 508.7 |" in fit
+    wide = next(line for line in fit.splitlines() if line.startswith("| d4096 L8 h32/8 | 8 | 185.1 |"))
+    assert wide.endswith("| no |")  # another shape: checked, not fitted
 
 
 @pytest.mark.parametrize("name, key", [
