@@ -86,3 +86,31 @@ def test_plan_takes_part_of_a_node(capsys):
     assert "on 1 x 1 H100 SXM" in out and "other kernels as measured on an H100" in out
     assert main(["plan", "--model", "llama3-8b", "--hardware", "h100", "--devices", "12", "--batch-tokens", "1M"]) != 0
     assert "not a whole number of 8-device nodes" in capsys.readouterr().err
+
+
+def test_the_runtime_casts_each_weight_once_per_microbatch():
+    """What GPU_KERNELS' cast_bytes charges per microbatch, the runtime does: under bf16 autocast every forward casts
+    each fp32 weight to bf16 and every backward casts its gradient back, so a step of 4 accumulation microbatches
+    casts 4x what a step of one does. A runtime that casts once per step (bf16 working weights) must change the
+    planner with it: this test would fail first."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from meshtrain.train.trainer import Trainer
+
+    def weight_casts(accum: int) -> tuple[int, int]:
+        trainer = Trainer(load_config("tiny", ["data.source=synthetic", "train.progress=false", "train.device=cpu",
+                                               "train.tensorboard=false", "train.dtype=bf16",
+                                               f"train.grad_accum={accum}"]))
+        trainer.train_step(0)
+        shapes = {tuple(p.shape) for p in trainer.model.parameters() if p.dim() == 2}
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            trainer.train_step(1)
+        casts = Counter(tuple(e.input_shapes[0]) for e in prof.events()
+                        if e.name == "aten::_to_copy" and e.input_shapes and tuple(e.input_shapes[0]) in shapes)
+        return sum(casts.values()), len(casts)
+
+    (one, kinds_one), (four, kinds_four) = weight_casts(1), weight_casts(4)
+    assert one > 0 and kinds_one == kinds_four  # every matrix shape is cast, in both
+    assert four == 4 * one
