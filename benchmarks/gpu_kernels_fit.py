@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 
@@ -32,9 +33,12 @@ ROW = "ours compiled"
 
 def load_run(path: str) -> dict:
     """One gpu_single.py JSON: batch, seq, the model, ours compiled's median step and its kinds (if profiled)."""
-    with open(path) as f:
-        data = json.load(f)
-    args, row = data["args"], data["rows"].get(ROW, {})
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        args, row = data["args"], data["rows"].get(ROW, {})
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, AttributeError, TypeError):
+        raise ValueError(f"{path}: not a gpu_single.py --json file") from None
     if not row.get("times"):
         raise ValueError(f"{path}: no timed steps of {ROW} (run gpu_single.py with it in --rows)")
     overrides = model_overrides(argparse.Namespace(**{**GPU_DEFAULTS, **args}))  # the model gpu_single.py built
@@ -54,9 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--efficiency", type=float, default=0.75, help="matmul fraction of peak (default 0.75)")
     ap.add_argument("--json", metavar="PATH", help="write the fit and the checks here")
     args = ap.parse_args(argv)
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        ap.error(f"--json {args.json}: its folder does not exist; create it or name a file in an existing folder")
     try:
         runs = [load_run(p) for p in args.runs]
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError) as e:
         print(f"gpu_kernels_fit.py: {e}", file=sys.stderr)
         return 2
     key = args.hardware or next((k for k in ("h100", "h200", "b200", "a100") if k in runs[0]["device"].lower()), None)
@@ -64,7 +70,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_kernels_fit.py: no preset matches the device {runs[0]['device']!r}: pass --hardware",
               file=sys.stderr)
         return 2
-    hw = get_hardware(key).part_of_node(1)
+    try:
+        preset = get_hardware(key)
+    except ValueError as e:  # names the option and the choices
+        print(f"gpu_kernels_fit.py: {e}", file=sys.stderr)
+        return 2
+    if preset.mesh_axes or preset.measured_steps:
+        print(f"gpu_kernels_fit.py: --hardware {key}: the kernel costs are a GPU preset's; choose one of h100, "
+              f"h200, b200, a100", file=sys.stderr)
+        return 2
+    hw = preset.part_of_node(1)
     # Fitted: the profiled runs of the first run's model and sequence; runs of another shape are checks only.
     cfg, seq = runs[0]["cfg"], runs[0]["seq"]
     fits = [r for r in runs if r["kinds"] and r["cfg"] == cfg and r["seq"] == seq]

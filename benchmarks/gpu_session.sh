@@ -21,6 +21,11 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu}
 PYTHON=${PYTHON:-python}
+case ${GPU_MEM_GIB:-} in
+    *[!0-9]*)
+        echo "gpu_session.sh: GPU_MEM_GIB=$GPU_MEM_GIB is not a whole number of GiB; set it like GPU_MEM_GIB=80, or unset it to read the card" >&2
+        exit 2 ;;
+esac
 if ! mkdir -p "$OUT" 2>/dev/null || [ ! -w "$OUT" ]; then
     echo "gpu_session.sh: OUT=$OUT cannot be created or written; set OUT to a writable folder" >&2
     exit 2
@@ -44,10 +49,12 @@ run() {  # name, seconds, gpu_single.py arguments...
 # the large plan). Every row stays resident so rounds can alternate, ~13 GiB each (fp32 weights, gradients, AdamW).
 mem=${GPU_MEM_GIB:-$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)}
 mem=${mem%%.*}
+case $mem in *[!0-9]*) mem=0 ;; esac  # nothing a number read: the large plan, as with no GPU
 [ -n "${GPU_MEM_GIB:-}" ] || mem=$(( ${mem:-0} / 1024 ))
 echo "[gpu_session] $mem GiB of GPU memory read" >&2
-# A wider model of the same size (d_model 4096, 8 blocks, head_dim 128: 1.7B parameters, the planner predicts 56%
-# MFU at batch 8 on an H100) checks the planner on a shape it was not fitted on; the dry run's is tiny.
+# A wider model (d_model 4096, 8 blocks, head_dim 128: 1.7B parameters, as many activations per token as the ~1B;
+# the planner predicts 56% MFU at batch 8 on an H100) checks the planner on a shape it was not fitted on; the dry
+# run's is tiny.
 case " $* " in
     *" --dry-run-cpu "*) wide=(--d-model 128 --layers 1 --heads 4 --kv-heads 2) ;;
     *) wide=(--d-model 4096 --layers 8 --heads 32 --kv-heads 8) ;;

@@ -81,6 +81,16 @@ def test_the_gpu_session_script_refuses_an_out_it_cannot_write_in_one_line(tmp_p
     assert (tmp_path / "a_file").read_text() == ""
 
 
+def test_the_gpu_session_script_refuses_a_gpu_mem_that_is_no_number_in_one_line(tmp_path):
+    """GPU_MEM_GIB=8x stops the script before it makes $OUT or runs anything, with one line naming it."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, "GPU_MEM_GIB": "8x"}
+    out = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "--dry-run-cpu"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and "GPU_MEM_GIB=8x" in lines[0], out.stderr
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mem, runs", [
     ("", (("b8", 8), ("b16", 16), ("b32", 32))),  # no GPU memory read: the H200 plan

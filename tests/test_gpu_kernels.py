@@ -58,6 +58,21 @@ def test_one_fitted_batch_is_refused(tmp_path):
     assert run.returncode == 2 and len(lines) == 1 and "two batch sizes" in lines[0], run.stderr
 
 
+@pytest.mark.parametrize("args, says", [
+    (["b8.json", "b24.json", "--hardware", "h999"], "--hardware 'h999' is not known"),
+    (["b8.json", "b24.json", "--hardware", "tpu-v5p"], "--hardware tpu-v5p: the kernel costs are a GPU preset's"),
+    (["b8.json", "nope.json"], "nope.json"),
+    (["b8.json", "b24.json", "--json", "/nonexistent/fit.json"], "--json /nonexistent/fit.json"),
+])
+def test_the_fit_refuses_bad_input_in_one_line(args, says):
+    files = [str(H100_RUNS / a) if a.endswith(".json") and not a.startswith("/") else a for a in args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_kernels_fit.py"), *files],
+                         capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    last = run.stderr.strip().splitlines()[-1]
+    assert run.returncode == 2 and says in last and "Traceback" not in run.stderr, run.stderr
+
+
 def test_gpu_kernel_terms_add_to_the_matmul_roofline():
     """The step with the kernel costs minus the step without is every block's and the head's kernel time (forward
     + backward, each charged once) plus the clip and AdamW's bytes: nothing double-counted or left out."""

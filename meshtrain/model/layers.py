@@ -47,7 +47,7 @@ class _RMSNormFn(torch.autograd.Function):
         ctx.save_for_backward(x, weight, rstd)
         y = xf * rstd * weight.to(x.dtype).float()
         # Cast only when it is one: torch 2.11's compile of a Function whose output is a no-op .to() of an
-        # intermediate returns zero gradients (seen with the GPU image's torch; tests/test_model.py holds it).
+        # intermediate returns zero gradients (seen with the GPU image's torch; tests/test_compile.py holds it).
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     @staticmethod
