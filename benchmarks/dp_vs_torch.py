@@ -5,7 +5,8 @@
   RoPE tables; the same bucket size)
 - ours ZeRO-3 (per-block units, prefetch)     vs  torch FSDP2 ``fully_shard`` per block + root
 
-Both sides run the same step: forward, backward, global-norm clip at 1.0, AdamW. DDP and FSDP2 average
+Both sides run the same step: forward, backward, global-norm clip at 1.0, fused AdamW (ours divides by the clip in
+AdamW's kernel, as the trainer does; torch's side runs ``clip_grad_norm_`` as its users do). DDP and FSDP2 average
 gradients over the ranks while our loss is already divided by the global token count (we sum), so torch's
 loss is scaled by the world size: both then apply the same gradients, and the script asserts that both
 computed the same run (first loss within 1e-5, the whole trajectory within 1e-3 relative). Rounds
@@ -35,10 +36,10 @@ from meshtrain import comm
 from meshtrain.config import ModelConfig, ParallelConfig, TrainConfig
 from meshtrain.mesh import Mesh
 from meshtrain.model.llama import build_model, cross_entropy_sum
-from meshtrain.parallel.grad_sync import clip_grads, grad_norm_squared
+from meshtrain.parallel.grad_sync import grad_norm_squared
 from meshtrain.parallel.parallelize import data_parallel, shard_rows
 from meshtrain.train.data import SyntheticDataset
-from meshtrain.train.optim import build_adamw, model_params
+from meshtrain.train.optim import build_adamw, clip_divisor, model_params, non_finite, optimizer_step
 
 
 def batches_for(args, rank, world, device):
@@ -91,12 +92,12 @@ def _ours(args, zero, rank, world, trace_dir):
         handles = list(sync.handles)
         sync.finish_grads()
         handles = handles + [h for h in sync.handles if h not in handles]
-        grads = sync.grads()
-        norm_sq = float(grad_norm_squared(grads))
+        # As the trainer: the norm stays on the device, the fused AdamW divides by the clip in its kernel.
+        norm_sq = grad_norm_squared(sync.grads())
         if sync.norm_group is not None:
-            norm_sq = comm.all_reduce_scalars([norm_sq], sync.norm_group)[0]
-        clip_grads(grads, 1.0, torch.tensor(norm_sq, device=device).sqrt())
-        opt.step()
+            comm.all_reduce_metrics(norm_sq, sync.norm_group)
+        norm = norm_sq.sqrt()
+        optimizer_step(opt, clip_divisor(norm, 1.0), non_finite(loss.detach(), norm))
         sync.after_step()
         sync.zero_grad()
         return float(loss.detach()), _overlap_share(handles, b0, b1)

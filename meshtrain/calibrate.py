@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from meshtrain import comm
-from meshtrain.config import ModelConfig
+from meshtrain.config import ModelConfig, TrainConfig
 from meshtrain.mesh import Mesh
 from meshtrain.model.llama import build_model, cross_entropy_sum
 from meshtrain.plan.costfit import (
@@ -49,6 +49,7 @@ from meshtrain.plan.costfit import (
 from meshtrain.plan.hardware import Hardware, hardware_cache_dir, save_profile
 from meshtrain.plan.network import wire_factor
 from meshtrain.testing.spawn import spawn
+from meshtrain.train.optim import build_adamw, clip_divisor, model_params, non_finite, optimizer_step
 
 # (d_model, n_layers, n_heads, batch, seq_len): FLOPs (d^2 x tokens), elements (d x tokens), blocks and
 # parameters (d^2 x layers, not tokens) vary independently across them.
@@ -67,7 +68,8 @@ def _time_steps(model_spec: tuple[int, int, int, int, int], reps: int) -> float:
     cfg = ModelConfig(d_model=d, n_layers=layers, n_heads=heads, n_kv_heads=max(1, heads // 2), vocab_size=257,
                       max_seq_len=seq)
     model = build_model(cfg, 0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    opt = build_adamw(model_params(model), TrainConfig(lr=1e-4))  # the trainer's optimizer and step (below)
+    params = list(model.parameters())
     gen = torch.Generator().manual_seed(0)
     times = []
     for _ in range(reps + 1):  # the first is a warm-up
@@ -77,8 +79,8 @@ def _time_steps(model_spec: tuple[int, int, int, int, int], reps: int) -> float:
             logits = model(tokens[:, :-1])
         loss = cross_entropy_sum(logits, tokens[:, 1:]) / (batch * seq)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-        opt.step()
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))
+        optimizer_step(opt, clip_divisor(norm, 1.0), non_finite(loss.detach(), norm))
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
     return min(times[1:])  # the least disturbed: the machine may be shared

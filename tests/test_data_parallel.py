@@ -307,7 +307,8 @@ def test_dp_buckets_are_rebuilt_in_the_order_gradients_arrive():
 
 def _bucket_writes(trainer: Trainer) -> dict[str, int]:
     """Bytes each aten op writes into the gradient buckets during one training step (in-place ops on a bucket's
-    storage; ``_foreach_*_`` ops count every listed tensor that lives there)."""
+    storage; ``_foreach_*_`` ops count every listed tensor that lives there; the fused optimizer, which updates
+    several lists in place, counts every listed tensor of every list)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     storages = {b.buffer.untyped_storage().data_ptr() for b in trainer.parallel.sync.buckets}
@@ -317,7 +318,9 @@ def _bucket_writes(trainer: Trainer) -> dict[str, int]:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func.overloadpacket.__name__
             if name.endswith("_") and args:
-                for t in args[0] if isinstance(args[0], (list, tuple)) else [args[0]]:
+                lists = [a for a in args if isinstance(a, (list, tuple))] if name.startswith("_fused_") else \
+                    [args[0] if isinstance(args[0], (list, tuple)) else [args[0]]]
+                for t in (t for one in lists for t in one):
                     if torch.is_tensor(t) and t.untyped_storage().data_ptr() in storages:
                         written[name] = written.get(name, 0) + t.numel() * t.element_size()
             return func(*args, **(kwargs or {}))
@@ -332,11 +335,13 @@ def _bucket_writes(trainer: Trainer) -> dict[str, int]:
 def test_one_rank_writes_each_gradient_once_per_microbatch(accum):
     """On one rank (dp = 1, e.g. tp/pp layouts or one GPU) a step's fresh gradients are copied into their buckets
     once, not added into a bucket zeroed for them (a fill plus an add: twice the bytes); later microbatches add in
-    place; the clip's scale (``_foreach_mul_``) is the only other write."""
+    place. The clip is no pass of its own: the fused AdamW divides each gradient by it as it reads it, and writes
+    the clipped gradient back in that same pass (``_fused_adamw_``: the only other write)."""
     trainer = Trainer(load_config("tiny", ["data.source=synthetic", "train.progress=false", "train.device=cpu",
                                            "train.tensorboard=false", f"train.grad_accum={accum}"]))
+    assert trainer.cfg.train.grad_clip > 0
     grad_bytes = sum(b.buffer.numel() * 4 for b in trainer.parallel.sync.buckets)
-    want = {"copy_": grad_bytes, "_foreach_mul_": grad_bytes}
+    want = {"copy_": grad_bytes, "_fused_adamw_": grad_bytes}
     if accum > 1:
         want["add_"] = (accum - 1) * grad_bytes
     assert _bucket_writes(trainer) == want

@@ -141,7 +141,7 @@ def test_build_muon_splits_parameters() -> None:
     assert all(n.endswith("norm.weight") or n == "tok_embeddings.weight" for n in by_kind["adamw"])
     assert not by_kind["muon"] & by_kind["adamw"]
     assert len(by_kind["muon"]) + len(by_kind["adamw"]) == len(list(model.parameters()))
-    assert opt.defaults.get("fused") is False
+    assert opt.defaults.get("fused") is True  # the AdamW kernel that takes the clip and the skip (CPU has one too)
 
 
 def test_build_muon_rejects_flat_pieces() -> None:
@@ -240,3 +240,41 @@ def test_checkpoint_round_trip(tmp_path) -> None:
     _train_step(model, opt, cfg, 2)
     _train_step(restored, restored_opt, cfg, 2)
     assert _params_equal(model, restored)
+
+
+def test_the_clip_and_the_skip_are_applied_inside_the_step() -> None:
+    """``optimizer_step``: a divisor d gives exactly the step on gradients / d (both kinds of group), and a
+    non-finite flag changes nothing, parameters, moments and step counters included, though the gradients hold
+    NaN (AdamW's fused kernel skips on the device; Muon reads the flag)."""
+    from meshtrain.train.optim import optimizer_step
+
+    def make():
+        model = build_model(ModelConfig(**{**TINY.__dict__, "tie_embeddings": True}), seed=0)
+        cfg = TrainConfig(optimizer="muon", lr=1e-3, muon_lr=0.02, weight_decay=0.1)
+        return model, build_optimizer(model_params(model), cfg)
+
+    torch.manual_seed(0)
+    grads = [torch.randn_like(p) for p in make()[0].parameters()]
+    a, opt_a = make()
+    b, opt_b = make()
+    for _ in range(3):
+        for p, g in zip(a.parameters(), grads, strict=True):
+            p.grad = g / 2.5
+        opt_a.step()
+        for p, g in zip(b.parameters(), grads, strict=True):
+            p.grad = g.clone()
+        optimizer_step(opt_b, torch.tensor(2.5), torch.tensor(0.0))
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(pb, pa, rtol=1e-6, atol=1e-7)
+    assert not hasattr(opt_b, "grad_scale") and not hasattr(opt_b, "found_inf")
+
+    before = {n: p.detach().clone() for n, p in b.named_parameters()}
+    state = {id(p): {k: v.clone() for k, v in opt_b.state[p].items()} for p in b.parameters()}
+    for p in b.parameters():
+        p.grad = torch.full_like(p, float("nan"))
+    optimizer_step(opt_b, torch.tensor(float("nan")), torch.tensor(1.0))
+    for n, p in b.named_parameters():
+        assert torch.equal(p, before[n]), n
+        for k, v in opt_b.state[p].items():
+            assert torch.equal(v, state[id(p)][k]), (n, k)
+    assert opt_b.state[next(b.parameters())]["step"].item() == 3

@@ -222,8 +222,8 @@ def _scalar_reads(rank: int, world: int, overrides: list[str]) -> list[str]:
     class Reads(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             stack = traceback.extract_stack()
-            # torch's CPU AdamW reads its step counters, host tensors there; fused AdamW on CUDA keeps them on
-            # the device and reads nothing.
+            # torch.optim's own reads are torch's (a foreach AdamW reads its host step counters); the fused AdamW
+            # the trainer builds reads nothing.
             if func is torch.ops.aten._local_scalar_dense.default and \
                     not any(f"{os.sep}torch{os.sep}optim{os.sep}" in f.filename for f in stack):
                 ours = [f for f in stack if f"{os.sep}meshtrain{os.sep}" in f.filename]

@@ -3,7 +3,7 @@ experts' sync beside them), so ``Parallel`` drives any of them the same way.
 
 A member owns the gradients' communication over its group and the pieces the optimizer updates; it
 also knows where those pieces are sharded, so it adds its own part of the global gradient norm
-(``grad_norm_sq``): tensor and pipeline parallelism add theirs in ``Parallel.clip_grads``.
+(``grad_norm_sq``): tensor and pipeline parallelism add theirs in ``Parallel.grad_norm``.
 """
 
 from __future__ import annotations
@@ -127,12 +127,3 @@ def grad_norm_squared(grads: list[torch.Tensor]) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float32)
     norms = torch._foreach_norm([g.float() for g in grads], 2.0)
     return torch.stack(norms).pow(2).sum()
-
-
-@torch.no_grad()
-def clip_grads(grads: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
-    """Scale gradients so their global norm is at most ``max_norm`` (0: no clipping)."""
-    if max_norm <= 0 or not grads:
-        return
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    torch._foreach_mul_(grads, coef.to(grads[0].device))

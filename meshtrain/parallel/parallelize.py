@@ -23,8 +23,8 @@ The transformations run in one fixed order, each on what the previous one left:
 
 ``Parallel`` then owns, for the trainer: sharding the global batch (``shard_batch``), the micro-steps
 (``forward_backward``: a pipeline schedule, or plain accumulation as its degenerate case) with the loss
-reduced to the global mean, the gradient sync (``sync_grads``), the global gradient norm and clipping
-(``clip_grads``), what follows the optimizer step (``after_optimizer_step``), evaluation, and the logical
+reduced to the global mean, the gradient sync (``sync_grads``), the global gradient norm (``grad_norm``, which
+the optimizer's step clips by), what follows the optimizer step (``after_optimizer_step``), evaluation, and the logical
 state (``local_state`` / ``load_state``, as boxes of the logical tensors: ``state.py``). The trainer's
 step therefore has no branch on which axis is on.
 """
@@ -48,7 +48,7 @@ from meshtrain.parallel.cross_entropy import lean_cross_entropy
 from meshtrain.parallel.data import DataParallel, WithExperts
 from meshtrain.parallel.expert import ExpertParallel, apply_expert_parallel
 from meshtrain.parallel.fsdp import FullyShardedDataParallel
-from meshtrain.parallel.grad_sync import GradSync, clip_grads
+from meshtrain.parallel.grad_sync import GradSync
 from meshtrain.parallel.microsteps import Accumulation, ForwardLoss
 from meshtrain.parallel.pieces import OptimParam, Placements
 from meshtrain.parallel.pipeline.engine import PipelineEngine, split
@@ -183,16 +183,14 @@ class Parallel:
             self.tp.sync_replicated_grads([op.tensor.grad for op in held if op.tp is None])
             self.tp.sync_shared_kv_grads([op.tensor.grad for op in held if op.tp is not None])
 
-    def clip_grads(self, max_norm: float) -> torch.Tensor:
-        """The global gradient norm (every logical entry once, whatever holds it); gradients scaled so it is
-        at most ``max_norm`` (0: no clipping). Returns the norm before clipping, an fp32 scalar on the device
-        (not read here, as ``forward_backward``'s loss)."""
+    def grad_norm(self) -> torch.Tensor:
+        """The global gradient norm (every logical entry once, whatever holds it), an fp32 scalar on the device
+        (not read here, as ``forward_backward``'s loss). The optimizer's step divides by it to clip
+        (``train.optim.optimizer_step``): the gradients are not rewritten for that."""
         norm_sq = self.sync.grad_norm_sq(self.device)
         for axis in ("tp", "pp"):  # different slices (tp) and different layers (pp) add
             comm.all_reduce_metrics(norm_sq, self.mesh.group(axis))
-        norm = norm_sq.float().sqrt()
-        clip_grads(self.sync.grads(), max_norm, norm)
-        return norm
+        return norm_sq.float().sqrt()
 
     def skip_step(self) -> None:
         """Drop a step's gradients (and MoE routing counts) instead of applying them: nothing changes."""

@@ -74,13 +74,17 @@ def _group_params(group: dict[str, Any]) -> list[Tensor]:
 
 
 @torch.no_grad()
-def _muon_group_step(group: dict[str, Any], state: dict[Tensor, dict[str, Any]]) -> None:
-    """One Muon update of every parameter with a gradient in ``group``."""
+def _muon_group_step(group: dict[str, Any], state: dict[Tensor, dict[str, Any]], grad_scale: Tensor | None = None,
+                     found_inf: Tensor | None = None) -> None:
+    """One Muon update of every parameter with a gradient in ``group``, each gradient divided by ``grad_scale``;
+    none where ``found_inf`` is 1 (read on the host: the per-matrix Newton-Schulz loop is driven from there)."""
+    if found_inf is not None and bool(found_inf):
+        return
     lr, momentum, wd = group["lr"], group["momentum"], group["weight_decay"]
     for p in group["params"]:
         if p.grad is None:
             continue
-        grad = p.grad
+        grad = p.grad if grad_scale is None else p.grad / grad_scale
         st = state[p]
         if "momentum_buffer" not in st:
             st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -102,9 +106,14 @@ class HybridOptimizer(torch.optim.Optimizer):
 
     Each group has ``kind`` ``"muon"`` or ``"adamw"`` (default ``"adamw"``) and may override any
     hyper-parameter (``lr``, ``weight_decay``, ...). AdamW groups run torch's own AdamW kernels
-    (fused on CUDA, foreach elsewhere), so they match ``torch.optim.AdamW`` exactly and keep its
+    (fused, or foreach with ``fused=False``), so they match ``torch.optim.AdamW`` exactly and keep its
     state (``step``, ``exp_avg``, ``exp_avg_sq``); Muon groups keep ``momentum_buffer``.
+
+    Like ``torch.optim.AdamW`` it takes the clip and the non-finite skip as ``grad_scale`` and ``found_inf``
+    (``train.optim.optimizer_step``); the fused AdamW groups apply them on the device.
     """
+
+    _step_supports_amp_scaling = True
 
     def __init__(self, params: Iterable[dict[str, Any]], lr: float = 3e-3, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, weight_decay: float = 0.0, momentum: float = 0.95, nesterov: bool = True,
@@ -134,17 +143,21 @@ class HybridOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         for group in self.param_groups:
             if group["kind"] == "muon":
-                _muon_group_step(group, self.state)
+                _muon_group_step(group, self.state, grad_scale, found_inf)
             else:
-                self._adamw_group_step(group)
+                self._adamw_group_step(group, grad_scale, found_inf)
         return loss
 
-    def _adamw_group_step(self, group: dict[str, Any]) -> None:
+    def _adamw_group_step(self, group: dict[str, Any], grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
         """Torch's functional AdamW on one group, with state laid out as ``torch.optim.AdamW`` does."""
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
         fused = bool(group["fused"])
+        if not fused and (grad_scale is not None or found_inf is not None):
+            raise ValueError("HybridOptimizer: grad_scale and found_inf need fused=True (torch's foreach AdamW "
+                             "takes neither)")
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -165,7 +178,7 @@ class HybridOptimizer(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         adamw_functional(
             params, grads, exp_avgs, exp_avg_sqs, [], steps,
-            foreach=group["foreach"] and not fused, fused=fused,
+            foreach=group["foreach"] and not fused, fused=fused, grad_scale=grad_scale, found_inf=found_inf,
             amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
             eps=group["eps"], maximize=False,
         )
@@ -223,6 +236,5 @@ def build_muon(params: list[OptimParam], cfg: TrainConfig) -> torch.optim.Optimi
     groups = [g for g in groups if g["params"]]
     if not groups:
         raise ValueError("build_muon: no parameters to optimise")
-    on_cuda = params[0].tensor.is_cuda
     return HybridOptimizer(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                           weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, fused=on_cuda)
+                           weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, fused=True)

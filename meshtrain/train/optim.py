@@ -26,12 +26,40 @@ def adamw_groups(params: list[OptimParam], weight_decay: float) -> list[dict]:
 
 
 def build_adamw(params: list[OptimParam], cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW over fp32 tensors; fused on CUDA, foreach (multi-tensor) elsewhere."""
-    on_cuda = params[0].tensor.is_cuda
+    """AdamW over fp32 tensors with torch's fused kernel (CUDA and CPU have one): one pass over each tensor, and
+    the only AdamW that applies the clip and the non-finite skip on the device (``optimizer_step``)."""
     return torch.optim.AdamW(
-        adamw_groups(params, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-        fused=on_cuda, foreach=not on_cuda,
+        adamw_groups(params, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True,
     )
+
+
+def clip_divisor(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
+    """What the gradients are divided by so their global ``norm`` is at most ``max_norm``: ``norm / max_norm``
+    where that exceeds 1, else 1 (None: no clipping, ``max_norm`` 0). A device scalar, never read on the host."""
+    if max_norm <= 0:
+        return None
+    return torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0)
+
+
+def non_finite(*values: torch.Tensor) -> torch.Tensor:
+    """1.0 where any of the device scalars ``values`` is NaN or infinite, else 0.0 (``optimizer_step``'s flag)."""
+    return (~torch.isfinite(torch.stack([v.float() for v in values])).all()).float()
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, divisor: torch.Tensor | None, found_inf: torch.Tensor) -> None:
+    """One optimizer step on the gradients divided by ``divisor`` (the clip), changing nothing (parameters,
+    moments, step counters) where ``found_inf`` is 1: both decided on the device, in the fused kernel, so the
+    host queues the step without reading anything and the gradients are read once, by the optimizer.
+
+    This is torch's own protocol for AMP's loss scaling (``GradScaler`` sets the same two attributes on an
+    optimizer that declares ``_step_supports_amp_scaling`` and removes them after the step)."""
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        raise TypeError(f"{type(optimizer).__name__} cannot apply the clip and the non-finite skip in its step")
+    optimizer.grad_scale, optimizer.found_inf = divisor, found_inf
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale, optimizer.found_inf
 
 
 def build_optimizer(params: list[OptimParam], cfg: TrainConfig) -> torch.optim.Optimizer:

@@ -36,7 +36,7 @@ from meshtrain.plan.validate import validate_layout
 from meshtrain.train.checkpoint import Checkpointer, CheckpointError, CheckpointReader, latest_checkpoint, restore_rng
 from meshtrain.train.data import SyntheticDataset, TokenDataset, read_meta, to_device
 from meshtrain.train.metrics import MetricsLogger, import_wandb, peak_memory_bytes
-from meshtrain.train.optim import build_optimizer, set_lr
+from meshtrain.train.optim import build_optimizer, clip_divisor, non_finite, optimizer_step, set_lr
 from meshtrain.train.paths import unwritable_reason
 from meshtrain.train.prepare import ensure_prepared
 from meshtrain.train.profiling import StepProfiler
@@ -354,16 +354,18 @@ class Trainer:
         self.parallel.sync_grads()
         if self.grad_hook is not None:
             self.grad_hook(step, self)
-        norm = self.parallel.clip_grads(t.grad_clip)
+        norm = self.parallel.grad_norm()
         lr = set_lr(self.optimizer, step, t)
-        # The step's one host read: until here the host only queued work, so a GPU never waited for it.
+        self.checkpointer.wait_for_reads()  # an async save may still be reading what the step changes
+        # The clip and the non-finite skip are decided on the device, inside the optimizer's kernel: nothing
+        # non-finite reaches the weights or the optimizer state, and the host reads nothing before queueing it.
+        optimizer_step(self.optimizer, clip_divisor(norm, t.grad_clip), non_finite(loss, norm))
+        # The step's one host read, with the whole step queued, so a GPU never waits for the host.
         # Loss and norm are global (reduced over every rank), so every rank takes the same branch.
         loss, norm = torch.stack([loss.double(), norm.double()]).tolist()
         if not (math.isfinite(loss) and math.isfinite(norm)):
-            self.parallel.skip_step()  # nothing non-finite reaches the weights or the optimizer state
+            self.parallel.skip_step()  # the optimizer changed nothing; drop the gradients (and MoE's counts)
             return {"loss": loss, "lr": lr, "grad_norm": norm, "skipped": True}
-        self.checkpointer.wait_for_reads()  # an async save may still be reading what the step changes
-        self.optimizer.step()
         routing = self.parallel.after_optimizer_step()
         return {"loss": loss, "lr": lr, "grad_norm": norm, **routing}
 
