@@ -13,8 +13,8 @@ Each step first writes the same fixed gradients into every side's parameters (un
 CUDA, wall time between device syncs). Rounds rotate the three sides' order; a round runs ``--steps`` timed steps
 of each side after ``--warmup``. Reported per run: each side's median over rounds of its per-round median, the
 ratios to the reference, and the min-max of the per-round ratios; ``--runs`` fresh processes give the spread over
-independent runs. The sides must have trained the same parameters (within ``SAME_RTOL`` of the largest entry:
-foreach and fused AdamW, and multiplying by the clip or dividing by its inverse, round differently), or it fails.
+independent runs. The sides must have trained the same parameters (``FIRST_RTOL`` after one untimed step,
+``RUN_RTOL`` after the run), or it fails.
 
     python benchmarks/optimizer_step.py [--config configs/small.yaml] [--runs 3] [--rounds 6] [--steps 10]
 """
@@ -32,7 +32,10 @@ from pathlib import Path
 
 import torch
 
-SAME_RTOL = 1e-5
+# The sides' parameters, relative to the reference's largest entry: after one step (the same computation up to
+# rounding: foreach and fused AdamW, and a multiply by the clip or a divide by its inverse, round differently), and
+# after the whole run, where the roundings compound over hundreds of AdamW steps on the same gradients.
+FIRST_RTOL, RUN_RTOL = 1e-6, 1e-4
 SIDES = ("foreach, clip pass", "fused, clip pass", "fused, clip inside")
 REFERENCE = "fused, clip pass"
 
@@ -93,6 +96,15 @@ def one_run(args) -> dict:
         steps[side]()
         return time.thread_time() - t0
 
+    def worst() -> dict[str, float]:
+        ref = [p.detach() for p in models[REFERENCE].parameters()]
+        scale = max(float(p.abs().max()) for p in ref)
+        return {s: max(float((p.detach() - q).abs().max()) for p, q in zip(models[s].parameters(), ref, strict=True))
+                / scale for s in SIDES}
+
+    for side in SIDES:
+        timed(side)
+    first = worst()
     for side in SIDES:
         for _ in range(args.warmup):
             timed(side)
@@ -100,13 +112,10 @@ def one_run(args) -> dict:
     for r in range(args.rounds):
         for side in SIDES[r % 3:] + SIDES[:r % 3]:  # rotate who goes first
             per_round[side].append(statistics.median(timed(side) for _ in range(args.steps)))
-    ref = [p.detach() for p in models[REFERENCE].parameters()]
-    scale = max(float(p.abs().max()) for p in ref)
-    worst = {s: max(float((p.detach() - q).abs().max()) for p, q in zip(models[s].parameters(), ref, strict=True))
-             / scale for s in SIDES}
     return {"median_ms": {s: 1e3 * statistics.median(v) for s, v in per_round.items()},
             "ratios": {s: [a / b for a, b in zip(per_round[s], per_round[REFERENCE], strict=True)] for s in SIDES},
-            "worst_rel": worst, "params": sum(p.numel() for p in ref), "device": str(device)}
+            "first_rel": first, "run_rel": worst(), "params": sum(p.numel() for p in models[REFERENCE].parameters()),
+            "device": str(device)}
 
 
 def main() -> None:
@@ -145,11 +154,13 @@ def main() -> None:
         lo = min(min(r["ratios"][s]) for r in runs)
         hi = max(max(r["ratios"][s]) for r in runs)
         print(f"| {s} | {ms} | {med} | {lo:.3f}-{hi:.3f} |")
-    worst = max(max(r["worst_rel"].values()) for r in runs)
-    if worst > SAME_RTOL:
-        sys.exit(f"the sides trained different parameters ({worst:.2e} of the largest entry > {SAME_RTOL}): "
-                 f"not the same run")
-    print(f"same run: every side's parameters within {worst:.1e} of the reference's largest entry")
+    first = max(max(r["first_rel"].values()) for r in runs)
+    whole = max(max(r["run_rel"].values()) for r in runs)
+    if first > FIRST_RTOL or whole > RUN_RTOL:
+        sys.exit(f"the sides trained different parameters ({first:.2e} after one step, {whole:.2e} after the run, of "
+                 f"the largest entry; bounds {FIRST_RTOL}, {RUN_RTOL}): not the same run")
+    print(f"same run: every side's parameters within {first:.1e} of the reference's largest entry after one step, "
+          f"{whole:.1e} after the run")
 
 
 if __name__ == "__main__":
