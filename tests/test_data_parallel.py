@@ -331,17 +331,49 @@ def _bucket_writes(trainer: Trainer) -> dict[str, int]:
     return written
 
 
-@pytest.mark.parametrize("accum", [1, 2])
-def test_one_rank_writes_each_gradient_once_per_microbatch(accum):
-    """On one rank (dp = 1, e.g. tp/pp layouts or one GPU) a step's fresh gradients are copied into their buckets
-    once, not added into a bucket zeroed for them (a fill plus an add: twice the bytes); later microbatches add in
-    place. The clip is no pass of its own: the fused AdamW divides each gradient by it as it reads it, and writes
-    the clipped gradient back in that same pass (``_fused_adamw_``: the only other write)."""
+def _bucket_writes_worker(rank: int, world: int, accum: int) -> tuple[int, dict[str, int]]:
     trainer = Trainer(load_config("tiny", ["data.source=synthetic", "train.progress=false", "train.device=cpu",
-                                           "train.tensorboard=false", f"train.grad_accum={accum}"]))
+                                           "train.tensorboard=false", f"parallel.dp={world}",
+                                           f"train.grad_accum={accum}"]))
     assert trainer.cfg.train.grad_clip > 0
-    grad_bytes = sum(b.buffer.numel() * 4 for b in trainer.parallel.sync.buckets)
-    want = {"copy_": grad_bytes, "_fused_adamw_": grad_bytes}
-    if accum > 1:
-        want["add_"] = (accum - 1) * grad_bytes
-    assert _bucket_writes(trainer) == want
+    return sum(b.buffer.numel() * 4 for b in trainer.parallel.sync.buckets), _bucket_writes(trainer)
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_data_parallel_writes_each_gradient_into_its_bucket_once_per_microbatch(accum):
+    """Under dp = 2 a step's fresh gradients are copied into their buckets once, not added into a bucket zeroed for
+    them (a fill plus an add: twice the bytes); later microbatches add in place; the all-reduce writes each bucket
+    once. The clip is no pass of its own: the fused AdamW divides each gradient by it as it reads it, and writes
+    the clipped gradient back in that same pass (``_fused_adamw_``: the only other write)."""
+    for grad_bytes, writes in spawn(_bucket_writes_worker, 2, args=(accum,), timeout=120):
+        want = {"copy_": grad_bytes, "allreduce_": grad_bytes, "_fused_adamw_": grad_bytes}
+        if accum > 1:
+            want["add_"] = (accum - 1) * grad_bytes
+        assert grad_bytes > 0 and writes == want
+
+
+def test_one_rank_keeps_autograds_own_gradients_and_none_between_steps():
+    """On one rank (one GPU; tp or pp without dp) nothing is sent, so there is no bucket and no hook: each gradient
+    is the tensor autograd made (no copy), the step applies them, and ``zero_grad`` drops them, so they take no
+    memory between steps (as under torch without DDP). The memory accounting still reports a step's gradients at
+    their full size, which is what ``plan --check-run`` compares with the planner."""
+    trainer = Trainer(load_config("tiny", ["data.source=synthetic", "train.progress=false", "train.device=cpu",
+                                           "train.tensorboard=false", "train.grad_accum=2"]))
+    sync = trainer.parallel.sync
+    params = [op.tensor for op in sync.optim_params()]
+    assert sync.buckets == [] and all(not p._post_accumulate_grad_hooks for p in params)
+    seen = {}
+
+    def look(step, tr):
+        seen["views"] = [p.grad._base is not None for p in params]
+        seen["storages"] = len({p.grad.untyped_storage().data_ptr() for p in params})
+
+    trainer.grad_hook = look
+    before = [p.detach().clone() for p in params]
+    rec = trainer.train_step(0)
+    assert not rec.get("skipped") and rec["grad_norm"] > 0
+    assert seen == {"views": [False] * len(params), "storages": len(params)}  # autograd's own tensors, unshared
+    assert all(not torch.equal(p, b) for p, b in zip(params, before, strict=True))  # and the step applied them
+    assert all(p.grad is None for p in params)
+    n_bytes = sum(p.numel() * p.element_size() for p in params)
+    assert trainer.parallel.state_bytes(trainer.optimizer)["grads"] == n_bytes

@@ -1,11 +1,11 @@
 """Data parallelism: every rank holds the whole model, sees its slice of the global batch, and the
 gradients are summed over the data-parallel group.
 
-Gradients live in flat buckets (``parallel.bucket_mb``), filled in the order backward produces
-them: last layer first at construction, then, after the first step, in the order the gradients
-really arrived (DDP's rebuild). A post-accumulate-grad hook counts each bucket's parameters; when the
-last one is ready the bucket's all-reduce starts asynchronously, so communication runs under the
-rest of backward. ``finish_grads`` waits for all of them before the optimizer step. Inside
+Gradients live in flat buckets (``parallel.bucket_mb``; on one rank, where nothing is sent, there are none),
+filled in the order backward produces them: last layer first at construction, then, after the first step, in
+the order the gradients really arrived (DDP's rebuild). A post-accumulate-grad hook counts each bucket's
+parameters; when the last one is ready the bucket's all-reduce starts asynchronously, so communication runs
+under the rest of backward. ``finish_grads`` waits for all of them before the optimizer step. Inside
 ``no_sync()`` (all microbatches but the last) nothing is sent: gradients just accumulate.
 
 The loss of each rank is already divided by the token count of the *global* batch (see the
@@ -78,14 +78,21 @@ class DataParallel(GradSync):
                                                     if p.requires_grad and id(p) not in exclude]
         self._optim = [optim_param(n, p, placements) for n, p in named]
         params = [p for _, p in named]
+        self._params = params
+        if group.size == 1:
+            # One rank (one GPU; tp or pp without dp): nothing is sent, so no bucket. Autograd's own gradient of
+            # each parameter is kept as it comes (no copy into a bucket, no hook) and dropped at ``zero_grad``, so
+            # gradients take no memory between steps, as under torch without DDP.
+            self.buckets, self._bucket_of, self._arrival = [], {}, None
+            return
         self._limit = max(int(bucket_mb * 2**20 / 4), 1)
         self._make_buckets(list(reversed(params)))  # backward produces the last layers' gradients first
         # The first synced backward records the order gradients really arrive in; ``finish_grads`` then
         # rebuilds the buckets in that order once (as DDP does), so no bucket waits on a late parameter.
-        self._arrival: dict[int, nn.Parameter] | None = {} if group.size > 1 else None
-        # Hooks on one rank too: ``zero_grad`` leaves ``p.grad = None`` and the hook copies autograd's fresh
-        # gradient into the bucket (8 bytes moved per fp32 entry), where zeroing the bucket for autograd to add
-        # into would move 16 (a fill, then a read-read-write add).
+        self._arrival: dict[int, nn.Parameter] | None = {}
+        # ``zero_grad`` leaves ``p.grad = None`` and the hook copies autograd's fresh gradient into the bucket
+        # (8 bytes moved per fp32 entry), where zeroing the bucket for autograd to add into would move 16 (a fill,
+        # then a read-read-write add).
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
@@ -120,7 +127,7 @@ class DataParallel(GradSync):
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         bucket = self._bucket_of[id(p)]
         bucket.adopt(p)  # later microbatches (no_sync) accumulate into the bucket in place
-        if not self._sync or self.group.size == 1:  # nothing to send
+        if not self._sync:  # nothing to send
             return
         if self._arrival is not None:
             self._arrival.setdefault(id(p), p)
@@ -135,10 +142,9 @@ class DataParallel(GradSync):
 
     def finish_grads(self) -> None:
         if self.group.size == 1:  # no one to send to; a parameter that got no gradient gets zeros, as below
-            for b in self.buckets:
-                for p in b.params:
-                    if p.grad is None:
-                        b.adopt(p)
+            for p in self._params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
             return
         for b in self.buckets:
             if b.handle is None:  # some parameter got no gradient this step: send the bucket anyway, zeros for it
@@ -155,9 +161,8 @@ class DataParallel(GradSync):
             self._rebuild_in_arrival_order(list(arrived.values()))
 
     def zero_grad(self) -> None:
-        for b in self.buckets:  # the hooks adopt each fresh gradient into its bucket (``_Bucket.adopt``)
-            for p in b.params:
-                p.grad = None
+        for p in self._params:  # the hooks adopt each fresh gradient into its bucket (``_Bucket.adopt``)
+            p.grad = None
         self.handles = []
 
     def optim_params(self) -> list[OptimParam]:
@@ -167,6 +172,10 @@ class DataParallel(GradSync):
         return [op.tensor for op in self._optim]
 
     def grad_tensors(self) -> list[torch.Tensor]:
+        """The gradients' storage: the buckets; on one rank, which keeps no gradient between steps, what a step's
+        gradients take (each its parameter's size: the parameter stands in for a gradient already dropped)."""
+        if self.group.size == 1:
+            return [p.grad if p.grad is not None else p for p in self._params]
         return [b.buffer for b in self.buckets]
 
 
