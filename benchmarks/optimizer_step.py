@@ -42,6 +42,7 @@ REFERENCE = "fused, clip pass"
 
 def _side(name: str, model: torch.nn.Module, cfg, clip: float) -> Callable[[], None]:
     """One side's clip-and-step over ``model``'s parameters (their ``.grad`` already written)."""
+    from meshtrain.parallel.grad_sync import grad_norm_squared
     from meshtrain.train.optim import adamw_groups, clip_divisor, model_params, non_finite, optimizer_step
 
     params = [p for p in model.parameters()]
@@ -51,7 +52,7 @@ def _side(name: str, model: torch.nn.Module, cfg, clip: float) -> Callable[[], N
                             foreach=not fused)
     if name.endswith("clip inside"):
         def step() -> None:
-            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))
+            norm = grad_norm_squared([p.grad for p in params]).sqrt()  # the trainer's norm
             optimizer_step(opt, clip_divisor(norm, clip), non_finite(norm))
     else:
         def step() -> None:

@@ -38,6 +38,7 @@ from meshtrain import comm
 from meshtrain.config import ModelConfig, TrainConfig
 from meshtrain.mesh import Mesh
 from meshtrain.model.llama import build_model, cross_entropy_sum
+from meshtrain.parallel.grad_sync import grad_norm_squared
 from meshtrain.plan.costfit import (
     StepCosts,
     fit_axis_work,
@@ -79,7 +80,7 @@ def _time_steps(model_spec: tuple[int, int, int, int, int], reps: int) -> float:
             logits = model(tokens[:, :-1])
         loss = cross_entropy_sum(logits, tokens[:, 1:]) / (batch * seq)
         loss.backward()
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))
+        norm = grad_norm_squared([p.grad for p in params]).sqrt()
         optimizer_step(opt, clip_divisor(norm, 1.0), non_finite(loss.detach(), norm))
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)

@@ -161,7 +161,8 @@ class DataParallel(GradSync):
             self._rebuild_in_arrival_order(list(arrived.values()))
 
     def zero_grad(self) -> None:
-        for p in self._params:  # the hooks adopt each fresh gradient into its bucket (``_Bucket.adopt``)
+        # Under dp > 1 the hooks adopt each fresh gradient into its bucket (``_Bucket.adopt``); one rank keeps it.
+        for p in self._params:
             p.grad = None
         self.handles = []
 
