@@ -45,13 +45,18 @@ def _side(args, kind: str, rank: int, world: int) -> tuple[list[float], torch.Te
     model = model_for(args, device)
     params = list(model.parameters())
     scale, finish = 1.0, (lambda: None)
+
+    def zero_grad() -> None:  # what ``optimizer.zero_grad()`` does for DDP and the bare model
+        for p in params:
+            p.grad = None
+
     if kind == "ddp":
         forward = ddp_baseline(model, args.bucket_mb)
         scale = float(world)  # DDP averages; our loss is divided by the global token count and summed
     elif kind == "ours":
         sync = data_parallel(model, Mesh(dp=world, device=device), ParallelConfig(zero=0, bucket_mb=args.bucket_mb),
                              {})
-        forward, finish = model, sync.finish_grads
+        forward, finish, zero_grad = model, sync.finish_grads, sync.zero_grad
     else:
         forward = model
     batches = batches_for(args, rank, world, device)
@@ -66,8 +71,7 @@ def _side(args, kind: str, rank: int, world: int) -> tuple[list[float], torch.Te
         cpu.append(time.thread_time() - c0)
         if i == 0:
             first = torch.cat([p.grad.reshape(-1) for p in params])  # a copy, kept past zero_grad
-        for p in params:
-            p.grad = None  # what zero_grad does for each side (ours re-adopts each fresh gradient)
+        zero_grad()  # each side's own (ours: ``DataParallel.zero_grad``, which the trainer calls)
     return cpu[1:], first
 
 
