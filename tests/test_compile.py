@@ -59,7 +59,9 @@ LAYOUTS_2 = [
 def _compile_evidence(trainer: Trainer) -> dict:
     from torch._dynamo.utils import counters
 
+    norm = trainer.model.norm  # the final norm: on the pipeline's last stage only
     return {"compiled": [is_compiled(b) for b in trainer.model.layers.values()],
+            "norm": None if norm is None else is_compiled(norm),
             # True: compiled inside its checkpoint (recompute with collectives), False: whole, None: not recomputed
             "inside": [None if (f := recomputed_forward(b)) is None else f.compiled is not None
                        for b in trainer.model.layers.values()],
@@ -69,6 +71,7 @@ def _compile_evidence(trainer: Trainer) -> dict:
 
 def _assert_compiled(name: str, overrides: list[str], evidence: dict) -> None:
     assert evidence["compiled"] and all(evidence["compiled"]), f"{name}: blocks compiled {evidence['compiled']}"
+    assert evidence["norm"] is not False, f"{name}: the final norm was left eager"
     recompute = any(o.startswith("train.recompute=") for o in overrides)
     # Blocks that break graphs: collectives (tp, cp, ep), or an MoE block's routing.
     breaks = any(o.startswith(("parallel.tp=", "parallel.cp=", "parallel.ep=", "model.moe_experts="))
@@ -178,7 +181,7 @@ def _train_until(data: str, out: str, overrides: list[str], until: int | None) -
     trainer = Trainer(cfg, out)
     losses = [r["loss"] for r in trainer.train(until=until)]
     if "train.compile=true" in overrides:
-        assert all(is_compiled(b) for b in trainer.model.layers.values())
+        assert all(is_compiled(b) for b in trainer.model.layers.values()) and is_compiled(trainer.model.norm)
         # tp = 1: the loss is compiled too (compile_loss)
         assert getattr(trainer.parallel.forward.loss_fn, "_torchdynamo_orig_callable", None) is cross_entropy_sum
     return losses, [n for n, _ in trainer.model.named_parameters()]
