@@ -3,7 +3,8 @@
 ``apply_compile(model)`` compiles every module in ``model.layers`` on its own, as torchtitan does, rather than
 the whole model: each block is one bounded graph set (the blocks share their code, so after the first block the
 others reuse its compiled kernels), and whatever runs between blocks (the DP family's hooks, ZeRO-3's per-block
-gather and free, the pipeline engine's sends) stays eager Python.
+gather and free, the pipeline engine's sends) stays eager Python. The final norm is compiled the same way: eager,
+its fp32 Function is a score of memory-bound kernels over the whole stream (``apply_compile``).
 
 How, and why this way:
 
