@@ -107,10 +107,10 @@ def apply_compile(model: nn.Module, enabled: bool, collectives: bool = False) ->
     return model
 
 
-def is_compiled(block: nn.Module) -> bool:
-    """Whether ``apply_compile`` compiled ``block`` (whole, or inside its checkpoint), or the final norm."""
-    recomputed = recomputed_forward(block)
-    return (getattr(block, "_compiled_call_impl", None) is not None
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``apply_compile`` compiled ``module``: a block (whole, or inside its checkpoint) or the final norm."""
+    recomputed = recomputed_forward(module)
+    return (getattr(module, "_compiled_call_impl", None) is not None
             or (recomputed is not None and recomputed.compiled is not None))
 
 
