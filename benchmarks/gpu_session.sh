@@ -16,7 +16,7 @@
 # compiled alone at batch 24 (b24: the largest batch that fits, where MFU is highest; the issue's goal is read
 # there), the compiled pair of a wider model (w8), the eager pair at 8 (b8e). Batch 24 is profiled too, so that the
 # last step can fit the planner's GPU kernel costs on two batches and check its predictions, the wider model's
-# included (fit.txt; docs/planner.md).
+# included (fit.txt; docs/planner.md). With time to spare, batch 24 once more with Inductor's kernel tuning (b24t).
 # Extra arguments go to every run (after the run's own, so they win). $PYTHON (default python) runs them.
 set -u
 cd "$(dirname "$0")/.."
@@ -75,6 +75,18 @@ else  # an H100 (80 GB): ours eager at batch 8 (~47 GiB) and three other rows' ~
     run w8 150 "${wide[@]}" --batch 8 --profile 2 --rows "ours compiled,HF compiled" "$@"
     run b8e 100 --batch 8 --rows "ours eager,HF eager" "$@"
     fitted="b8c b24 w8"
+    # Minutes to spare (the four runs usually end well inside their timeouts): a probe of Inductor's kernel tuning
+    # on the unfused kernels that run below the copy rate (docs/benchmarks.md, "How far the unfused kernels can
+    # go"), ours compiled alone at batch 24 again, read against b24 and not fitted. Skipped when it could overrun
+    # the call's 10 minutes.
+    if [ "$SECONDS" -le 390 ]; then
+        export TORCHINDUCTOR_MIX_ORDER_REDUCTION_AUTOTUNE_SPLIT_SIZE=1 TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1
+        echo "[gpu_session] b24t with TORCHINDUCTOR_MIX_ORDER_REDUCTION_AUTOTUNE_SPLIT_SIZE=1 TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1" >&2
+        run b24t 150 --batch 24 --profile 2 --rows "ours compiled" "$@"
+        unset TORCHINDUCTOR_MIX_ORDER_REDUCTION_AUTOTUNE_SPLIT_SIZE TORCHINDUCTOR_COORDINATE_DESCENT_TUNING
+    else
+        echo "[gpu_session] b24t (Inductor's kernel tuning) skipped: $SECONDS s gone, it could overrun the call" >&2
+    fi
 fi
 # The planner's GPU kernel costs (plan/hardware.GPU_KERNELS) fitted on this card's two profiled batches, and its
 # one-device step against every compiled run's. The CPU dry run compiles nothing, so it has nothing to fit.

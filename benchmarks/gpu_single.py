@@ -63,6 +63,9 @@ DRY_DEFAULTS = {"steps": 3, "warmup": 1, "rounds": 2, "batch": 2, "seq": 64, "vo
 ROWS = ("ours eager", "HF eager", "HF compiled", "ours compiled")  # round 0's order; odd rounds reverse it
 # Same-run tolerances (relative loss difference to the reference row, ours eager by default): (first step, every step).
 TOLERANCE = {"fp32": (1e-5, 1e-3), "bf16": (1e-3, 1e-3)}
+# Inductor's settings given in the environment (gpu_session.sh's kernel-tuning probe sets two), read before anything
+# compiles (Inductor adds its own, its cache folder, once it runs): the JSON says how a run was compiled.
+INDUCTOR_ENV = {k: v for k, v in sorted(os.environ.items()) if k.startswith("TORCHINDUCTOR_")}
 BF16_CHECKED_STEPS = 3  # bf16: the steps checked (the module docstring says why not all)
 
 
@@ -365,6 +368,7 @@ def write_json(path: str, args: argparse.Namespace, rows: dict[str, Row]) -> Non
     import json
 
     out = {"args": vars(args), "torch": torch.__version__,
+           "inductor_env": INDUCTOR_ENV,
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.dry_run_cpu else "cpu",
            "rows": {n: {"losses": r.losses, "times": r.times, "peak": r.peak, "note": r.note,
                         "kernels_ms_per_step": r.kernels} for n, r in rows.items()}}

@@ -94,14 +94,14 @@ def test_the_gpu_session_script_refuses_a_gpu_mem_that_is_no_number_in_one_line(
 @pytest.mark.slow
 @pytest.mark.parametrize("mem, runs", [
     ("", (("b8", 8), ("b16", 16), ("b32", 32))),  # no GPU memory read: the H200 plan
-    ("80", (("b8c", 8), ("b24", 24), ("w8", 8), ("b8e", 8))),  # an H100's 80 GB: pairs, batch 24, a wider model
+    ("80", (("b8c", 8), ("b24", 24), ("w8", 8), ("b8e", 8), ("b24t", 24))),  # an H100: pairs, 24, a wider model
 ])
 def test_the_gpu_session_script_runs_its_measurements(tmp_path, mem, runs):
     """benchmarks/gpu_session.sh, the next GPU session's one command, on the CPU dry run: its runs (the H200 plan:
     batch 8 with the profile, 16 and 32; the H100 plan: the compiled pair at 8 with the profile, ours compiled alone
-    at 24, a wider model's pair, the eager pair at 8) each leave their output and JSON in $OUT, beside the machine's
-    facts; the extra arguments reach every run and win over the script's own (here --rows, as the dry run needs ours
-    eager)."""
+    at 24, a wider model's pair, the eager pair at 8, and with time to spare 24 again with Inductor's kernel tuning)
+    each leave their output and JSON in $OUT, beside the machine's facts; the extra arguments reach every run and
+    win over the script's own (here --rows, as the dry run needs ours eager)."""
     import json
 
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "",
@@ -120,6 +120,12 @@ def test_the_gpu_session_script_runs_its_measurements(tmp_path, mem, runs):
     kernels = json.loads((tmp_path / f"{runs[0][0]}.json").read_text())["rows"]["ours eager"]["kernels_ms_per_step"]
     assert kernels and all(ms > 0 for _, ms, _ in kernels)  # the whole table, not only the printed top
     assert sorted(p.name for p in tmp_path.glob("*.json")) == sorted(f"{n}.json" for n, _ in runs)
+    given = {k: v for k, v in os.environ.items() if k.startswith("TORCHINDUCTOR_")}  # this machine's own, if any
+    probe = {"TORCHINDUCTOR_COORDINATE_DESCENT_TUNING": "1",
+             "TORCHINDUCTOR_MIX_ORDER_REDUCTION_AUTOTUNE_SPLIT_SIZE": "1"}
+    for name, _ in runs:  # the probe's settings reach its run alone, and its JSON says so
+        recorded = json.loads((tmp_path / f"{name}.json").read_text())["inductor_env"]
+        assert recorded == ({**given, **probe} if name == "b24t" else given), (name, recorded)
     if mem:  # the wider model is another shape (the dry run's own: twice the width, one block)
         args = json.loads((tmp_path / "w8.json").read_text())["args"]
         assert (args["d_model"], args["layers"]) == (128, 1)
