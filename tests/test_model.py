@@ -1,5 +1,6 @@
 """The plain model: causality, deterministic layout-independent init, the shared parameter count."""
 
+import pytest
 import torch
 
 from meshtrain.config import ModelConfig
@@ -69,19 +70,19 @@ def _keep_in(store: list):
 
 def test_eager_rope_equals_the_real_form_and_saves_only_the_tables():
     """Eager RoPE (one complex multiply each way) against the real form that compiled runs use, forward and
-    backward, on the transposed [B, H, T, D] views the attention passes it; and what backward keeps is only cos
-    and sin, the model's tables (the SP memory test's exact activation model counts on that)."""
+    backward, on the [B, T, H, D] projections the attention passes it; and what backward keeps is only cos and
+    sin, the model's tables (the SP memory test's exact activation model counts on that)."""
     from meshtrain.model.layers import apply_rope, rope_real, rope_tables
 
     cos, sin = rope_tables(16, 32, 10000.0)
     for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
         torch.manual_seed(0)
-        base = torch.randn(2, 32, 4, 16).to(dtype).transpose(1, 2)  # as q = wq(x).view(b, t, h, d).transpose(1, 2)
+        base = torch.randn(2, 32, 4, 16).to(dtype)  # as wq(x).view(b, t, h, d)
         a, b = base.clone().requires_grad_(), base.clone().requires_grad_()
         saved: list[torch.Tensor] = []
         with torch.autograd.graph.saved_tensors_hooks(_keep_in(saved), lambda t: t):
             ya = apply_rope(a, cos, sin)
-        yb = rope_real(b, cos, sin)
+        yb = rope_real(b, cos.unsqueeze(-2), sin.unsqueeze(-2))  # broadcast over heads, as apply_rope does
         assert ya.dtype == dtype and ya.shape == yb.shape
         torch.testing.assert_close(ya.float(), yb.float(), rtol=tol, atol=tol)
         grad = torch.randn_like(ya)
@@ -92,3 +93,23 @@ def test_eager_rope_equals_the_real_form_and_saves_only_the_tables():
         assert len(saved) == 2 and all(t.untyped_storage().data_ptr() in
                                        (cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr())
                                        for t in saved), [tuple(t.shape) for t in saved]
+
+
+@pytest.mark.parametrize("compiled_form", [False, True])
+def test_attention_rotates_the_projections_where_they_are_and_hands_the_core_views(monkeypatch, compiled_form):
+    """RoPE rotates q and k in the projections' own [B, T, H, D] memory and the attention core gets [B, H, T, D]
+    views of them, as of v: no copy on the way in only changes the layout. Also in the real form that compiled
+    blocks run (here eagerly, ``is_compiling`` patched): rotating the transposed views there wrote [B, H, T, D]
+    copies of q and k, transposing kernels at ~60% of the copy rate on an H100 (docs/benchmarks.md)."""
+    if compiled_form:
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    model = build_model(CFG, seed=0)
+    seen: list[tuple[torch.Tensor, ...]] = []
+    for block in model.layers.values():
+        block.attention.core.register_forward_pre_hook(lambda m, args: seen.append(args[:3]))
+    model(torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(1)))
+    assert len(seen) == CFG.n_layers
+    for q, k, v in seen:
+        assert q.shape == (2, CFG.n_heads, 16, CFG.head_dim)
+        assert k.shape == v.shape == (2, CFG.kv_heads, 16, CFG.head_dim)
+        assert all(t.transpose(1, 2).is_contiguous() for t in (q, k, v)), [t.stride() for t in (q, k, v)]

@@ -82,10 +82,13 @@ def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of x [B, H, T, D] by position-dependent angles (cos/sin [T, D/2], or
-    [B, T, D/2] when each row has its own positions: left-padded generation, ``kv_cache.py``), in fp32."""
-    if cos.dim() == 3:
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    """Rotate pairs (x[2i], x[2i+1]) of x [B, T, H, D] by position-dependent angles (cos/sin [T, D/2], or
+    [B, T, D/2] when each row has its own positions: left-padded generation, ``kv_cache.py``), in fp32.
+
+    x is a projection's output viewed as heads, in its own memory order (the attention transposes afterwards): a
+    pass over contiguous memory. Rotating the transposed [B, H, T, D] view instead made the real form, which
+    compiled blocks run, write [B, H, T, D] copies of q and k: transposing kernels, slower than a copy on a GPU."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # the same angles for every head
     if torch.compiler.is_compiling():  # inductor fuses the real form into one kernel; it has no complex codegen
         return rope_real(x, cos, sin)
     return _ComplexRope.apply(x, cos, sin)

@@ -46,11 +46,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LayerKV | None = None) -> torch.Tensor:
         b, t, _ = x.shape
-        # Head counts come from the weights, so a tensor-parallel shard (fewer heads) runs unchanged.
-        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        # Head counts come from the weights, so a tensor-parallel shard (fewer heads) runs unchanged. RoPE rotates
+        # the projections in their own [B, T, H, D] order and attention takes [B, H, T, D] views of them (as v): no
+        # copy changes the layout on the way in (torchtitan's order too).
+        q = apply_rope(self.wq(x).view(b, t, -1, self.head_dim), cos, sin).transpose(1, 2)
+        k = apply_rope(self.wk(x).view(b, t, -1, self.head_dim), cos, sin).transpose(1, 2)
         v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = attend(self.core, q, k, v, cache)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 

@@ -293,10 +293,9 @@ class ParallelAttention(nn.Module):
             h = self.wq.enter(x)  # copy cost more than the matmuls); still one entry collective
             q, k, v = (F.linear(h, w) for w in (self.wq.weight, self.wk.weight, self.wv.weight))
         b, t = q.shape[:2]
-        q = q.view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = k.view(b, t, -1, self.head_dim).transpose(1, 2)
+        q = apply_rope(q.view(b, t, -1, self.head_dim), cos, sin).transpose(1, 2)  # as model/llama.Attention
+        k = apply_rope(k.view(b, t, -1, self.head_dim), cos, sin).transpose(1, 2)
         v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = attend(self.core, q, k, v, cache)  # with a cache: this rank's kv heads only (kv_cache.py)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
