@@ -98,9 +98,10 @@ def test_eager_rope_equals_the_real_form_and_saves_only_the_tables():
 @pytest.mark.parametrize("compiled_form", [False, True])
 def test_attention_rotates_the_projections_where_they_are_and_hands_the_core_views(monkeypatch, compiled_form):
     """RoPE rotates q and k in the projections' own [B, T, H, D] memory and the attention core gets [B, H, T, D]
-    views of them, as of v: no copy on the way in only changes the layout. Also in the real form that compiled
-    blocks run (here eagerly, ``is_compiling`` patched): rotating the transposed views there wrote [B, H, T, D]
-    copies of q and k, transposing kernels at ~60% of the copy rate on an H100 (docs/benchmarks.md)."""
+    views of them, as of v: no copy on the way in only changes the layout. The eager form (a complex multiply, which
+    keeps its input's memory order) already did; the real form that compiled blocks run (here eagerly,
+    ``is_compiling`` patched) did not: rotating the transposed views wrote [B, H, T, D] copies of q and k,
+    transposing kernels at ~60% of the copy rate on an H100 (docs/benchmarks.md)."""
     if compiled_form:
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     model = build_model(CFG, seed=0)

@@ -25,7 +25,7 @@ from meshtrain.model.moe import MoEFeedForward
 from meshtrain.model.source import Box, full_box, relative
 
 __all__ = ["Attention", "Block", "CausalAttention", "FeedForward", "KVCache", "Llama", "RMSNorm", "apply_rope",
-           "attend", "build_model",
+           "attend", "build_model", "heads_with_rope",
            "cross_entropy_sum", "decoder_forward", "init_rows", "init_weights", "rope_tables", "InitSource"]
 
 
@@ -46,14 +46,21 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LayerKV | None = None) -> torch.Tensor:
         b, t, _ = x.shape
-        # Head counts come from the weights, so a tensor-parallel shard (fewer heads) runs unchanged. RoPE rotates
-        # the projections in their own [B, T, H, D] order and attention takes [B, H, T, D] views of them (as v): no
-        # copy changes the layout on the way in (torchtitan's order too).
-        q = apply_rope(self.wq(x).view(b, t, -1, self.head_dim), cos, sin).transpose(1, 2)
-        k = apply_rope(self.wk(x).view(b, t, -1, self.head_dim), cos, sin).transpose(1, 2)
-        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q, k, v = heads_with_rope(self.wq(x), self.wk(x), self.wv(x), self.head_dim, cos, sin)
         y = attend(self.core, q, k, v, cache)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def heads_with_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The projections [B, T, H * D] as the attention core's [B, H, T, D], q and k rotated (shared by the plain and
+    the tensor-parallel attention). Head counts come from the widths, so a tensor-parallel shard (fewer heads) runs
+    unchanged. RoPE rotates q and k in their own [B, T, H, D] order and the core gets [B, H, T, D] views of them, as
+    of v: no copy changes the layout on the way in (torchtitan's order too)."""
+    b, t = q.shape[:2]
+    q = apply_rope(q.view(b, t, -1, head_dim), cos, sin).transpose(1, 2)
+    k = apply_rope(k.view(b, t, -1, head_dim), cos, sin).transpose(1, 2)
+    return q, k, v.view(b, t, -1, head_dim).transpose(1, 2)
 
 
 def attend(core: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -45,7 +45,7 @@ from meshtrain.mesh import AxisGroup, Mesh
 from meshtrain.model.axes import param_axes
 from meshtrain.model.kv_cache import LayerKV
 from meshtrain.model.layers import compute_dtype
-from meshtrain.model.llama import Attention, Block, FeedForward, apply_rope, attend
+from meshtrain.model.llama import Attention, Block, FeedForward, attend, heads_with_rope
 from meshtrain.parallel.cross_entropy import lean_cross_entropy
 from meshtrain.parallel.pieces import Placement, Placements, TPSlice
 from meshtrain.rules import Rules, check_executable, tp_dim
@@ -293,9 +293,7 @@ class ParallelAttention(nn.Module):
             h = self.wq.enter(x)  # copy cost more than the matmuls); still one entry collective
             q, k, v = (F.linear(h, w) for w in (self.wq.weight, self.wk.weight, self.wv.weight))
         b, t = q.shape[:2]
-        q = apply_rope(q.view(b, t, -1, self.head_dim), cos, sin).transpose(1, 2)  # as model/llama.Attention
-        k = apply_rope(k.view(b, t, -1, self.head_dim), cos, sin).transpose(1, 2)
-        v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
+        q, k, v = heads_with_rope(q, k, v, self.head_dim, cos, sin)
         y = attend(self.core, q, k, v, cache)  # with a cache: this rank's kv heads only (kv_cache.py)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
