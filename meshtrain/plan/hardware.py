@@ -200,17 +200,18 @@ class Hardware:
 
 
 # What a GPU step spends beyond its matmuls at --efficiency x peak: ``benchmarks/gpu_kernels_fit.py`` over
-# ``benchmarks/gpu_single.py --profile 2`` runs on one H100 (2026-11-26, tests/fixtures/h100_2026-11-26/; docs/
-# benchmarks.md "Figures: one NVIDIA H100"): the ~1B Llama, bf16, train.compile=true, batch 8 and 24, each kernel's
-# device time by kind, at the H100's datasheet 989 TFLOP/s and 3.35 TB/s (so the bytes include the kernels' shortfall
-# from the datasheet bandwidth). Element-wise (the norms, RoPE, SwiGLU, residual adds and the loss, fused by
-# torch.compile; eager moves ~3x more): 8.4 bytes per kept activation element. Attention (cuDNN's flash kernels,
-# head_dim 64): 1,800 FLOPs per causal score beyond its own FLOPs (softmax's exponentials: a cost per score, which
-# does not grow with head_dim). Per parameter: 25 bytes a microbatch (by hand 6 + 6 + 8 = 20 for the weight's cast,
-# the gradient's cast and its copy; the fit also takes in the step's fixed element-wise work) and 51 a step (by hand
-# 40: the clip reads 4 and rewrites 8, AdamW moves 28). Batch 16, not fitted, is the check (predicted 0.94 of the
-# measured step, whose host gaps the planner does not model).
-GPU_KERNELS = {"elem_bytes": 8.4, "score_flops": 1800.0, "cast_bytes": 25.0, "optim_bytes": 51.0}
+# ``benchmarks/gpu_single.py --profile 2`` runs on one H100 (2026-11-26 at b13d967, tests/fixtures/h100_b13d967/;
+# docs/benchmarks.md "Figures: one NVIDIA H100"): the ~1B Llama, bf16, train.compile=true, batch 8 and 24, each
+# kernel's device time by kind, at the H100's datasheet 989 TFLOP/s and 3.35 TB/s (so the bytes include the kernels'
+# shortfall from the datasheet bandwidth). Element-wise (the norms, RoPE, SwiGLU, residual adds and the loss, fused by
+# torch.compile; eager moves ~3x more): 7.6 bytes per kept activation element. Attention (cuDNN's flash kernels,
+# head_dim 64): 1,830 FLOPs per causal score beyond its own FLOPs (softmax's exponentials: a cost per score, which
+# does not grow with head_dim). Per parameter: 15 bytes a microbatch (by hand 6 + 6 = 12 for the weight's cast and
+# the gradient's cast back; the fit also takes in the step's fixed element-wise work) and 46 a step (by hand 36: the
+# norm reads each fp32 gradient, 4; fused AdamW moves 28 and writes the gradient back divided by the clip, 4; 36 B
+# at ~78% of the datasheet bandwidth). The wider model (d_model 4096, 8 blocks), not fitted, is the check (predicted
+# 0.94 of its measured step, whose host gaps the planner does not model).
+GPU_KERNELS = {"elem_bytes": 7.6, "score_flops": 1830.0, "cast_bytes": 15.0, "optim_bytes": 46.0}
 
 _BOOK_TPU = ("How to Scale Your Model (Austin et al., 2025), Part 2 'How to Think About TPUs', chip and ICI "
              "tables (seed 000 quotes the v5p figures)")
