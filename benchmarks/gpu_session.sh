@@ -54,8 +54,8 @@ case $mem in *[!0-9]*) mem=0 ;; esac  # nothing a number read: the large plan, a
 [ -n "${GPU_MEM_GIB:-}" ] || mem=$(( ${mem:-0} / 1024 ))
 echo "[gpu_session] $mem GiB of GPU memory read" >&2
 # A wider model (d_model 4096, 8 blocks, head_dim 128: 1.7B parameters, as many activations per token as the ~1B;
-# the planner predicts 58% MFU at batch 8 on an H100, which measured 54.5% at b13d967) checks the planner on a shape it was not fitted on; the dry
-# run's is tiny.
+# the planner predicts 58% MFU at batch 8 on an H100, which measured 54.5% at b13d967) checks the planner on a shape
+# it was not fitted on; the dry run's is tiny.
 case " $* " in
     *" --dry-run-cpu "*) wide=(--d-model 128 --layers 1 --heads 4 --kv-heads 2) ;;
     *) wide=(--d-model 4096 --layers 8 --heads 32 --kv-heads 8) ;;
