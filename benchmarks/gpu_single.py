@@ -35,6 +35,10 @@ as a prefetching loader would have it. MFU uses one FLOP count for every row, ``
 (the trainer's own), over the device's dense bf16 peak (``plan/hardware.py``, by the device's name). Peak
 memory is ``torch.cuda.max_memory_allocated`` over a row's timed steps (reset before each) less what the other
 rows keep resident (their weights and optimizer state, measured as each was built): what the row needs alone.
+Beside it, the caching allocator's counts over the row's timed steps (``torch.cuda.memory_stats``): a cudaMalloc
+that fails frees the cache and synchronises the device (a retry), which near the card's limit leaves the device
+idle while the host queues again; and the process's peak reserved memory. ``--profile`` also says where the device
+sat idle inside the profiled steps (``train/profiling.idle_gaps``).
 
     PYTHONPATH=. python benchmarks/gpu_single.py [--steps 10] [--warmup 3] [--rounds 5] [--batch 4] [--seq 2048]
     PYTHONPATH=. python benchmarks/gpu_single.py --dry-run-cpu   # tiny model on CPU: checks the script itself
@@ -43,6 +47,7 @@ rows keep resident (their weights and optimizer state, measured as each was buil
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
@@ -79,6 +84,17 @@ class Row:
     times: list[list[float]] = field(default_factory=list)  # per round, seconds per timed step
     peak: int = 0  # bytes, the row alone (see the module docstring)
     kernels: list[tuple[str, float, int]] = field(default_factory=list)  # --profile: (name, ms, calls) per step
+    allocator: dict[str, int] = field(default_factory=dict)  # ALLOCATOR_COUNTS over the timed steps, reserved peak
+    idle: dict = field(default_factory=dict)  # --profile on CUDA: idle_gaps' result
+
+
+# torch.cuda.memory_stats keys counted over a row's timed steps (module docstring).
+ALLOCATOR_COUNTS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free")
+
+
+def allocator_counts(device: torch.device) -> dict[str, int]:
+    stats = torch.cuda.memory_stats(device)
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTS}
 
 
 def model_overrides(args: argparse.Namespace) -> list[str]:
@@ -172,14 +188,21 @@ def build_hf(cfg, weights: dict[str, torch.Tensor], device: torch.device, compil
     return step, prefetch
 
 
-def timed(row: Row, s: int, device: torch.device, prefetch: Callable[[int], None] | None) -> float:
+def timed(row: Row, s: int, device: torch.device, prefetch: Callable[[int], None] | None, mark: bool = False) -> float:
+    """One step between two device synchronisations, in seconds; ``mark``: inside a profiler step mark, which
+    spans exactly the timed part (``train/profiling.STEP_MARK``)."""
+    from torch.profiler import record_function
+
+    from meshtrain.train.profiling import STEP_MARK
+
     if prefetch is not None:
         prefetch(s)
     sync(device)
-    t0 = time.perf_counter()
-    loss = row.step(s)
-    sync(device)
-    elapsed = time.perf_counter() - t0
+    with record_function(f"{STEP_MARK} {s}") if mark else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        loss = row.step(s)
+        sync(device)
+        elapsed = time.perf_counter() - t0
     row.losses.append(float(loss))
     return elapsed
 
@@ -332,9 +355,15 @@ def main(argv: list[str] | None = None) -> int:
             if device.type == "cuda":
                 others = torch.cuda.memory_allocated(device) - row.resident
                 torch.cuda.reset_peak_memory_stats(device)
+                before = allocator_counts(device)
             row.times.append([timed(row, s, device, prefetchers[row.name]) for s in range(s0, s0 + args.steps)])
             if device.type == "cuda":
                 row.peak = max(row.peak, torch.cuda.max_memory_allocated(device) - others)
+                after = allocator_counts(device)
+                for k in ALLOCATOR_COUNTS:
+                    row.allocator[k] = row.allocator.get(k, 0) + after[k] - before[k]
+                row.allocator["reserved_peak"] = max(row.allocator.get("reserved_peak", 0),
+                                                     torch.cuda.max_memory_reserved(device))
         progress(f"round {r + 1}/{args.rounds} done")
 
     if args.profile:
@@ -352,16 +381,20 @@ def profile_row(row: Row, steps: range, device: torch.device, prefetch: Callable
     summary ``train.profile_steps`` writes for a real run)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from meshtrain.train.profiling import kernel_times, summary
+    from meshtrain.train.profiling import device_spans, gaps_line, idle_gaps, kernel_times, step_windows, summary
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
-        wall = sum(timed(row, s, device, prefetch) for s in steps)
+        wall = sum(timed(row, s, device, prefetch, mark=True) for s in steps)
     cuda = device.type == "cuda"
     times = kernel_times(prof, cuda)
     n = len(steps)
     row.kernels = sorted(((name, us / 1e3 / n, calls // n) for name, us, calls in times), key=lambda k: -k[1])
     print(f"\nprofile of {row.name}: " + summary(times, n, "device" if cuda else "CPU", wall))
+    if cuda:
+        idle = idle_gaps(device_spans(prof), step_windows(prof), top=5)
+        row.idle = {"ms_per_step": idle[0], "before_first_kernel_ms": idle[1], "largest": idle[2]}
+        print(gaps_line(*idle))
 
 
 def write_json(path: str, args: argparse.Namespace, rows: dict[str, Row]) -> None:
@@ -371,7 +404,8 @@ def write_json(path: str, args: argparse.Namespace, rows: dict[str, Row]) -> Non
            "inductor_env": INDUCTOR_ENV,
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.dry_run_cpu else "cpu",
            "rows": {n: {"losses": r.losses, "times": r.times, "peak": r.peak, "note": r.note,
-                        "kernels_ms_per_step": r.kernels} for n, r in rows.items()}}
+                        "kernels_ms_per_step": r.kernels, "allocator": r.allocator, "idle": r.idle}
+                    for n, r in rows.items()}}
     tmp = f"{path}.tmp"  # renamed into place whole: never a half-written file at PATH
     with open(tmp, "w") as f:
         json.dump(out, f, indent=1)
@@ -417,6 +451,12 @@ def report(args: argparse.Namespace, cfg, device: torch.device, rows: dict[str, 
         mem = f"{row.peak / 2**30:.2f}" if device.type == "cuda" else "n/a (CPU)"
         print(f"| {name} | {mid:,.0f} | {min(tps):,.0f}-{max(tps):,.0f} | {mfu(mid, cfg.model, args.seq, peak):.1%} "
               f"| {mem} | {statistics.median(medians[name]) * 1e3:.1f} |")
+    said = [f"allocator over {name}'s timed steps: {a['num_alloc_retries']} cudaMalloc retries (each frees the "
+            f"cache and synchronises), {a['num_sync_all_streams']} syncs of all streams, {a['num_device_alloc']} "
+            f"device allocations, {a['num_device_free']} frees; the process's peak reserved "
+            f"{a['reserved_peak'] / 2**30:.2f} GiB" for name in ROWS if (a := rows[name].allocator)]  # CUDA only
+    if said:
+        print("\n" + "\n".join(said))
     print("\n| ours / HF (step time, lower is better) | median ratio | per-round min-max |")
     print("|---|---|---|")
     for ours, theirs in (("ours eager", "HF eager"), ("ours compiled", "HF compiled"), ("ours compiled", "HF eager")):

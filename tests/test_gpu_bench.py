@@ -188,3 +188,27 @@ def test_fp32_peak_is_the_datasheet_tf32_rate_only_where_tf32_is_on(monkeypatch)
         assert datasheet_chip(torch.device("cpu"), torch.bfloat16) is None
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_the_report_says_what_the_allocator_did_over_each_rows_timed_steps(capsys, monkeypatch):
+    """On CUDA each row carries the caching allocator's counts over its timed steps (a retry frees the cache and
+    synchronises: the batch-24 runs' idle gaps are the suspect) and the process's peak reserved memory; the report
+    prints them after the table, for the rows that have them. Filled by hand here: this machine has no CUDA."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_single
+
+    from meshtrain.config import load_config
+
+    args = gpu_single.parse_args(["--dry-run-cpu"])
+    cfg = load_config(None, gpu_single.model_overrides(args) + gpu_single.train_overrides(args, 10))
+    rows = {name: gpu_single.Row(name) for name in gpu_single.ROWS}
+    rows["ours compiled"].times = [[0.5, 0.5]]
+    rows["ours compiled"].allocator = {"num_alloc_retries": 3, "num_sync_all_streams": 1, "num_device_alloc": 7,
+                                       "num_device_free": 6, "reserved_peak": 75 * 2**30}
+    rows["HF compiled"].times = [[0.6, 0.6]]
+    gpu_single.report(args, cfg, torch.device("cpu"), rows, [])
+    said = capsys.readouterr().out
+    assert ("allocator over ours compiled's timed steps: 3 cudaMalloc retries (each frees the cache and "
+            "synchronises), 1 syncs of all streams, 7 device allocations, 6 frees; the process's peak reserved "
+            "75.00 GiB") in said
+    assert "allocator over HF compiled" not in said  # no counts (a CPU row): no line

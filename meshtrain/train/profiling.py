@@ -48,6 +48,60 @@ def kernel_times(prof: profile, cuda: bool) -> list[tuple[str, float, int]]:
             and not e.key.startswith("Optimizer.") and (not cuda or e.device_type.name == "CUDA")]
 
 
+# Each profiled step runs inside record_function(STEP_MARK + " N"): its CPU span is the step's window on the
+# profiler's one clock, which the device's kernels share (``idle_gaps``).
+STEP_MARK = "meshtrain step"
+
+
+def device_spans(prof: profile) -> list[tuple[float, float, str]]:
+    """(start, end, name) in microseconds of every CUDA kernel, copy and set in ``prof``, on the profiler's clock
+    (none on a CPU). The device-side mirrors of user annotations span kernels already listed: left out."""
+    return [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+            if e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False)
+            and not e.name.startswith(STEP_MARK)]
+
+
+def step_windows(prof: profile) -> list[tuple[float, float]]:
+    """(start, end) in microseconds of each step marked with ``STEP_MARK`` in ``prof``, host side."""
+    return [(e.time_range.start, e.time_range.end) for e in prof.events()
+            if e.device_type.name == "CPU" and e.name.startswith(STEP_MARK)]
+
+
+def idle_gaps(spans: Iterable[tuple[float, float, str]], windows: Iterable[tuple[float, float]],
+              top: int = 3) -> tuple[float, float, list[tuple[float, str, str]]]:
+    """Where the device sat idle inside the steps' ``windows``, given its kernels' ``spans`` (microseconds):
+    (idle ms per step, of it the ms per step before each step's first kernel, the ``top`` largest gaps anywhere
+    as (ms, what ran before, what ran after)). A gap at a step's start, while the host builds and queues the step,
+    runs "after" ``(step start)``; one at its end, "before" ``(step end)``. Kernels on several streams may overlap:
+    the device is idle only where none runs."""
+    spans, windows = sorted(spans), list(windows)
+    gaps: list[tuple[float, str, str]] = []
+    lead = 0.0
+    for ws, we in windows:
+        inside = [(max(s, ws), min(e, we), n) for s, e, n in spans if e > ws and s < we]
+        free_from, last = ws, "(step start)"
+        for s, e, n in inside:
+            if s > free_from:
+                gaps.append(((s - free_from) / 1e3, last, n))
+                if last == "(step start)":
+                    lead += (s - free_from) / 1e3
+            if e > free_from:
+                free_from, last = e, n
+        if we > free_from:
+            gaps.append(((we - free_from) / 1e3, last, "(step end)"))
+            if last == "(step start)":  # no kernel ran in the step at all
+                lead += (we - free_from) / 1e3
+    n = max(len(windows), 1)
+    return sum(g for g, _, _ in gaps) / n, lead / n, sorted(gaps, key=lambda g: -g[0])[:top]
+
+
+def gaps_line(idle_ms: float, lead_ms: float, largest: list[tuple[float, str, str]]) -> str:
+    """One line saying ``idle_gaps``' result."""
+    where = "; ".join(f"{ms:.2f} ms after {a[:60]}, before {b[:60]}" for ms, a, b in largest)
+    return (f"device idle inside the steps: {idle_ms:.1f} ms per step, {lead_ms:.1f} of it before each step's "
+            f"first kernel; largest gaps: {where}")
+
+
 def summary(times: Iterable[tuple[str, float, int]], n_steps: int, where: str, wall_s: float, top: int = 14) -> str:
     """Lines saying where ``n_steps`` steps' time went: the total against the wall time ``wall_s`` of the steps
     (on CUDA, the rest is the device waiting for the host), each kind in ms per step, then the ``top`` kernels."""
@@ -92,7 +146,7 @@ class StepProfiler:
             self._first, self._wall_s = step, 0.0
         start = time.perf_counter()
         try:
-            with record_function(f"meshtrain step {step}"):
+            with record_function(f"{STEP_MARK} {step}"):
                 yield
         except BaseException:
             self._prof.stop()  # a failing step ends the run: the profiler must not outlive it
@@ -108,6 +162,8 @@ class StepProfiler:
         where = "device" if cuda else "CPU"
         self._summary = f"profile of steps {self._first}-{self._first + n_steps - 1}: " + summary(
             kernel_times(prof, cuda), n_steps, where, self._wall_s)
+        if cuda:
+            self._summary += "\n" + gaps_line(*idle_gaps(device_spans(prof), step_windows(prof)))
         if self.trace is not None:
             self.trace.parent.mkdir(parents=True, exist_ok=True)
             part = self.trace.with_name(f".{self.trace.name[:-len('.json.gz')]}.part.json.gz")
@@ -121,4 +177,5 @@ class StepProfiler:
         return text
 
 
-__all__ = ["KERNEL_KINDS", "StepProfiler", "kernel_times", "kind_of", "summary"]
+__all__ = ["KERNEL_KINDS", "STEP_MARK", "StepProfiler", "device_spans", "gaps_line", "idle_gaps", "kernel_times",
+           "kind_of", "step_windows", "summary"]
