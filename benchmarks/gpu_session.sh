@@ -16,7 +16,8 @@
 # compiled alone at batch 24 (b24: the largest batch that fits, where MFU is highest; the issue's goal is read
 # there), the compiled pair of a wider model (w8), the eager pair at 8 (b8e). Batch 24 is profiled too, so that the
 # last step can fit the planner's GPU kernel costs on two batches and check its predictions, the wider model's
-# included (fit.txt; docs/planner.md). With time to spare, batch 24 once more (b24b), for the spread.
+# included (fit.txt; docs/planner.md). With time to spare, benchmarks/kernel_forms.py (forms.txt: RoPE and the norm
+# backward in other forms), then batch 24 once more (b24b), for the spread.
 # Extra arguments go to every run (after the run's own, so they win). $PYTHON (default python) runs them.
 set -u
 cd "$(dirname "$0")/.."
@@ -46,6 +47,19 @@ run() {  # name, seconds, gpu_single.py arguments...
     local rc=$?
     [ "$rc" -eq 0 ] || { echo "[gpu_session] $name exited $rc: see $OUT/$name.txt" >&2; status=1; }
 }
+forms() {  # the kernels below the copy rate against other forms of the same computation (RoPE, the norm
+    # backward: benchmarks/kernel_forms.py, ~2 minutes), when the call has them; of the extra arguments only
+    # --dry-run-cpu applies to it
+    if [ "$SECONDS" -gt 420 ]; then
+        echo "[gpu_session] forms (benchmarks/kernel_forms.py) skipped: $SECONDS s gone, it could overrun the call" >&2
+        return
+    fi
+    local dry=()
+    case " $* " in *" --dry-run-cpu "*) dry=(--dry-run-cpu --rounds 1 --iters 1) ;; esac
+    echo "[gpu_session $(date +%H:%M:%S)] forms: $PYTHON benchmarks/kernel_forms.py ${dry[*]}" >&2
+    timeout 150 "$PYTHON" benchmarks/kernel_forms.py "${dry[@]}" > "$OUT/forms.txt" 2>&1 \
+        || { echo "[gpu_session] forms exited non-zero: see $OUT/forms.txt" >&2; status=1; }
+}
 # The plan follows the card's memory (nvidia-smi; GPU_MEM_GIB overrides it; none read, as on the CPU dry run, takes
 # the large plan). Every row stays resident so rounds can alternate, ~13 GiB each (fp32 weights, gradients, AdamW).
 mem=${GPU_MEM_GIB:-$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)}
@@ -65,6 +79,7 @@ if [ "$mem" -eq 0 ] || [ "$mem" -ge 100 ]; then  # an H200 (141 GiB): four rows 
     run b16 190 --batch 16 --profile 2 --rows "ours compiled,HF compiled" "$@"
     run b32 170 --batch 32 --rows "ours compiled,HF compiled" "$@"
     fitted="b8 b16 b32"
+    forms "$@"
 else  # an H100 (80 GB): ours eager at batch 8 (~47 GiB) and three other rows' ~39 do not fit, so pairs; the
     # compiled pair first (the ratio and the profile), then ours compiled alone at the largest batch it fits (24:
     # 67.8 GiB at stop 29, with DP buckets one device no longer keeps), the wider model's pair, the eager pair.
@@ -75,6 +90,7 @@ else  # an H100 (80 GB): ours eager at batch 8 (~47 GiB) and three other rows' ~
     run w8 150 "${wide[@]}" --batch 8 --profile 2 --rows "ours compiled,HF compiled" "$@"
     run b8e 100 --batch 8 --rows "ours eager,HF eager" "$@"
     fitted="b8c b24 w8"
+    forms "$@"
     # Minutes to spare (the four runs usually end well inside their timeouts): batch 24 once more, an independent
     # run of the goal's figure (at b13d967 three batch-24 runs spread 49.6-51.3% MFU, the device idle 9-43 ms a
     # step), read beside b24 and not fitted. Skipped when it could overrun the call's 10 minutes. (Inductor's kernel

@@ -99,7 +99,7 @@ def test_the_gpu_session_script_refuses_a_gpu_mem_that_is_no_number_in_one_line(
 def test_the_gpu_session_script_runs_its_measurements(tmp_path, mem, runs):
     """benchmarks/gpu_session.sh, the next GPU session's one command, on the CPU dry run: its runs (the H200 plan:
     batch 8 with the profile, 16 and 32; the H100 plan: the compiled pair at 8 with the profile, ours compiled alone
-    at 24, a wider model's pair, the eager pair at 8, and with time to spare 24 again)
+    at 24, a wider model's pair, the eager pair at 8, and with time to spare the kernel forms and 24 again)
     each leave their output and JSON in $OUT, beside the machine's facts; the extra arguments reach every run and
     win over the script's own (here --rows, as the dry run needs ours eager)."""
     import json
@@ -120,6 +120,8 @@ def test_the_gpu_session_script_runs_its_measurements(tmp_path, mem, runs):
     kernels = json.loads((tmp_path / f"{runs[0][0]}.json").read_text())["rows"]["ours eager"]["kernels_ms_per_step"]
     assert kernels and all(ms > 0 for _, ms, _ in kernels)  # the whole table, not only the printed top
     assert sorted(p.name for p in tmp_path.glob("*.json")) == sorted(f"{n}.json" for n, _ in runs)
+    forms = (tmp_path / "forms.txt").read_text()  # benchmarks/kernel_forms.py, on its own dry run
+    assert "| rope swap |" in forms and "| norm split |" in forms and "same run: rope swap output:" in forms, forms
     given = {k: v for k, v in os.environ.items() if k.startswith("TORCHINDUCTOR_")}  # this machine's own, if any
     for name, _ in runs:  # each JSON says how its run was compiled: here, with this machine's settings alone
         assert json.loads((tmp_path / f"{name}.json").read_text())["inductor_env"] == given, name
@@ -209,3 +211,12 @@ def test_the_report_says_what_the_allocator_did_over_each_rows_timed_steps(capsy
             "synchronises), 1 syncs of all streams, 7 device allocations, 6 frees; the process's peak reserved "
             "75.00 GiB") in said
     assert "allocator over HF compiled" not in said  # no counts (a CPU row): no line
+
+
+def test_the_kernel_forms_refuse_without_cuda_in_one_line():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_forms.py")], capture_output=True,
+                         text=True, env=env, timeout=120)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("kernel_forms.py needs a CUDA device"), \
+        out.stderr

@@ -1,0 +1,200 @@
+"""The compiled kernels that run below the GPU's copy rate (docs/benchmarks.md, "How far the unfused kernels can
+go"), each against other forms of the same computation, at the ~1B model's batch-24 shapes on one device.
+
+    PYTHONPATH=. python benchmarks/kernel_forms.py              # one CUDA device: ~2 minutes, compilation included
+    PYTHONPATH=. python benchmarks/kernel_forms.py --dry-run-cpu   # tiny shapes on CPU: checks the script
+
+The H100 profile at b13d967 has RoPE's forward kernels at ~1.8 TB/s and the norm backwards at 1.3 and 2.0 TB/s,
+against ~3.05 TB/s for a plain copy, ~10 ms a step of a 488 ms step between them. Which form Inductor makes fast is
+for a GPU to say, not this CPU (no Triton here), so this script measures, per form, the forward and the forward +
+backward of one compiled call, in the same process, rounds alternating the order of the forms:
+
+- ``rope ours``: ``model/layers.rope_real`` as compiled blocks run it, pairs (x[2i], x[2i+1]) rotated with a stack.
+- ``rope swap``: the same rotation as ``x * cos2 + swap(x) * sin2`` with [T, D] tables (cos repeated per pair, sin
+  signed) and each pair's two values swapped: one multiply-add over contiguous memory. The same arithmetic in the
+  same order, so the script checks its output and gradient are bitwise those of ``rope ours``: a drop-in.
+- ``rope half``: HF's rotate-half convention (pairs (x[i], x[i + D/2])), a different model, for the bound: adopting
+  it would change the checkpoint layout and the HF conversion (``model/hf.py``'s row permutation).
+- ``copy``: ``x * 1`` (and its backward), the copy rate the others are read against.
+- ``norm ours``: ``x + RMSNorm(x)`` (``model/layers.RMSNorm``, with a residual add as in a block), whose backward is
+  the kernel that also sums the weight's gradient (Inductor's mixed-order reduction).
+- ``norm split``: the same with ``torch._inductor.config.triton.mix_order_reduction = False`` (two reductions).
+
+Printed per form: the median ms of the forward and of forward + backward over the rounds, the bytes each must
+move (bf16 reads and writes of whole tensors; the tables and the weight are small), and the rate that gives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from meshtrain.model.layers import RMSNorm, rope_real, rope_tables
+
+NO_CUDA = ("kernel_forms.py needs a CUDA device; none is visible: run it on a GPU machine, or pass --dry-run-cpu to "
+           "check the script on tiny shapes on CPU.")
+
+
+def rope_swap(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+    """``rope_real`` as one multiply-add: out[2i] = x[2i] cos - x[2i+1] sin, out[2i+1] = x[2i+1] cos + x[2i] sin,
+    with cos2 = cos repeated per pair and sin2 = (-sin, sin) per pair, both [T, 1, D] fp32."""
+    xf = x.float()
+    swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return (xf * cos2 + swapped * sin2).type_as(x)
+
+
+def rope_half(x: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor) -> torch.Tensor:
+    """The rotate-half convention (pairs (x[i], x[i + D/2])), cos_h/sin_h = the tables repeated twice, [T, 1, D]."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos_h + torch.cat((-x2, x1), dim=-1) * sin_h).type_as(x)
+
+
+def forms(batch: int, seq: int, heads: int, head_dim: int, d_model: int, device: torch.device):
+    """name -> (function of one tensor, its input, bytes of whole tensors moved forward, and backward)."""
+    cos, sin = (t.to(device).unsqueeze(-2) for t in rope_tables(head_dim, seq, 10000.0))  # [T, 1, D/2]
+    cos2 = cos.repeat_interleave(2, -1)
+    sin2 = torch.stack((-sin, sin), dim=-1).flatten(-2)
+    cos_h, sin_h = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+    q = torch.randn(batch, seq, heads, head_dim, device=device, dtype=torch.bfloat16)
+    h = torch.randn(batch, seq, d_model, device=device, dtype=torch.bfloat16)
+    norm = RMSNorm(d_model).to(device)
+    qb, hb = q.numel() * 2, h.numel() * 2
+    return {
+        "rope ours": (lambda x: rope_real(x, cos, sin), q, 2 * qb, 2 * qb),
+        "rope swap": (lambda x: rope_swap(x, cos2, sin2), q, 2 * qb, 2 * qb),
+        "rope half": (lambda x: rope_half(x, cos_h, sin_h), q, 2 * qb, 2 * qb),
+        "copy": (lambda x: x * 1, q, 2 * qb, 2 * qb),
+        "norm ours": (lambda x: x + norm(x), h, 2 * hb, 3 * hb),  # backward reads g and x, writes dx
+        "norm split": (lambda x: x + norm(x), h, 2 * hb, 3 * hb),
+    }
+
+
+# Inductor settings per form, applied while it compiles (missing in an older torch: the form is skipped).
+SETTINGS = {"norm split": {"triton.mix_order_reduction": False}}
+
+
+def compiled(name: str, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Callable | str:
+    """``fn`` compiled under the form's settings, both ways (compilation happens at the first call, so the calls
+    are made inside the settings), or why not."""
+    import torch._inductor.config as inductor
+
+    patch = SETTINGS.get(name, {})
+    for key in patch:
+        section, _, attr = key.rpartition(".")
+        if not hasattr(getattr(inductor, section) if section else inductor, attr):
+            return f"skipped: this torch has no inductor setting {key}"
+    c = torch.compile(fn, dynamic=False)
+    with inductor.patch(patch):
+        for backward in (False, True):
+            run(c, x, backward)
+    return c
+
+
+def run(fn: Callable, x: torch.Tensor, backward: bool) -> torch.Tensor:
+    xi = x.detach().requires_grad_(backward)
+    y = fn(xi)
+    if backward:
+        y.backward(torch.ones_like(y))
+        return xi.grad
+    return y
+
+
+def timed(fn: Callable, x: torch.Tensor, backward: bool, iters: int, device: torch.device) -> float:
+    """ms per call of ``iters`` back-to-back calls (CUDA events on a GPU)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        for _ in range(iters):
+            run(fn, x, backward)
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / iters
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        run(fn, x, backward)
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def rate(moved: int, ms: float) -> str:
+    """TB/s of ``moved`` bytes in ``ms``."""
+    return f"{moved / ms / 1e9:.2f}" if ms > 0 else "n/a"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run-cpu", action="store_true", help="tiny shapes on CPU: checks the script, no figures")
+    ap.add_argument("--batch", type=int, help="sequences (default 24 on a GPU, 2 on the dry run)")
+    ap.add_argument("--seq", type=int, help="tokens per sequence (default 2048; 64 on the dry run)")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds, each form timed once per round (default 5)")
+    ap.add_argument("--iters", type=int, default=20, help="calls per timing (default 20)")
+    args = ap.parse_args(argv)
+    gpu = not args.dry_run_cpu
+    args.batch = args.batch or (24 if gpu else 2)
+    args.seq = args.seq or (2048 if gpu else 64)
+    args.heads, args.head_dim, args.d_model = (32, 64, 2048) if gpu else (4, 16, 64)
+    for flag in ("batch", "seq", "rounds", "iters"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag} must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.dry_run_cpu and not torch.cuda.is_available():
+        print(NO_CUDA, file=sys.stderr)
+        return 2
+    device = torch.device("cpu") if args.dry_run_cpu else torch.device("cuda", torch.cuda.current_device())
+    table = forms(args.batch, args.seq, args.heads, args.head_dim, args.d_model, device)
+    fns: dict[str, Callable] = {}
+    for name, (fn, x, _, _) in table.items():
+        c = compiled(name, fn, x)
+        if isinstance(c, str):
+            print(f"{name}: {c}")
+            continue
+        fns[name] = c
+    # The same run: the swap form is the same arithmetic as ours (bitwise equal where the compiler contracts the
+    # multiply-adds alike; a GPU may fuse them differently, a rounding of the fp32 intermediate at most), and the
+    # split norm differs from ours in the order of a sum only: both within bf16 rounding, or the script stops.
+    same = []
+    for a_name, b_name in (("rope ours", "rope swap"), ("norm ours", "norm split")):
+        if a_name in fns and b_name in fns:
+            x = table[a_name][1]
+            for backward in (False, True):
+                a, b = run(fns[a_name], x, backward).float(), run(fns[b_name], x, backward).float()
+                way = "gradient" if backward else "output"
+                if not torch.allclose(a, b, rtol=1e-2, atol=1e-2):
+                    print(f"{b_name}'s {way} differs from {a_name}'s beyond bf16 rounding: largest "
+                          f"{(a - b).abs().max().item():.3e}", file=sys.stderr)
+                    return 1
+                same.append(f"{b_name} {way}: " + (f"bitwise equal to {a_name}" if torch.equal(a, b) else
+                                                    f"within {(a - b).abs().max().item():.1e} of {a_name}"))
+    times: dict[str, dict[bool, list[float]]] = {n: {False: [], True: []} for n in fns}
+    order = list(fns)
+    for r in range(args.rounds):
+        for name in (order if r % 2 == 0 else order[::-1]):
+            for backward in (False, True):
+                times[name][backward].append(timed(fns[name], table[name][1], backward, args.iters, device))
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (dry run: no figures)"
+    print(f"{where}; torch {torch.__version__}; batch {args.batch} x seq {args.seq}, {args.heads} heads of "
+          f"{args.head_dim}, d_model {args.d_model}, bf16; {args.rounds} rounds x {args.iters} calls, alternating")
+    print("\n| form | forward (ms) | rate (TB/s) | backward (ms) | rate (TB/s) | forward + backward min-max (ms) |")
+    print("|---|---|---|---|---|---|")
+    for name in fns:
+        fwd, both = (statistics.median(times[name][b]) for b in (False, True))
+        bwd = both - fwd
+        _, _, fwd_bytes, bwd_bytes = table[name]
+        print(f"| {name} | {fwd:.3f} | {rate(fwd_bytes, fwd)} | {bwd:.3f} | {rate(bwd_bytes, bwd)} | "
+              f"{min(times[name][True]):.3f}-{max(times[name][True]):.3f} |")
+    print("\nsame run: " + "; ".join(same))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
