@@ -267,11 +267,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from harness import one_device  # benchmarks/, beside this script; imports meshtrain, after INDUCTOR_ENV is read
+
     args = parse_args(argv)
-    if not args.dry_run_cpu and not torch.cuda.is_available():
-        print(NO_CUDA, file=sys.stderr)
+    device = one_device(args.dry_run_cpu, NO_CUDA)
+    if device is None:
         return 2
-    device = torch.device("cpu") if args.dry_run_cpu else torch.device("cuda", torch.cuda.current_device())
     total = args.warmup + args.rounds * args.steps + args.profile
     overrides = model_overrides(args) + train_overrides(args, total)
     compile_ok = compile_option_exists()

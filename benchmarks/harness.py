@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,17 @@ def bench_device() -> torch.device:
     if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def one_device(dry_run_cpu: bool, no_cuda: str) -> torch.device | None:
+    """The one-device scripts' device (``gpu_single.py``, ``kernel_forms.py``): the current CUDA device, or the CPU
+    under ``--dry-run-cpu``; without either, ``no_cuda`` on stderr and None (the script exits 2)."""
+    if dry_run_cpu:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        print(no_cuda, file=sys.stderr)
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def world_group() -> AxisGroup:

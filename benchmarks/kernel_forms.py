@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from harness import one_device  # benchmarks/, beside this script
 
 from meshtrain.model.layers import RMSNorm, rope_real, rope_tables
 
@@ -147,10 +148,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not args.dry_run_cpu and not torch.cuda.is_available():
-        print(NO_CUDA, file=sys.stderr)
+    device = one_device(args.dry_run_cpu, NO_CUDA)
+    if device is None:
         return 2
-    device = torch.device("cpu") if args.dry_run_cpu else torch.device("cuda", torch.cuda.current_device())
     table = forms(args.batch, args.seq, args.heads, args.head_dim, args.d_model, device)
     fns: dict[str, Callable] = {}
     for name, (fn, x, _, _) in table.items():
