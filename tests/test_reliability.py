@@ -869,3 +869,36 @@ def test_a_bad_command_line_argument_is_one_line_not_a_usage_block(args, named):
     assert r.returncode == 2
     _one_error_line(r, *named)
     assert "usage:" not in r.stderr
+
+
+def _late_non_writer(rank: int, world_size: int, root: str) -> list[str]:
+    """Both ranks hold the same whole tensor, so rank 0 writes it and rank 1 writes nothing; rank 1 is held up
+    for a second before any folder it makes (as a busy machine can), long enough for rank 0 to commit."""
+    import pathlib
+
+    from meshtrain.parallel.state import _whole
+    from meshtrain.train.checkpoint import Checkpointer
+
+    if rank == 1:
+        real = pathlib.Path.mkdir
+
+        def late(self, *args, **kwargs):
+            if ".tmp-" in self.name:
+                time.sleep(1.0)
+            return real(self, *args, **kwargs)
+
+        pathlib.Path.mkdir = late
+    group = Mesh(dp=2).group("world")
+    ckpt = Checkpointer(Path(root), group, rank)
+    ckpt.save(1, [_whole("w", torch.arange(6.0).view(2, 3))])
+    time.sleep(1.5 if rank == 0 else 0.0)  # rank 1's late mkdir, if it makes one, lands before the look
+    comm.barrier(group)
+    return sorted(p.name for p in Path(root).iterdir())
+
+
+def test_a_rank_with_nothing_to_write_leaves_no_folder_behind_when_it_is_late(tmp_path):
+    """Rank 0 commits once the writers' files are there; a rank that writes nothing must not make the temporary
+    folder (it would race rank 0's rename: a FileExistsError seen under a loaded CI machine, or an empty folder
+    left behind)."""
+    per_rank = spawn(_late_non_writer, 2, args=(str(tmp_path / "checkpoints"),), timeout=120)
+    assert per_rank == [["step_000001"], ["step_000001"]], per_rank

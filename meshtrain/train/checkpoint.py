@@ -136,7 +136,11 @@ class Checkpointer:
                   for (key, _, box, t), mine in zip(parts, mask, strict=True) if mine]
         final = checkpoint_dir(self.root, step)
         tmp = self.root / f".{final.name}.tmp-{token}"
-        tmp.mkdir(parents=True, exist_ok=True)
+        # Only a rank that writes makes the folder: rank 0 waits for the writers' files alone, so a rank with
+        # nothing to write (every box it holds is a lower rank's: plain DP's rank 1) could reach mkdir after rank 0
+        # renamed the folder, and either fail (it vanished between mkdir and the check) or leave an empty one.
+        if writes or self.rank == 0:
+            tmp.mkdir(parents=True, exist_ok=True)
         my_file = tmp / f"rank_{me:05d}.safetensors"
         rng = _rng_state() if self.rank == 0 else None
         self.last_path = final
