@@ -15,13 +15,15 @@ backward of one compiled call, in the same process, rounds alternating the order
   same order, so the script checks its output and gradient are bitwise those of ``rope ours``: a drop-in.
 - ``rope half``: HF's rotate-half convention (pairs (x[i], x[i + D/2])), a different model, for the bound: adopting
   it would change the checkpoint layout and the HF conversion (``model/hf.py``'s row permutation).
-- ``copy``: ``x * 1`` (and its backward), the copy rate the others are read against.
+- ``copy``: ``x * 2`` (and its backward), a read and a write: the copy rate the others are read against.
 - ``norm ours``: ``x + RMSNorm(x)`` (``model/layers.RMSNorm``, with a residual add as in a block), whose backward is
   the kernel that also sums the weight's gradient (Inductor's mixed-order reduction).
 - ``norm split``: the same with ``torch._inductor.config.triton.mix_order_reduction = False`` (two reductions).
 
 Printed per form: the median ms of the forward and of forward + backward over the rounds, the bytes each must
-move (bf16 reads and writes of whole tensors; the tables and the weight are small), and the rate that gives.
+move (bf16 reads and writes of whole tensors; the tables and the weight are small), and the rate that gives. Each
+timing is ``--iters`` calls back to back between two CUDA events; a call's host work (tens of microseconds, the
+same for every form) overlaps the device's while the kernels are longer than it, as at these shapes.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def forms(batch: int, seq: int, heads: int, head_dim: int, d_model: int, device:
         "rope ours": (lambda x: rope_real(x, cos, sin), q, 2 * qb, 2 * qb),
         "rope swap": (lambda x: rope_swap(x, cos2, sin2), q, 2 * qb, 2 * qb),
         "rope half": (lambda x: rope_half(x, cos_h, sin_h), q, 2 * qb, 2 * qb),
-        "copy": (lambda x: x * 1, q, 2 * qb, 2 * qb),
+        "copy": (lambda x: x * 2, q, 2 * qb, 2 * qb),  # not x * 1, which a compiler may drop
         "norm ours": (lambda x: x + norm(x), h, 2 * hb, 3 * hb),  # backward reads g and x, writes dx
         "norm split": (lambda x: x + norm(x), h, 2 * hb, 3 * hb),
     }
@@ -98,12 +100,14 @@ def compiled(name: str, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Ten
 
 
 def run(fn: Callable, x: torch.Tensor, backward: bool) -> torch.Tensor:
-    xi = x.detach().requires_grad_(backward)
+    """One call as in training (the input needs a gradient, so the forward is the training graph's), with its
+    backward if ``backward``: the output, or the input's gradient."""
+    xi = x.detach().requires_grad_(True)
     y = fn(xi)
     if backward:
         y.backward(torch.ones_like(y))
         return xi.grad
-    return y
+    return y.detach()
 
 
 def timed(fn: Callable, x: torch.Tensor, backward: bool, iters: int, device: torch.device) -> float:
