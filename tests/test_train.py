@@ -300,3 +300,29 @@ def test_ckpt_keep_0_keeps_every_checkpoint(tmp_path):
                                "train.progress=false", "train.tensorboard=false", "train.sample_tokens=0"])
     Trainer(cfg, out_dir=out).train()
     assert len(list_checkpoints(out / "checkpoints")) == 3
+
+
+def test_allocator_retries_are_counted_per_step_and_said_once(tmp_path, capsys, monkeypatch):
+    """On CUDA each step's record carries the caching allocator's retries in that step (each frees the cache and
+    synchronises the device), and the log says so the first time there are any. This machine has no CUDA, so the
+    counter is a stand-in: no retries in steps 1-2, 3 in step 3, none in step 4, 1 in step 5."""
+    from meshtrain.train import trainer as trainer_module
+
+    counts = iter([0, 0, 0, 3, 3, 4])  # read before the loop, then after each of the 5 steps
+    monkeypatch.setattr(trainer_module, "alloc_retries", lambda device: next(counts))
+    cfg = load_config("tiny", ["data.source=synthetic", "train.steps=5", "train.progress=false",
+                               "train.tensorboard=false", "train.sample_tokens=0", "train.log_every=1"])
+    records = Trainer(cfg, out_dir=tmp_path / "run").train()
+    assert [r["alloc_retries"] for r in records] == [0, 0, 3, 0, 1]
+    said = capsys.readouterr().out
+    assert said.count("the CUDA caching allocator retried") == 1, said
+    assert "step 3: the CUDA caching allocator retried 3 allocation(s)" in said
+
+
+def test_off_cuda_no_allocator_retries_are_recorded(tmp_path):
+    from meshtrain.train.metrics import alloc_retries
+
+    assert alloc_retries(torch.device("cpu")) is None
+    cfg = load_config("tiny", ["data.source=synthetic", "train.steps=2", "train.progress=false",
+                               "train.tensorboard=false", "train.sample_tokens=0"])
+    assert not any("alloc_retries" in r for r in Trainer(cfg, out_dir=tmp_path / "run").train())

@@ -29,6 +29,23 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def alloc_retries(device: torch.device) -> int | None:
+    """How many times so far the CUDA caching allocator retried an allocation (``num_alloc_retries``: a cudaMalloc
+    failed, so it freed its cache, synchronising the device, and tried again); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
+def retries_line(step: int, retries: int) -> str:
+    """What the log says the first time a step's allocations were retried (torchtitan warns likewise)."""
+    return (f"step {step}: the CUDA caching allocator retried {retries} allocation(s) on this rank: each frees its "
+            f"cache and synchronises the device, which then idles while the host queues again. The step runs at "
+            f"the edge of the device's memory: a smaller train.global_batch (with train.grad_accum), "
+            f"train.recompute=selective, or PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True usually ends it "
+            f"(metrics.jsonl: alloc_retries per step).")
+
+
 def import_wandb() -> Any:
     """The ``wandb`` module, or an ImportError that names the extra to install (asked before launch)."""
     try:

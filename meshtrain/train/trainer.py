@@ -35,7 +35,7 @@ from meshtrain.plan.hardware import peak_flops
 from meshtrain.plan.validate import validate_layout
 from meshtrain.train.checkpoint import Checkpointer, CheckpointError, CheckpointReader, latest_checkpoint, restore_rng
 from meshtrain.train.data import SyntheticDataset, TokenDataset, read_meta, to_device
-from meshtrain.train.metrics import MetricsLogger, import_wandb, peak_memory_bytes
+from meshtrain.train.metrics import MetricsLogger, alloc_retries, import_wandb, peak_memory_bytes, retries_line
 from meshtrain.train.optim import build_optimizer, clip_divisor, non_finite, optimizer_step, set_lr
 from meshtrain.train.paths import unwritable_reason
 from meshtrain.train.prepare import ensure_prepared
@@ -461,6 +461,7 @@ class Trainer:
             log.write(f"meshtrain: {n.total / 1e6:.2f}M parameters, {tokens_per_step} tokens/step, "
                       f"mesh {self.mesh.describe()}, dtype {t.dtype}; unigram baseline loss {base:.3f}")
         records = []
+        retried, warned = alloc_retries(self.device), False  # None off CUDA
         # A scheduler's preemption (SIGTERM): finish the step, save, stop cleanly (only the main thread may
         # install a handler; a Trainer driven from another thread keeps the default).
         previous = signal.signal(signal.SIGTERM, self._on_sigterm) \
@@ -486,6 +487,12 @@ class Trainer:
                        "mfu": mfu(tps / self.mesh.world_size, cfg.model, t.seq_len, self.peak),
                        "step_time_s": elapsed, "comm_wait_s": comm_wait,
                        "peak_mem_bytes": peak_memory_bytes(self.device)}
+                if retried is not None:  # CUDA: the allocator's retries in this step, each a device-wide sync
+                    now = alloc_retries(self.device)
+                    rec["alloc_retries"], retried = now - retried, now
+                    if rec["alloc_retries"] and not warned and self.is_logger:
+                        log.write(retries_line(self.step, rec["alloc_retries"]))
+                        warned = True
                 last = self.step == t.steps
                 if self.can_validate and ((t.eval_every and self.step % t.eval_every == 0) or last):
                     rec["val_loss"] = self.evaluate()
