@@ -891,8 +891,7 @@ def _late_non_writer(rank: int, world_size: int, root: str) -> list[str]:
     group = Mesh(dp=2).group("world")
     ckpt = Checkpointer(Path(root), group, rank)
     ckpt.save(1, [_whole("w", torch.arange(6.0).view(2, 3))])
-    time.sleep(1.5 if rank == 0 else 0.0)  # rank 1's late mkdir, if it makes one, lands before the look
-    comm.barrier(group)
+    comm.barrier(group)  # rank 1's save, and so its late mkdir if it makes one, is done before the look
     return sorted(p.name for p in Path(root).iterdir())
 
 
