@@ -17,7 +17,7 @@
 # there), the compiled pair of a wider model (w8), the eager pair at 8 (b8e). Batch 24 is profiled too, so that the
 # last step can fit the planner's GPU kernel costs on two batches and check its predictions, the wider model's
 # included (fit.txt; docs/planner.md). With time to spare, benchmarks/kernel_forms.py (forms.txt: RoPE and the norm
-# backward in other forms), then batch 24 once more (b24b), for the spread.
+# backward in other forms), then batch 24 once more (b24b) with Python's automatic garbage collection.
 # Extra arguments go to every run (after the run's own, so they win). $PYTHON (default python) runs them.
 set -u
 cd "$(dirname "$0")/.."
@@ -93,10 +93,12 @@ else  # an H100 (80 GB): ours eager at batch 8 (~47 GiB) and three other rows' ~
     forms "$@"
     # Minutes to spare (the four runs usually end well inside their timeouts): batch 24 once more, an independent
     # run of the goal's figure (at b13d967 three batch-24 runs spread 49.6-51.3% MFU, the device idle 9-43 ms a
-    # step), read beside b24 and not fitted. Skipped when it could overrun the call's 10 minutes. (Inductor's kernel
-    # tuning, probed in this slot at b13d967, changed nothing worth keeping: docs/benchmarks.md.)
+    # step), read beside b24 and not fitted, with Python's automatic garbage collection as those three had it
+    # (--gc-every 0; b24 collects as the trainer now does, train.gc_every=50): its report says what the collector
+    # took inside the timed steps. Skipped when it could overrun the call's 10 minutes. (Inductor's kernel tuning,
+    # probed in this slot at b13d967, changed nothing worth keeping: docs/benchmarks.md.)
     if [ "$SECONDS" -le 450 ]; then
-        run b24b 110 --batch 24 --profile 2 --rows "ours compiled" "$@"
+        run b24b 110 --batch 24 --profile 2 --rows "ours compiled" --gc-every 0 "$@"
     else
         echo "[gpu_session] b24b (batch 24 again) skipped: $SECONDS s gone, it could overrun the call" >&2
     fi

@@ -86,6 +86,7 @@ class Row:
     kernels: list[tuple[str, float, int]] = field(default_factory=list)  # --profile: (name, ms, calls) per step
     allocator: dict[str, int] = field(default_factory=dict)  # ALLOCATOR_COUNTS over the timed steps, reserved peak
     idle: dict = field(default_factory=dict)  # --profile on CUDA: idle_gaps' result
+    gc: dict = field(default_factory=dict)  # Python's garbage collector over the timed steps: ms, per generation
 
 
 # torch.cuda.memory_stats keys counted over a row's timed steps (module docstring).
@@ -188,9 +189,11 @@ def build_hf(cfg, weights: dict[str, torch.Tensor], device: torch.device, compil
     return step, prefetch
 
 
-def timed(row: Row, s: int, device: torch.device, prefetch: Callable[[int], None] | None, mark: bool = False) -> float:
+def timed(row: Row, s: int, device: torch.device, prefetch: Callable[[int], None] | None, mark: bool = False,
+          after: Callable[[int], None] | None = None) -> float:
     """One step between two device synchronisations, in seconds; ``mark``: inside a profiler step mark, which
-    spans exactly the timed part (``train/profiling.STEP_MARK``)."""
+    spans exactly the timed part (``train/profiling.STEP_MARK``); ``after``: called with the step's number (from 1)
+    inside its time, as the trainer calls ``GcSchedule.after_step``."""
     from torch.profiler import record_function
 
     from meshtrain.train.profiling import STEP_MARK
@@ -202,6 +205,8 @@ def timed(row: Row, s: int, device: torch.device, prefetch: Callable[[int], None
         t0 = time.perf_counter()
         loss = row.step(s)
         sync(device)
+        if after is not None:
+            after(s + 1)
         elapsed = time.perf_counter() - t0
     row.losses.append(float(loss))
     return elapsed
@@ -236,6 +241,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=("bf16", "fp32"), help="compute dtype (default bf16; dry run fp32)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after the rounds, profile N more steps of each row and print its top kernels by device time")
+    ap.add_argument("--gc-every", type=int, metavar="N",
+                    help="Python's garbage collector for every row as the trainer's train.gc_every=N schedules it "
+                         "(default the trainer's, 50); 0: Python's automatic collection")
     ap.add_argument("--json", metavar="PATH", help="also write every row's losses, step times and peak memory here")
     args = ap.parse_args(argv)
     defaults = DRY_DEFAULTS if args.dry_run_cpu else GPU_DEFAULTS
@@ -243,8 +251,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.dtype = args.dtype or ("fp32" if args.dry_run_cpu else "bf16")
-    lows = {"steps": 1, "rounds": 1, "batch": 1, "seq": 2, "vocab": 2, "warmup": 0, "profile": 0, "d_model": 8,
-            "layers": 1, "heads": 1, "kv_heads": 1}
+    if args.gc_every is None:
+        from meshtrain.config import TrainConfig
+
+        args.gc_every = TrainConfig().gc_every
+    lows = {"steps": 1, "rounds": 1, "batch": 1, "seq": 2, "vocab": 2, "warmup": 0, "profile": 0, "gc_every": 0,
+            "d_model": 8, "layers": 1, "heads": 1, "kv_heads": 1}
     for flag, low in lows.items():
         if getattr(args, flag) < low:
             ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least {low}")
@@ -268,6 +280,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     from harness import one_device  # benchmarks/, beside this script; imports meshtrain, after INDUCTOR_ENV is read
+
+    from meshtrain.train.gc_schedule import GcClock, GcSchedule
 
     args = parse_args(argv)
     device = one_device(args.dry_run_cpu, NO_CUDA)
@@ -350,6 +364,24 @@ def main(argv: list[str] | None = None) -> int:
         build(name, lambda: (build_ours(overrides + ["train.compile=true"])[1], None))
 
     live = [rows[n] for n in ROWS if rows[n].step is not None]
+    # Python's garbage collector as the trainer schedules it (train.gc_every; 0: automatic), for every row alike:
+    # the warm-ups were the first steps, so what they left is frozen now.
+    with GcSchedule(args.gc_every) as schedule, GcClock() as clock:
+        schedule.settle()
+        timed_rounds(args, live, device, prefetchers, schedule, clock)
+        if args.profile:
+            s0 = args.warmup + args.rounds * args.steps
+            for row in live:
+                profile_row(row, range(s0, s0 + args.profile), device, prefetchers[row.name], schedule.after_step)
+    report(args, cfg, device, rows, overrides)
+    if args.json:
+        write_json(args.json, args, rows)
+    return check_same_run(args, rows)
+
+
+def timed_rounds(args: argparse.Namespace, live: list[Row], device: torch.device,
+                 prefetchers: dict[str, Callable[[int], None] | None], schedule, clock) -> None:
+    """The rounds, rows alternating; each row's times, peak memory, allocator counts and collector time."""
     for r in range(args.rounds):
         for row in (live if r % 2 == 0 else live[::-1]):
             s0 = args.warmup + r * args.steps
@@ -357,7 +389,13 @@ def main(argv: list[str] | None = None) -> int:
                 others = torch.cuda.memory_allocated(device) - row.resident
                 torch.cuda.reset_peak_memory_stats(device)
                 before = allocator_counts(device)
-            row.times.append([timed(row, s, device, prefetchers[row.name]) for s in range(s0, s0 + args.steps)])
+            clock.take()
+            row.times.append([timed(row, s, device, prefetchers[row.name], after=schedule.after_step)
+                              for s in range(s0, s0 + args.steps)])
+            ms, collections = clock.take()
+            row.gc["ms"] = row.gc.get("ms", 0.0) + ms
+            row.gc["collections"] = [a + b for a, b in zip(row.gc.get("collections", [0, 0, 0]), collections,
+                                                           strict=True)]
             if device.type == "cuda":
                 row.peak = max(row.peak, torch.cuda.max_memory_allocated(device) - others)
                 after = allocator_counts(device)
@@ -367,17 +405,9 @@ def main(argv: list[str] | None = None) -> int:
                                                      torch.cuda.max_memory_reserved(device))
         progress(f"round {r + 1}/{args.rounds} done")
 
-    if args.profile:
-        s0 = args.warmup + args.rounds * args.steps
-        for row in live:
-            profile_row(row, range(s0, s0 + args.profile), device, prefetchers[row.name])
-    report(args, cfg, device, rows, overrides)
-    if args.json:
-        write_json(args.json, args, rows)
-    return check_same_run(args, rows)
 
-
-def profile_row(row: Row, steps: range, device: torch.device, prefetch: Callable[[int], None] | None) -> None:
+def profile_row(row: Row, steps: range, device: torch.device, prefetch: Callable[[int], None] | None,
+                after: Callable[[int], None] | None = None) -> None:
     """Where the row's step time goes over ``steps``: by kind and top kernels (``train/profiling.py``, the same
     summary ``train.profile_steps`` writes for a real run)."""
     from torch.profiler import ProfilerActivity, profile
@@ -386,7 +416,7 @@ def profile_row(row: Row, steps: range, device: torch.device, prefetch: Callable
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
-        wall = sum(timed(row, s, device, prefetch, mark=True) for s in steps)
+        wall = sum(timed(row, s, device, prefetch, mark=True, after=after) for s in steps)
     cuda = device.type == "cuda"
     times = kernel_times(prof, cuda)
     n = len(steps)
@@ -405,7 +435,8 @@ def write_json(path: str, args: argparse.Namespace, rows: dict[str, Row]) -> Non
            "inductor_env": INDUCTOR_ENV,
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.dry_run_cpu else "cpu",
            "rows": {n: {"losses": r.losses, "times": r.times, "peak": r.peak, "note": r.note,
-                        "kernels_ms_per_step": r.kernels, "allocator": r.allocator, "idle": r.idle}
+                        "kernels_ms_per_step": r.kernels, "allocator": r.allocator, "idle": r.idle,
+                        "gc": r.gc}
                     for n, r in rows.items()}}
     tmp = f"{path}.tmp"  # renamed into place whole: never a half-written file at PATH
     with open(tmp, "w") as f:
@@ -456,6 +487,9 @@ def report(args: argparse.Namespace, cfg, device: torch.device, rows: dict[str, 
             f"cache and synchronises), {a['num_sync_all_streams']} syncs of all streams, {a['num_device_alloc']} "
             f"device allocations, {a['num_device_free']} frees; the process's peak reserved "
             f"{a['reserved_peak'] / 2**30:.2f} GiB" for name in ROWS if (a := rows[name].allocator)]  # CUDA only
+    said += [f"Python's garbage collector over {name}'s timed steps: {g['ms']:.1f} ms in "
+             f"{'/'.join(map(str, g['collections']))} collections of generations 0/1/2"
+             for name in ROWS if (g := rows[name].gc)]
     if said:
         print("\n" + "\n".join(said))
     print("\n| ours / HF (step time, lower is better) | median ratio | per-round min-max |")

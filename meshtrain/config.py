@@ -152,6 +152,7 @@ class TrainConfig:
     threads: int = 0  # CPU threads for torch; 0: torch's default
     collective_timeout_s: float = 300.0  # a collective waiting longer for its peers ends the run, naming them
     check_collective_order: bool = False  # debug: compare each collective across its group before it runs
+    gc_every: int = 50  # Python's garbage collector: off but every N steps, same step on every rank; 0: automatic
     profile_steps: int = 0  # > 0: trace this many steps with torch.profiler into --out/profile/ (docs/training.md)
     profile_start: int = 5  # the first traced step, as logged (from 1): after compilation and the allocator warm up
     progress: bool = True
@@ -400,7 +401,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
 
     for name in ("steps", "global_batch", "grad_accum", "seq_len", "log_every", "eval_batches", "max_bad_steps"):
         _need(getattr(t, name) > 0, f"train.{name} must be positive, got {getattr(t, name)}.")
-    for name in ("eval_every", "ckpt_every", "ckpt_keep", "warmup_steps", "sample_tokens", "threads", "profile_steps"):
+    for name in ("eval_every", "ckpt_every", "ckpt_keep", "warmup_steps", "sample_tokens", "threads", "profile_steps",
+                 "gc_every"):
         _need(getattr(t, name) >= 0, f"train.{name} must be >= 0, got {getattr(t, name)}.")
     _need(t.profile_steps == 0 or 1 <= t.profile_start <= t.steps - t.profile_steps + 1,
           f"train.profile_start={t.profile_start} with train.profile_steps={t.profile_steps} must trace steps 1 to "

@@ -99,7 +99,8 @@ def test_the_gpu_session_script_refuses_a_gpu_mem_that_is_no_number_in_one_line(
 def test_the_gpu_session_script_runs_its_measurements(tmp_path, mem, runs):
     """benchmarks/gpu_session.sh, the next GPU session's one command, on the CPU dry run: its runs (the H200 plan:
     batch 8 with the profile, 16 and 32; the H100 plan: the compiled pair at 8 with the profile, ours compiled alone
-    at 24, a wider model's pair, the eager pair at 8, and with time to spare the kernel forms and 24 again)
+    at 24, a wider model's pair, the eager pair at 8, and with time to spare the kernel forms and 24 again with
+    Python's automatic garbage collection)
     each leave their output and JSON in $OUT, beside the machine's facts; the extra arguments reach every run and
     win over the script's own (here --rows, as the dry run needs ours eager)."""
     import json
@@ -128,6 +129,9 @@ def test_the_gpu_session_script_runs_its_measurements(tmp_path, mem, runs):
     if mem:  # the wider model is another shape (the dry run's own: twice the width, one block)
         args = json.loads((tmp_path / "w8.json").read_text())["args"]
         assert (args["d_model"], args["layers"]) == (128, 1)
+        # batch 24 as the trainer collects garbage, and again with Python's automatic collection
+        assert [json.loads((tmp_path / f"{n}.json").read_text())["args"]["gc_every"] for n in ("b24", "b24b")] == \
+            [50, 0]
 
 
 def test_the_gpu_session_fits_the_planner_on_its_runs(tmp_path):
@@ -221,3 +225,24 @@ def test_the_kernel_forms_refuse_without_cuda_in_one_line():
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("kernel_forms.py needs a CUDA device"), \
         out.stderr
+
+
+def test_the_collector_runs_as_the_trainer_schedules_it_for_every_row(tmp_path, monkeypatch, capsys):
+    """--gc-every N: every row's timed steps run with automatic collection off and a full collection inside each
+    N-th step (train.gc_every's schedule), and the report and JSON say what the collector took per row. Steps 2-5
+    are timed here (one warm-up, two rounds of two), so steps 2 and 4 collect: 2 collections of generation 2."""
+    import gc
+    import json
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_single
+
+    out = tmp_path / "run.json"
+    assert gpu_single.main(["--dry-run-cpu", "--steps", "2", "--warmup", "1", "--rounds", "2", "--gc-every", "2",
+                            "--rows", "ours eager,HF eager", "--json", str(out)]) == 0
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    said = capsys.readouterr().out
+    for name in ("ours eager", "HF eager"):
+        g = json.loads(out.read_text())["rows"][name]["gc"]
+        assert g["collections"] == [0, 0, 2] and g["ms"] > 0, g
+        assert f"Python's garbage collector over {name}'s timed steps: {g['ms']:.1f} ms in 0/0/2 collections" in said

@@ -8,6 +8,7 @@ parallelism) gives exactly the single-device mean.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -35,6 +36,7 @@ from meshtrain.plan.hardware import peak_flops
 from meshtrain.plan.validate import validate_layout
 from meshtrain.train.checkpoint import Checkpointer, CheckpointError, CheckpointReader, latest_checkpoint, restore_rng
 from meshtrain.train.data import SyntheticDataset, TokenDataset, read_meta, to_device
+from meshtrain.train.gc_schedule import GcClock, GcSchedule
 from meshtrain.train.metrics import MetricsLogger, alloc_retries, import_wandb, peak_memory_bytes, retries_line
 from meshtrain.train.optim import build_optimizer, clip_divisor, non_finite, optimizer_step, set_lr
 from meshtrain.train.paths import unwritable_reason
@@ -466,9 +468,12 @@ class Trainer:
         # install a handler; a Trainer driven from another thread keeps the default).
         previous = signal.signal(signal.SIGTERM, self._on_sigterm) \
             if threading.current_thread() is threading.main_thread() else None
+        collector = contextlib.ExitStack()  # Python's garbage collector: when it runs (train.gc_every), what it took
+        gc_schedule, gc_clock = collector.enter_context(GcSchedule(t.gc_every)), collector.enter_context(GcClock())
         try:
             while self.step < min(t.steps, until or t.steps):
                 start = time.perf_counter()
+                gc_clock.take()  # from here: what the collector takes in this step
                 measure = self.step + 1 == self.timed_step
                 if measure:
                     comm.METER.reset()
@@ -477,7 +482,9 @@ class Trainer:
                     rec = self.train_step(self.step)
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
+                gc_schedule.after_step(self.step + 1)  # inside the step's time: every rank pays it at this step
                 elapsed = time.perf_counter() - start
+                gc_ms = gc_clock.take()[0]
                 comm_wait = comm.METER.seconds() - waited  # this rank blocked in collectives (the run report)
                 if measure:
                     self._record_comm(elapsed, comm_wait)
@@ -486,7 +493,7 @@ class Trainer:
                 rec = {"step": self.step, **rec, "tokens_per_s": tps,
                        "mfu": mfu(tps / self.mesh.world_size, cfg.model, t.seq_len, self.peak),
                        "step_time_s": elapsed, "comm_wait_s": comm_wait,
-                       "peak_mem_bytes": peak_memory_bytes(self.device)}
+                       "peak_mem_bytes": peak_memory_bytes(self.device), "gc_ms": gc_ms}
                 if retried is not None:  # CUDA: the allocator's retries in this step, each a device-wide sync
                     now = alloc_retries(self.device)
                     rec["alloc_retries"], retried = now - retried, now
@@ -538,6 +545,7 @@ class Trainer:
                 text = self.generate(t.sample_prompt, t.sample_tokens)
                 log.write("sample:\n" + t.sample_prompt + text)
         finally:
+            collector.close()
             log.close()
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
