@@ -110,3 +110,21 @@ def test_the_trainer_runs_steps_without_automatic_collection_and_records_what_co
 def test_a_negative_gc_every_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"train.gc_every must be >= 0, got -1"):
         load_config("tiny", ["train.gc_every=-1"])
+
+
+@pytest.mark.slow
+def test_the_benchmark_runs_both_sides_as_the_same_run():
+    """benchmarks/gc_pauses.py on a short eager run: both sides train in their own process, the table has a row per
+    side, and the losses agree to the bit (the collector changes no arithmetic)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "gc_pauses.py"), "--eager", "--steps", "3",
+                          "--runs", "1"], capture_output=True, text=True, cwd=root, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "| automatic (0) |" in out.stdout and "| scheduled (50) |" in out.stdout
+    assert "same run: every side's losses are equal to the bit" in out.stdout
