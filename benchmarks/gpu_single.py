@@ -29,9 +29,10 @@ reference, for a batch whose eager activations would not fit beside the other ro
 compiled,HF compiled"``; benchmarks/gpu_session.sh runs it).
 
 Rows alternate ours/theirs/theirs/ours, reversed each round; warm-up steps (compilation included) come before
-the rounds; each timed step sits between two ``torch.cuda.synchronize()``. Ours includes building its batch
-(``SyntheticDataset``, on the CPU, as ``meshtrain train`` does); HF's batch is on the device before its step,
-as a prefetching loader would have it. MFU uses one FLOP count for every row, ``plan/flops.flops_per_token``
+the rounds; each timed step sits between two ``torch.cuda.synchronize()``. Ours includes building a batch
+(``SyntheticDataset``, on the CPU, as ``meshtrain train`` does: since 2026-11-26 late, the next step's, once the
+step is queued, ``train/data.BatchAhead``); HF's batch is on the device before its step, as a prefetching loader
+would have it. MFU uses one FLOP count for every row, ``plan/flops.flops_per_token``
 (the trainer's own), over the device's dense bf16 peak (``plan/hardware.py``, by the device's name). Peak
 memory is ``torch.cuda.max_memory_allocated`` over a row's timed steps (reset before each) less what the other
 rows keep resident (their weights and optimizer state, measured as each was built): what the row needs alone.

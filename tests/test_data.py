@@ -437,3 +437,21 @@ def test_synthetic_dataset() -> None:
     follows = (y == (ds.mult * x + ds.incr) % 257).float().mean().item()
     assert 0.85 < follows < 0.95
     assert ds.eos_id == 256 and ds.vocab_size == 257 and ds.num_tokens > 0
+
+
+def test_a_batch_made_ahead_is_the_one_get_returns_and_any_other_step_is_made_then():
+    from meshtrain.train.data import BatchAhead
+
+    made: list[int] = []
+
+    def make(step: int) -> tuple[str, int]:
+        made.append(step)
+        return ("batch", step)
+
+    batches = BatchAhead(make)
+    assert batches.get(0) == ("batch", 0) and made == [0]  # nothing ahead: made then
+    batches.ahead(1)
+    assert made == [0, 1] and batches.get(1) == ("batch", 1) and made == [0, 1]  # made ahead, not again
+    assert batches.get(1) == ("batch", 1) and made == [0, 1, 1]  # taken once: a second get makes it anew
+    batches.ahead(2)
+    assert batches.get(5) == ("batch", 5) and made == [0, 1, 1, 2, 5]  # another step (a resume): made then

@@ -245,7 +245,7 @@ def _scalar_reads(rank: int, world: int, overrides: list[str]) -> list[str]:
 def test_a_step_reads_nothing_from_the_device_but_loss_and_norm_once(world, overrides):
     """A GPU stalls at every host read of a device value; the step's only read is the loss and the gradient norm
     together, after all its work is queued (one ``tolist``, which the dispatcher does not see). The only scalar
-    read is the batch's token count, from host data before anything is queued. Under the pipeline, a read of each
+    read is the next step's batch's token count, from host data. Under the pipeline, a read of each
     microbatch's loss would stall the last stage between its microbatches."""
     from meshtrain.testing.spawn import spawn
 
@@ -326,3 +326,34 @@ def test_off_cuda_no_allocator_retries_are_recorded(tmp_path):
     cfg = load_config("tiny", ["data.source=synthetic", "train.steps=2", "train.progress=false",
                                "train.tensorboard=false", "train.sample_tokens=0"])
     assert not any("alloc_retries" in r for r in Trainer(cfg, out_dir=tmp_path / "run").train())
+
+
+def test_each_steps_batch_is_made_once_and_during_the_step_before(tmp_path, monkeypatch):
+    """The next step's batch is made after this step's work is queued and before its one host read (so a GPU
+    works while the host builds it), once per step; the losses are the run's either way (a batch is a pure
+    function of its step)."""
+    made: list[tuple[int, str]] = []
+    original_batch, original_step = Trainer.local_batch, Trainer.train_step
+
+    def local_batch(self, data, step):
+        made.append((step, data.split))
+        return original_batch(self, data, step)
+
+    def train_step(self, step):
+        made.append((step, "step"))
+        return original_step(self, step)
+
+    base = ["data.source=synthetic", "train.steps=4", "train.progress=false", "train.tensorboard=false",
+            "train.sample_tokens=0", "train.eval_every=0"]
+    from meshtrain.train.data import BatchAhead
+
+    with monkeypatch.context() as m:  # the reference makes every batch at the start of its step
+        m.setattr(BatchAhead, "ahead", lambda self, step: None)
+        reference = [r["loss"] for r in Trainer(load_config("tiny", base), out_dir=tmp_path / "a").train()]
+    monkeypatch.setattr(Trainer, "local_batch", local_batch)
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+    losses = [r["loss"] for r in Trainer(load_config("tiny", base), out_dir=tmp_path / "b").train()]
+    train = [m for m in made if m[1] != "val"]
+    assert train == [(0, "step"), (0, "train"), (1, "train"), (1, "step"), (2, "train"), (2, "step"),
+                     (3, "train"), (3, "step")], made
+    assert losses == reference

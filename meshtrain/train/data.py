@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,34 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+class BatchAhead:
+    """The next step's batch, made while this step's work runs on the device.
+
+    ``make(step)`` builds a step's batch on the host and queues its copy to the device (``to_device``: pinned,
+    asynchronous). The trainer calls ``ahead(step + 1)`` once its step is queued, before the step's one host read,
+    so on a GPU the host builds the next batch while the device works, as a prefetching data loader would, where
+    otherwise the device would sit idle at the start of every step while the host built it. Batches are pure
+    functions of the step, so a batch made ahead is the one ``get`` would have made; ``get`` of any other step
+    (the first, or after a resume) makes it then.
+    """
+
+    def __init__(self, make: Callable[[int], Any]) -> None:
+        self._make = make
+        self._step: int | None = None
+        self._batch: Any = None
+
+    def ahead(self, step: int) -> None:
+        """Make ``step``'s batch now, for the ``get(step)`` to come."""
+        self._step, self._batch = step, self._make(step)
+
+    def get(self, step: int) -> Any:
+        """``step``'s batch: the one made ahead, or a new one."""
+        if self._step != step:
+            return self._make(step)
+        batch, self._step, self._batch = self._batch, None, None
+        return batch
 
 
 def _split_id(split: str) -> int:

@@ -35,7 +35,7 @@ from meshtrain.plan.flops import flops_per_token, mfu, param_count
 from meshtrain.plan.hardware import peak_flops
 from meshtrain.plan.validate import validate_layout
 from meshtrain.train.checkpoint import Checkpointer, CheckpointError, CheckpointReader, latest_checkpoint, restore_rng
-from meshtrain.train.data import SyntheticDataset, TokenDataset, read_meta, to_device
+from meshtrain.train.data import BatchAhead, SyntheticDataset, TokenDataset, read_meta, to_device
 from meshtrain.train.gc_schedule import GcClock, GcSchedule
 from meshtrain.train.metrics import MetricsLogger, alloc_retries, import_wandb, peak_memory_bytes, retries_line
 from meshtrain.train.optim import build_optimizer, clip_divisor, non_finite, optimizer_step, set_lr
@@ -268,6 +268,7 @@ class Trainer:
         self.aliases = tied_aliases(self.model)
         self.shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
         self.parallel = parallelize(self.model, self.mesh, cfg)
+        self.batches = BatchAhead(lambda step: self.local_batch(self.train_data, step))
         self.optimizer = build_optimizer(self.parallel.optim_params(), t)
         self.step = 0
         self.bad_steps = 0  # consecutive skipped (non-finite) steps
@@ -351,7 +352,7 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, Any]:
         """One optimizer step on the global batch of ``step``; returns its metrics."""
         t = self.cfg.train
-        inputs, targets, n_tokens = self.local_batch(self.train_data, step)
+        inputs, targets, n_tokens = self.batches.get(step)
         loss = self.parallel.forward_backward(inputs, targets, n_tokens)
         self.parallel.sync_grads()
         if self.grad_hook is not None:
@@ -362,6 +363,8 @@ class Trainer:
         # The clip and the non-finite skip are decided on the device, inside the optimizer's kernel: nothing
         # non-finite reaches the weights or the optimizer state, and the host reads nothing before queueing it.
         optimizer_step(self.optimizer, clip_divisor(norm, t.grad_clip), non_finite(loss, norm))
+        if step + 1 < t.steps:
+            self.batches.ahead(step + 1)  # the host builds the next batch while the device runs this step
         # The step's one host read, with the whole step queued, so a GPU never waits for the host.
         # Loss and norm are global (reduced over every rank), so every rank takes the same branch.
         loss, norm = torch.stack([loss.double(), norm.double()]).tolist()
