@@ -57,8 +57,12 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # imported in main, after INDUCTOR_ENV is read
+    from meshtrain.train.gc_schedule import GcClock, GcSchedule
 
 NO_CUDA = ("gpu_single.py needs a CUDA device; none is visible (torch.cuda.is_available() is False): run it on a "
            "GPU machine, or pass --dry-run-cpu to check the script on a tiny model on CPU.")
@@ -381,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def timed_rounds(args: argparse.Namespace, live: list[Row], device: torch.device,
-                 prefetchers: dict[str, Callable[[int], None] | None], schedule, clock) -> None:
+                 prefetchers: dict[str, Callable[[int], None] | None], schedule: GcSchedule, clock: GcClock) -> None:
     """The rounds, rows alternating; each row's times, peak memory, allocator counts and collector time."""
     for r in range(args.rounds):
         for row in (live if r % 2 == 0 else live[::-1]):
