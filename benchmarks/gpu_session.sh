@@ -12,12 +12,14 @@
 # 2. batch 16, then 3. batch 32, the compiled rows only (ours needs ~11.5 GiB more per 4 sequences: ~106 GiB alone at
 #    32, which an H200 has beside two rows' weights and AdamW state): AdamW and the clip are a fixed cost per step,
 #    so MFU rises with the tokens it is spread over. Each run has its own timeout so a slow one cannot take the rest.
-# On an H100 (80 GB) four rows do not fit at batch 8, so: the compiled pair at batch 8 with the profile (b8c), ours
-# compiled alone at batch 24 (b24: the largest batch that fits, where MFU is highest; the issue's goal is read
-# there), the compiled pair of a wider model (w8), the eager pair at 8 (b8e). Batch 24 is profiled too, so that the
-# last step can fit the planner's GPU kernel costs on two batches and check its predictions, the wider model's
-# included (fit.txt; docs/planner.md). With time to spare, benchmarks/kernel_forms.py (forms.txt: RoPE and the norm
-# backward in other forms), then batch 24 once more (b24b) with Python's automatic garbage collection.
+# On an H100 (80 GB) four rows do not fit at batch 8, so pairs, the open question first: ours compiled alone at batch
+# 24 (b24: the largest batch that fits, where MFU is highest; the issue's goal is read there), batch 24 once more
+# (b24b) with Python's automatic garbage collection, benchmarks/kernel_forms.py (forms.txt: RoPE, the norm backward
+# and attention's backends in other forms), then the figures already measured once: the compiled pair at batch 8
+# with the profile (b8c), the compiled pair of a wider model (w8), the eager pair at 8 (b8e). b8c and b24 are
+# profiled so that the last step can fit the planner's GPU kernel costs on two batches and check its predictions,
+# the wider model's included (fit.txt; docs/planner.md). Each step runs only if its timeout still fits the call's
+# SESSION_S seconds (default 570, under the device tool's 10 minutes), so a slow start drops the last, not the first.
 # Extra arguments go to every run (after the run's own, so they win). $PYTHON (default python) runs them.
 set -u
 cd "$(dirname "$0")/.."
@@ -27,6 +29,11 @@ case ${GPU_MEM_GIB:-} in
     *[!0-9]*)
         echo "gpu_session.sh: GPU_MEM_GIB=$GPU_MEM_GIB is not a whole number of GiB; set it like GPU_MEM_GIB=80, or unset it to read the card" >&2
         exit 2 ;;
+esac
+SESSION_S=${SESSION_S:-570}
+case $SESSION_S in ''|*[!0-9]*)
+    echo "gpu_session.sh: SESSION_S=$SESSION_S is not a whole number of seconds; set it like SESSION_S=570" >&2
+    exit 2 ;;
 esac
 if ! mkdir -p "$OUT" 2>/dev/null || [ ! -w "$OUT" ]; then
     echo "gpu_session.sh: OUT=$OUT cannot be created or written; set OUT to a writable folder" >&2
@@ -39,21 +46,25 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
     "$PYTHON" -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, transformers.__version__)"
 } > "$OUT/env.txt" 2>&1
 status=0
+fits() {  # name, seconds: whether a step that may take that long still fits the call
+    if [ $((SECONDS + $2)) -gt "$SESSION_S" ]; then
+        echo "[gpu_session] $1 skipped: $SECONDS s gone, its $2 s could overrun the call's $SESSION_S" >&2
+        return 1
+    fi
+}
 run() {  # name, seconds, gpu_single.py arguments...
     local name=$1 limit=$2
     shift 2
+    fits "$name" "$limit" || return 0
     echo "[gpu_session $(date +%H:%M:%S)] $name: $PYTHON benchmarks/gpu_single.py $*" >&2
     timeout "$limit" "$PYTHON" benchmarks/gpu_single.py "$@" --json "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
     local rc=$?
     [ "$rc" -eq 0 ] || { echo "[gpu_session] $name exited $rc: see $OUT/$name.txt" >&2; status=1; }
 }
 forms() {  # the kernels below the copy rate against other forms of the same computation (RoPE, the norm
-    # backward: benchmarks/kernel_forms.py, ~2 minutes), when the call has them; of the extra arguments only
-    # --dry-run-cpu applies to it
-    if [ "$SECONDS" -gt 420 ]; then
-        echo "[gpu_session] forms (benchmarks/kernel_forms.py) skipped: $SECONDS s gone, it could overrun the call" >&2
-        return
-    fi
+    # backward, attention's backends: benchmarks/kernel_forms.py, ~2 minutes), when the call has them; of the extra
+    # arguments only --dry-run-cpu applies to it
+    fits forms 150 || return 0
     local dry=()
     case " $* " in *" --dry-run-cpu "*) dry=(--dry-run-cpu --rounds 1 --iters 1) ;; esac
     echo "[gpu_session $(date +%H:%M:%S)] forms: $PYTHON benchmarks/kernel_forms.py ${dry[*]}" >&2
@@ -80,28 +91,23 @@ if [ "$mem" -eq 0 ] || [ "$mem" -ge 100 ]; then  # an H200 (141 GiB): four rows 
     run b32 170 --batch 32 --rows "ours compiled,HF compiled" "$@"
     fitted="b8 b16 b32"
     forms "$@"
-else  # an H100 (80 GB): ours eager at batch 8 (~47 GiB) and three other rows' ~39 do not fit, so pairs; the
-    # compiled pair first (the ratio and the profile), then ours compiled alone at the largest batch it fits (24:
-    # 67.8 GiB at stop 29, with DP buckets one device no longer keeps), the wider model's pair, the eager pair.
-    # Expandable segments: batch 24 runs near the card's limit, where fragmentation decides.
+else  # an H100 (80 GB): ours eager at batch 8 (~47 GiB) and three other rows' ~39 do not fit, so pairs; first
+    # ours compiled alone at the largest batch it fits (24: 61.6 GiB at b13d967), where the goal's MFU is read, then
+    # the rest (the order at the top). Expandable segments: batch 24 runs near the card's limit, where fragmentation
+    # decides.
     export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-    run b8c 150 --batch 8 --profile 2 --rows "ours compiled,HF compiled" "$@"
     run b24 130 --batch 24 --profile 2 --rows "ours compiled" "$@"
+    # Batch 24 again, an independent run of the goal's figure (at b13d967 three batch-24 runs spread 49.6-51.3% MFU,
+    # the device idle 9-43 ms a step), read beside b24 and not fitted, with Python's automatic garbage collection as
+    # those three had it (--gc-every 0; b24 collects as the trainer now does, train.gc_every=50): its report says
+    # what the collector took inside the timed steps. (Inductor's kernel tuning, probed in this slot at b13d967,
+    # changed nothing worth keeping: docs/benchmarks.md.)
+    run b24b 110 --batch 24 --profile 2 --rows "ours compiled" --gc-every 0 "$@"
+    forms "$@"
+    run b8c 150 --batch 8 --profile 2 --rows "ours compiled,HF compiled" "$@"
     run w8 150 "${wide[@]}" --batch 8 --profile 2 --rows "ours compiled,HF compiled" "$@"
     run b8e 100 --batch 8 --rows "ours eager,HF eager" "$@"
     fitted="b8c b24 w8"
-    forms "$@"
-    # Minutes to spare (the four runs usually end well inside their timeouts): batch 24 once more, an independent
-    # run of the goal's figure (at b13d967 three batch-24 runs spread 49.6-51.3% MFU, the device idle 9-43 ms a
-    # step), read beside b24 and not fitted, with Python's automatic garbage collection as those three had it
-    # (--gc-every 0; b24 collects as the trainer now does, train.gc_every=50): its report says what the collector
-    # took inside the timed steps. Skipped when it could overrun the call's 10 minutes. (Inductor's kernel tuning,
-    # probed in this slot at b13d967, changed nothing worth keeping: docs/benchmarks.md.)
-    if [ "$SECONDS" -le 450 ]; then
-        run b24b 110 --batch 24 --profile 2 --rows "ours compiled" --gc-every 0 "$@"
-    else
-        echo "[gpu_session] b24b (batch 24 again) skipped: $SECONDS s gone, it could overrun the call" >&2
-    fi
 fi
 # The planner's GPU kernel costs (plan/hardware.GPU_KERNELS) fitted on this card's two profiled batches, and its
 # one-device step against every compiled run's. The CPU dry run compiles nothing, so it has nothing to fit.

@@ -19,9 +19,19 @@ backward of one compiled call, in the same process, rounds alternating the order
 - ``norm ours``: ``x + RMSNorm(x)`` (``model/layers.RMSNorm``, with a residual add as in a block), whose backward is
   the kernel that also sums the weight's gradient (Inductor's mixed-order reduction).
 - ``norm split``: the same with ``torch._inductor.config.triton.mix_order_reduction = False`` (two reductions).
+- ``attn cudnn``, ``attn flash``, ``attn efficient``: the attention core as blocks call it (causal, the 8 kv heads
+  shared by the 32 query heads through SDPA's ``enable_gqa``, [B, H, T, D] views of [B, T, H, D] projections),
+  each held to one of SDPA's fused backends with ``torch.nn.attention.sdpa_kernel``. Attention is ~80 ms of the
+  H100's batch-24 step, and torch picked cuDNN's kernels there: its backward ran at ~250 TFLOP/s (53 ms) plus
+  ~11 ms of passes around it (``dot_do_o``, ``convert_dq``, the kv heads' ``reduce_head``). If another backend
+  runs the same attention faster on the card, choosing it is one ``sdpa_kernel`` around the call in
+  ``model/layers.py``. Not compiled (a compiled call runs the same kernel); a backend with no kernel for these
+  inputs is reported as skipped. Checked against each other within bf16 rounding. (On the CPU dry run: the CPU's
+  flash kernel against the math one.)
 
 Printed per form: the median ms of the forward and of forward + backward over the rounds, the bytes each must
-move (bf16 reads and writes of whole tensors; the tables and the weight are small), and the rate that gives. Each
+move (bf16 reads and writes of whole tensors; the tables and the weight are small), and the rate that gives; for
+attention, its FLOPs (the trainer's count, ``plan/flops.py``: causal, backward twice the forward) and TFLOP/s. Each
 timing is ``--iters`` calls back to back between two CUDA events; a call's host work (tens of microseconds, the
 same for every form) overlaps the device's while the kernels are longer than it, as at these shapes.
 """
@@ -35,7 +45,9 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from harness import one_device  # benchmarks/, beside this script
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from meshtrain.model.layers import RMSNorm, rope_real, rope_tables
 
@@ -58,8 +70,25 @@ def rope_half(x: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor) -> torc
     return (xf * cos_h + torch.cat((-x2, x1), dim=-1) * sin_h).type_as(x)
 
 
-def forms(batch: int, seq: int, heads: int, head_dim: int, d_model: int, device: torch.device):
-    """name -> (function of one tensor, its input, bytes of whole tensors moved forward, and backward)."""
+def attention(backend: SDPBackend, heads: int, kv_heads: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The attention core on one tensor packing q, k and v as [B, T, heads + 2 kv_heads, D] (so one input
+    carries all three gradients), under one SDPA backend."""
+    def core(x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.transpose(1, 2) for t in x.split((heads, kv_heads, kv_heads), dim=2))
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != heads)
+    return core
+
+
+# The attention forms: SDPA's fused backends on a GPU; on the CPU dry run its flash kernel and the math one.
+ATTENTION = {"attn cudnn": SDPBackend.CUDNN_ATTENTION, "attn flash": SDPBackend.FLASH_ATTENTION,
+             "attn efficient": SDPBackend.EFFICIENT_ATTENTION}
+ATTENTION_CPU = {"attn flash": SDPBackend.FLASH_ATTENTION, "attn math": SDPBackend.MATH}
+
+
+def forms(batch: int, seq: int, heads: int, head_dim: int, d_model: int, device: torch.device, kv_heads: int = 8):
+    """name -> (function of one tensor, its input, what it must do forward, and backward: bytes of whole tensors
+    moved, or for attention FLOPs)."""
     cos, sin = (t.to(device).unsqueeze(-2) for t in rope_tables(head_dim, seq, 10000.0))  # [T, 1, D/2]
     cos2 = cos.repeat_interleave(2, -1)
     sin2 = torch.stack((-sin, sin), dim=-1).flatten(-2)
@@ -67,7 +96,10 @@ def forms(batch: int, seq: int, heads: int, head_dim: int, d_model: int, device:
     q = torch.randn(batch, seq, heads, head_dim, device=device, dtype=torch.bfloat16)
     h = torch.randn(batch, seq, d_model, device=device, dtype=torch.bfloat16)
     norm = RMSNorm(d_model).to(device)
+    qkv = torch.randn(batch, seq, heads + 2 * kv_heads, head_dim, device=device, dtype=torch.bfloat16)
     qb, hb = q.numel() * 2, h.numel() * 2
+    flops = 4 * batch * seq * seq * heads * head_dim / 2  # QK^T and AV, causal: half the square
+    backends = ATTENTION if device.type == "cuda" else ATTENTION_CPU
     return {
         "rope ours": (lambda x: rope_real(x, cos, sin), q, 2 * qb, 2 * qb),
         "rope swap": (lambda x: rope_swap(x, cos2, sin2), q, 2 * qb, 2 * qb),
@@ -75,6 +107,7 @@ def forms(batch: int, seq: int, heads: int, head_dim: int, d_model: int, device:
         "copy": (lambda x: x * 2, q, 2 * qb, 2 * qb),  # not x * 1, which a compiler may drop
         "norm ours": (lambda x: x + norm(x), h, 2 * hb, 3 * hb),  # backward reads g and x, writes dx
         "norm split": (lambda x: x + norm(x), h, 2 * hb, 3 * hb),
+        **{name: (attention(b, heads, kv_heads), qkv, flops, 2 * flops) for name, b in backends.items()},
     }
 
 
@@ -84,9 +117,16 @@ SETTINGS = {"norm split": {"triton.mix_order_reduction": False}}
 
 def compiled(name: str, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Callable | str:
     """``fn`` compiled under the form's settings, both ways (compilation happens at the first call, so the calls
-    are made inside the settings), or why not."""
+    are made inside the settings), or why not. Attention runs eager: SDPA's kernel is the same compiled."""
     import torch._inductor.config as inductor
 
+    if name.startswith("attn "):
+        try:
+            for backward in (False, True):
+                run(fn, x, backward)
+        except RuntimeError as e:  # the backend has no kernel for these inputs on this device
+            return f"skipped: {str(e).splitlines()[0][:160]}"
+        return fn
     patch = SETTINGS.get(name, {})
     for key in patch:
         section, _, attr = key.rpartition(".")
@@ -127,9 +167,9 @@ def timed(fn: Callable, x: torch.Tensor, backward: bool, iters: int, device: tor
     return (time.perf_counter() - t0) * 1e3 / iters
 
 
-def rate(moved: int, ms: float) -> str:
-    """TB/s of ``moved`` bytes in ``ms``."""
-    return f"{moved / ms / 1e9:.2f}" if ms > 0 else "n/a"
+def rate(amount: float, ms: float, unit: str) -> str:
+    """``amount`` bytes (TB/s) or FLOPs (TFLOP/s) in ``ms``."""
+    return f"{amount / ms / 1e9:.2f} {unit}" if ms > 0 else "n/a"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -143,7 +183,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     gpu = not args.dry_run_cpu
     args.batch = args.batch or (24 if gpu else 2)
     args.seq = args.seq or (2048 if gpu else 64)
-    args.heads, args.head_dim, args.d_model = (32, 64, 2048) if gpu else (4, 16, 64)
+    args.heads, args.kv_heads, args.head_dim, args.d_model = (32, 8, 64, 2048) if gpu else (4, 2, 16, 64)
     for flag in ("batch", "seq", "rounds", "iters"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag} must be at least 1")
@@ -155,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     device = one_device(args.dry_run_cpu, NO_CUDA)
     if device is None:
         return 2
-    table = forms(args.batch, args.seq, args.heads, args.head_dim, args.d_model, device)
+    table = forms(args.batch, args.seq, args.heads, args.head_dim, args.d_model, device, args.kv_heads)
     fns: dict[str, Callable] = {}
     for name, (fn, x, _, _) in table.items():
         c = compiled(name, fn, x)
@@ -166,14 +206,20 @@ def main(argv: list[str] | None = None) -> int:
     # The same run: the swap form is the same arithmetic as ours (bitwise equal where the compiler contracts the
     # multiply-adds alike; a GPU may fuse them differently, a rounding of the fp32 intermediate at most), and the
     # split norm differs from ours in the order of a sum only: both within bf16 rounding, or the script stops.
+    # The attention backends each round their own way (blocked softmax, fp32 accumulators): each against the
+    # first that ran, within bf16 rounding too.
     same = []
-    for a_name, b_name in (("rope ours", "rope swap"), ("norm ours", "norm split")):
+    attn = [n for n in fns if n.startswith("attn ")]
+    for a_name, b_name in (("rope ours", "rope swap"), ("norm ours", "norm split"),
+                           *((attn[0], n) for n in attn[1:])):
         if a_name in fns and b_name in fns:
             x = table[a_name][1]
             for backward in (False, True):
                 a, b = run(fns[a_name], x, backward).float(), run(fns[b_name], x, backward).float()
                 way = "gradient" if backward else "output"
-                if not torch.allclose(a, b, rtol=1e-2, atol=1e-2):
+                # bf16 rounding: 1e-2 of values of order one; attention's gradients grow with the sequence
+                tol = 1e-2 * (max(1.0, a.abs().max().item()) if a_name.startswith("attn ") else 1.0)
+                if not torch.allclose(a, b, rtol=1e-2, atol=tol):
                     print(f"{b_name}'s {way} differs from {a_name}'s beyond bf16 rounding: largest "
                           f"{(a - b).abs().max().item():.3e}", file=sys.stderr)
                     return 1
@@ -187,14 +233,16 @@ def main(argv: list[str] | None = None) -> int:
                 times[name][backward].append(timed(fns[name], table[name][1], backward, args.iters, device))
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (dry run: no figures)"
     print(f"{where}; torch {torch.__version__}; batch {args.batch} x seq {args.seq}, {args.heads} heads of "
-          f"{args.head_dim}, d_model {args.d_model}, bf16; {args.rounds} rounds x {args.iters} calls, alternating")
-    print("\n| form | forward (ms) | rate (TB/s) | backward (ms) | rate (TB/s) | forward + backward min-max (ms) |")
+          f"{args.head_dim} ({args.kv_heads} kv heads), d_model {args.d_model}, bf16; {args.rounds} rounds x "
+          f"{args.iters} calls, alternating")
+    print("\n| form | forward (ms) | rate | backward (ms) | rate | forward + backward min-max (ms) |")
     print("|---|---|---|---|---|---|")
     for name in fns:
         fwd, both = (statistics.median(times[name][b]) for b in (False, True))
         bwd = both - fwd
-        _, _, fwd_bytes, bwd_bytes = table[name]
-        print(f"| {name} | {fwd:.3f} | {rate(fwd_bytes, fwd)} | {bwd:.3f} | {rate(bwd_bytes, bwd)} | "
+        _, _, fwd_amount, bwd_amount = table[name]
+        unit = "TFLOP/s" if name.startswith("attn ") else "TB/s"
+        print(f"| {name} | {fwd:.3f} | {rate(fwd_amount, fwd, unit)} | {bwd:.3f} | {rate(bwd_amount, bwd, unit)} | "
               f"{min(times[name][True]):.3f}-{max(times[name][True]):.3f} |")
     print("\nsame run: " + "; ".join(same))
     return 0

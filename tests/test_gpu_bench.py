@@ -98,15 +98,15 @@ def test_the_gpu_session_script_refuses_a_gpu_mem_that_is_no_number_in_one_line(
 ])
 def test_the_gpu_session_script_runs_its_measurements(tmp_path, mem, runs):
     """benchmarks/gpu_session.sh, the next GPU session's one command, on the CPU dry run: its runs (the H200 plan:
-    batch 8 with the profile, 16 and 32; the H100 plan: the compiled pair at 8 with the profile, ours compiled alone
-    at 24, a wider model's pair, the eager pair at 8, and with time to spare the kernel forms and 24 again with
-    Python's automatic garbage collection)
+    batch 8 with the profile, 16 and 32; the H100 plan: ours compiled alone at 24, 24 again with Python's automatic
+    garbage collection, the kernel forms, the compiled pair at 8 with the profile, a wider model's pair, the eager
+    pair at 8)
     each leave their output and JSON in $OUT, beside the machine's facts; the extra arguments reach every run and
     win over the script's own (here --rows, as the dry run needs ours eager)."""
     import json
 
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "",
-           "GPU_MEM_GIB": mem}
+           "GPU_MEM_GIB": mem, "SESSION_S": "3600"}  # every step, however slow this machine is today
     out = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "--dry-run-cpu", "--steps", "1",
                           "--warmup", "1", "--rounds", "1", "--rows", "ours eager,HF eager"],
                          capture_output=True, text=True, env=env, timeout=600)
@@ -123,6 +123,7 @@ def test_the_gpu_session_script_runs_its_measurements(tmp_path, mem, runs):
     assert sorted(p.name for p in tmp_path.glob("*.json")) == sorted(f"{n}.json" for n, _ in runs)
     forms = (tmp_path / "forms.txt").read_text()  # benchmarks/kernel_forms.py, on its own dry run
     assert "| rope swap |" in forms and "| norm split |" in forms and "same run: rope swap output:" in forms, forms
+    assert "| attn flash |" in forms and "attn math gradient: " in forms, forms  # the CPU's attention backends
     given = {k: v for k, v in os.environ.items() if k.startswith("TORCHINDUCTOR_")}  # this machine's own, if any
     for name, _ in runs:  # each JSON says how its run was compiled: here, with this machine's settings alone
         assert json.loads((tmp_path / f"{name}.json").read_text())["inductor_env"] == given, name
@@ -164,6 +165,35 @@ exec {sys.executable} "$@"
     wide = next(line for line in fit.splitlines() if line.startswith("| d4096 L8 h32/8 | 8 | 294.8 |"))
     assert wide.endswith("| no |")  # another shape: checked, not fitted
     assert sum(line.startswith("| d") for line in fit.splitlines()) == 3  # b8e (eager) and b24b: neither fitted
+
+
+def test_the_gpu_session_drops_its_last_steps_when_their_timeouts_no_longer_fit_the_call(tmp_path):
+    """Each step of the session runs only while its timeout fits the call (SESSION_S): a small budget drops the
+    later steps, never the first, so on an H100 the goal's batch-24 runs come back before anything else. A stand-in
+    for Python answers each run at once."""
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/usr/bin/env bash
+if [ "$1" = benchmarks/gpu_single.py ]; then
+    while [ $# -gt 0 ]; do case $1 in --json) echo '{{}}' > "$2";; esac; shift; done
+    exit 0
+fi
+[ "$1" != benchmarks/kernel_forms.py ] || exit 0
+exec {sys.executable} "$@"
+""")
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": str(fake), "GPU_MEM_GIB": "80", "SESSION_S": "140"}
+    run = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh")], capture_output=True, text=True,
+                         env=env, timeout=120)
+    ran = sorted(p.stem for p in out.glob("*.json"))
+    assert ran == ["b24", "b24b", "b8e"], run.stderr  # 130 s and 110 s fit 140; 150 s does not; 100 s does
+    for name in ("forms", "b8c", "w8"):
+        assert f"[gpu_session] {name} skipped: " in run.stderr and "could overrun the call's 140" in run.stderr
+    bad = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh")], capture_output=True, text=True,
+                         env={**env, "SESSION_S": "9m", "OUT": str(tmp_path / "bad")}, timeout=60)
+    lines = bad.stderr.strip().splitlines()
+    assert bad.returncode == 2 and len(lines) == 1 and "SESSION_S=9m" in lines[0], bad.stderr
+    assert not (tmp_path / "bad").exists()  # refused before it makes anything
 
 
 @pytest.mark.parametrize("name, key", [
