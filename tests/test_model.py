@@ -50,6 +50,22 @@ def test_llama2_13b_has_13_billion_parameters_and_6n_flops():
     assert 6 * n < f < 6 * n * 1.2  # 6N plus the attention term
 
 
+def test_flops_per_token_against_torchtitans_count():
+    """torchtitan's count, 6 x (parameters less the embedding) + 12 x layers x heads x head_dim x T, does not halve
+    causal attention; ours with causal=False is that less the norms' weights (no matmul). The ~1B benchmark model
+    (docs/training.md, "MFU"): torchtitan's MFU is ours x 1.079 at T = 2048."""
+    cfg = ModelConfig(vocab_size=257, d_model=64, n_layers=3, n_heads=8, n_kv_heads=2, max_seq_len=128)
+    model, t = Llama(cfg), 128
+    pc = param_count(cfg)
+    titan = 6 * (sum(p.numel() for p in model.parameters()) - model.tok_embeddings.weight.numel()) \
+        + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * t
+    assert flops_per_token(cfg, t, causal=False) == titan - 6 * pc.norms
+    assert flops_per_token(cfg, t) < flops_per_token(cfg, t, causal=False)
+    bench = ModelConfig(vocab_size=32000, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, multiple_of=256,
+                        max_seq_len=2048)
+    assert round(flops_per_token(bench, 2048, causal=False) / flops_per_token(bench, 2048), 3) == 1.079
+
+
 def test_bf16_autocast_runs_and_is_close():
     model = build_model(CFG, seed=0)
     x = torch.randint(0, 257, (2, 16))

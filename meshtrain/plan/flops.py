@@ -78,12 +78,13 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = Tru
     return full / 2 if causal else full
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int, training: bool = True) -> float:
+def flops_per_token(cfg: ModelConfig, seq_len: int, training: bool = True, causal: bool = True) -> float:
     """Model FLOPs per token: forward 2N + attention; training x3 (backward is twice forward).
 
-    Recomputation is not counted: MFU measures useful model FLOPs, not hardware FLOPs.
+    Recomputation is not counted: MFU measures useful model FLOPs, not hardware FLOPs. ``causal=False`` counts the
+    whole T x T square, as torchtitan and the PaLM formula do: only for comparing with their MFU.
     """
-    fwd = 2.0 * matmul_params(cfg) + attention_flops_per_token(cfg, seq_len)
+    fwd = 2.0 * matmul_params(cfg) + attention_flops_per_token(cfg, seq_len, causal)
     return 3.0 * fwd if training else fwd
 
 
