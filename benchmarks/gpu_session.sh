@@ -6,12 +6,14 @@
 #   bash benchmarks/gpu_session.sh                      # on the GPU machine, from the repository root
 #   bash benchmarks/gpu_session.sh --dry-run-cpu ...    # the same three runs on a tiny CPU model: checks the script
 #
-# On an H200 (the plan below for >= 100 GiB):
-# 1. batch 8, all four rows, --profile 2: the ratios to HF (eager and compiled) and each row's kernel time by kind
-#    against its wall time (the idle gap read off directly); ~2.5 minutes on an H200.
-# 2. batch 16, then 3. batch 32, the compiled rows only (ours needs ~11.5 GiB more per 4 sequences: ~106 GiB alone at
-#    32, which an H200 has beside two rows' weights and AdamW state): AdamW and the clip are a fixed cost per step,
-#    so MFU rises with the tokens it is spread over. Each run has its own timeout so a slow one cannot take the rest.
+# On an H200 (the plan below for >= 100 GiB), the open question first (issue 14's MFU, read at the largest batch):
+# 1. batch 32, the compiled rows, --profile 2 (b32: ours needs ~2.1 GiB more per sequence, ~78 GiB at 32, which an
+#    H200 has beside the other row's weights and AdamW state): AdamW and the clip are a fixed cost per step, so MFU
+#    rises with the tokens it is spread over; then ours compiled alone at 32 again with Python's automatic garbage
+#    collection (b32b, --gc-every 0; b32 collects as the trainer does), and the kernel forms.
+# 2. batch 8, all four rows, --profile 2: the ratios to HF (eager and compiled) and each row's kernel time by kind
+#    against its wall time (the idle gap read off directly); ~2.5 minutes on an H200. Then batch 16, the compiled
+#    rows. Each run has its own timeout so a slow one cannot take the rest.
 # On an H100 (80 GB) four rows do not fit at batch 8, so pairs, the open question first: ours compiled alone at batch
 # 24 (b24: the largest batch that fits, where MFU is highest; the issue's goal is read there), batch 24 once more
 # (b24b) with Python's automatic garbage collection, benchmarks/kernel_forms.py (forms.txt: RoPE, the norm backward
@@ -86,11 +88,12 @@ case " $* " in
     *) wide=(--d-model 4096 --layers 8 --heads 32 --kv-heads 8) ;;
 esac
 if [ "$mem" -eq 0 ] || [ "$mem" -ge 100 ]; then  # an H200 (141 GiB): four rows at batch 8 fit
+    run b32 190 --batch 32 --profile 2 --rows "ours compiled,HF compiled" "$@"
+    run b32b 130 --batch 32 --profile 2 --rows "ours compiled" --gc-every 0 "$@"
+    forms "$@"
     run b8 230 --batch 8 --profile 2 "$@"
     run b16 190 --batch 16 --profile 2 --rows "ours compiled,HF compiled" "$@"
-    run b32 170 --batch 32 --rows "ours compiled,HF compiled" "$@"
     fitted="b8 b16 b32"
-    forms "$@"
 else  # an H100 (80 GB): ours eager at batch 8 (~47 GiB) and three other rows' ~39 do not fit, so pairs; first
     # ours compiled alone at the largest batch it fits (24: 61.6 GiB at b13d967), where the goal's MFU is read, then
     # the rest (the order at the top). Expandable segments: batch 24 runs near the card's limit, where fragmentation

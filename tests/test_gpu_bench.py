@@ -93,14 +93,14 @@ def test_the_gpu_session_script_refuses_a_gpu_mem_that_is_no_number_in_one_line(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mem, runs", [
-    ("", (("b8", 8), ("b16", 16), ("b32", 32))),  # no GPU memory read: the H200 plan
+    ("", (("b8", 8), ("b16", 16), ("b32", 32), ("b32b", 32))),  # no GPU memory read: the H200 plan
     ("80", (("b8c", 8), ("b24", 24), ("w8", 8), ("b8e", 8), ("b24b", 24))),  # an H100: pairs, 24, a wider model
 ])
 def test_the_gpu_session_script_runs_its_measurements(tmp_path, mem, runs):
     """benchmarks/gpu_session.sh, the next GPU session's one command, on the CPU dry run: its runs (the H200 plan:
-    batch 8 with the profile, 16 and 32; the H100 plan: ours compiled alone at 24, 24 again with Python's automatic
-    garbage collection, the kernel forms, the compiled pair at 8 with the profile, a wider model's pair, the eager
-    pair at 8)
+    32 with the profile, 32 again with Python's automatic garbage collection, the kernel forms, 8 with the profile and
+    16; the H100 plan: ours compiled alone at 24, 24 again with Python's automatic garbage collection, the kernel
+    forms, the compiled pair at 8 with the profile, a wider model's pair, the eager pair at 8)
     each leave their output and JSON in $OUT, beside the machine's facts; the extra arguments reach every run and
     win over the script's own (here --rows, as the dry run needs ours eager)."""
     import json
@@ -132,6 +132,9 @@ def test_the_gpu_session_script_runs_its_measurements(tmp_path, mem, runs):
         assert (args["d_model"], args["layers"]) == (128, 1)
         # batch 24 as the trainer collects garbage, and again with Python's automatic collection
         assert [json.loads((tmp_path / f"{n}.json").read_text())["args"]["gc_every"] for n in ("b24", "b24b")] == \
+            [50, 0]
+    else:  # the same on the H200's largest batch
+        assert [json.loads((tmp_path / f"{n}.json").read_text())["args"]["gc_every"] for n in ("b32", "b32b")] == \
             [50, 0]
 
 
