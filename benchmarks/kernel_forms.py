@@ -89,6 +89,7 @@ ATTENTION_CPU = {"attn flash": SDPBackend.FLASH_ATTENTION, "attn math": SDPBacke
 def forms(batch: int, seq: int, heads: int, head_dim: int, d_model: int, device: torch.device, kv_heads: int = 8):
     """name -> (function of one tensor, its input, what it must do forward, and backward: bytes of whole tensors
     moved, or for attention FLOPs)."""
+    torch.manual_seed(0)  # the same inputs every run
     cos, sin = (t.to(device).unsqueeze(-2) for t in rope_tables(head_dim, seq, 10000.0))  # [T, 1, D/2]
     cos2 = cos.repeat_interleave(2, -1)
     sin2 = torch.stack((-sin, sin), dim=-1).flatten(-2)
@@ -205,10 +206,10 @@ def main(argv: list[str] | None = None) -> int:
         fns[name] = c
     # The same run: the swap form is the same arithmetic as ours (bitwise equal where the compiler contracts the
     # multiply-adds alike; a GPU may fuse them differently, a rounding of the fp32 intermediate at most), and the
-    # split norm differs from ours in the order of a sum only: both within bf16 rounding, or the script stops.
-    # The attention backends each round their own way (blocked softmax, fp32 accumulators): each against the
-    # first that ran, within bf16 rounding too.
-    same = []
+    # split norm differs from ours in the order of a sum only: both within bf16 rounding. The attention backends
+    # each round their own way (blocked softmax, fp32 accumulators): each against the first that ran, within bf16
+    # rounding too. A form beyond it is not timed, and the script exits 1 after the others' figures.
+    same, failed = [], []
     attn = [n for n in fns if n.startswith("attn ")]
     for a_name, b_name in (("rope ours", "rope swap"), ("norm ours", "norm split"),
                            *((attn[0], n) for n in attn[1:])):
@@ -221,8 +222,10 @@ def main(argv: list[str] | None = None) -> int:
                 tol = 1e-2 * (max(1.0, a.abs().max().item()) if a_name.startswith("attn ") else 1.0)
                 if not torch.allclose(a, b, rtol=1e-2, atol=tol):
                     print(f"{b_name}'s {way} differs from {a_name}'s beyond bf16 rounding: largest "
-                          f"{(a - b).abs().max().item():.3e}", file=sys.stderr)
-                    return 1
+                          f"{(a - b).abs().max().item():.3e}; {b_name} is not timed", file=sys.stderr)
+                    del fns[b_name]
+                    failed.append(b_name)
+                    break
                 same.append(f"{b_name} {way}: " + (f"bitwise equal to {a_name}" if torch.equal(a, b) else
                                                     f"within {(a - b).abs().max().item():.1e} of {a_name}"))
     times: dict[str, dict[bool, list[float]]] = {n: {False: [], True: []} for n in fns}
@@ -245,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {fwd:.3f} | {rate(fwd_amount, fwd, unit)} | {bwd:.3f} | {rate(bwd_amount, bwd, unit)} | "
               f"{min(times[name][True]):.3f}-{max(times[name][True]):.3f} |")
     print("\nsame run: " + "; ".join(same))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -260,6 +260,27 @@ def test_the_kernel_forms_refuse_without_cuda_in_one_line():
         out.stderr
 
 
+def test_the_kernel_forms_time_only_the_forms_that_computed_the_same(monkeypatch, capsys):
+    """A form whose output or gradient is not its reference's within bf16 rounding is named, left out of the
+    timings, and the script exits 1 after the other forms' figures (here the CPU's math attention, made wrong)."""
+    from torch.nn.attention import SDPBackend
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import kernel_forms
+
+    real = kernel_forms.attention
+
+    def wrong_math(backend, heads, kv_heads):
+        core = real(backend, heads, kv_heads)
+        return (lambda x: core(x) * 1.5) if backend == SDPBackend.MATH else core
+
+    monkeypatch.setattr(kernel_forms, "attention", wrong_math)
+    rc = kernel_forms.main(["--dry-run-cpu", "--rounds", "1", "--iters", "1"])
+    out, err = capsys.readouterr()
+    assert rc == 1 and "attn math's output differs from attn flash's beyond bf16 rounding" in err, err
+    assert "| attn math |" not in out and "| attn flash |" in out and "| rope swap |" in out, out
+
+
 def test_the_collector_runs_as_the_trainer_schedules_it_for_every_row(tmp_path, monkeypatch, capsys):
     """--gc-every N: every row's timed steps run with automatic collection off and a full collection inside each
     N-th step (train.gc_every's schedule), and the report and JSON say what the collector took per row. Steps 2-5
