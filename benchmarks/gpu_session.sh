@@ -88,7 +88,9 @@ case " $* " in
     *) wide=(--d-model 4096 --layers 8 --heads 32 --kv-heads 8) ;;
 esac
 if [ "$mem" -eq 0 ] || [ "$mem" -ge 100 ]; then  # an H200 (141 GiB): four rows at batch 8 fit
-    run b32 190 --batch 32 --profile 2 --rows "ours compiled,HF compiled" "$@"
+    # ~4x batch 8's step for each of two rows, 50 timed steps each, plus two compilations and the profile: the
+    # longest run of the session, so the widest timeout (with b32b's and the forms', 520 s of the call's 570)
+    run b32 240 --batch 32 --profile 2 --rows "ours compiled,HF compiled" "$@"
     run b32b 130 --batch 32 --profile 2 --rows "ours compiled" --gc-every 0 "$@"
     forms "$@"
     run b8 230 --batch 8 --profile 2 "$@"
