@@ -22,7 +22,9 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]  # the repository: its config and package, from any working folder
 SIDES = {"automatic": 0, "scheduled": 50}  # train.gc_every
 
 
@@ -33,7 +35,7 @@ def one_side(gc_every: int, steps: int, compile_: bool) -> dict:
     from meshtrain.train.gc_schedule import GcSchedule
     from meshtrain.train.trainer import Trainer
 
-    cfg = load_config("configs/small.yaml", [
+    cfg = load_config(str(ROOT / "configs" / "small.yaml"), [
         "data.source=synthetic", f"train.steps={steps}", f"train.gc_every={gc_every}", f"train.compile={compile_}",
         "train.eval_every=0", "train.ckpt_every=0", "train.sample_tokens=0", "train.progress=false",
         "train.tensorboard=false", "train.threads=1"])
@@ -71,7 +73,7 @@ def main() -> int:
     if args.one:
         print(json.dumps(one_side(SIDES[args.one], args.steps, not args.eager)))
         return 0
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     results: dict[str, list[dict]] = {side: [] for side in SIDES}
     for run in range(args.runs):
         for side in (list(SIDES) if run % 2 == 0 else list(SIDES)[::-1]):

@@ -113,9 +113,10 @@ def test_a_negative_gc_every_is_refused_in_one_line():
 
 
 @pytest.mark.slow
-def test_the_benchmark_runs_both_sides_as_the_same_run():
-    """benchmarks/gc_pauses.py on a short eager run: both sides train in their own process, the table has a row per
-    side, and the losses agree to the bit (the collector changes no arithmetic)."""
+def test_the_benchmark_runs_both_sides_as_the_same_run(tmp_path):
+    """benchmarks/gc_pauses.py on a short eager run, started from another folder than the repository: both sides
+    train in their own process, the table has a row per side, and the losses agree to the bit (the collector changes
+    no arithmetic)."""
     import os
     import subprocess
     import sys
@@ -123,7 +124,7 @@ def test_the_benchmark_runs_both_sides_as_the_same_run():
 
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, str(root / "benchmarks" / "gc_pauses.py"), "--eager", "--steps", "3",
-                          "--runs", "1"], capture_output=True, text=True, cwd=root, timeout=600,
+                          "--runs", "1"], capture_output=True, text=True, cwd=tmp_path, timeout=600,
                          env={**os.environ, "PYTHONPATH": str(root)})
     assert out.returncode == 0, out.stdout + out.stderr
     assert "| automatic (0) |" in out.stdout and "| scheduled (50) |" in out.stdout
