@@ -116,9 +116,10 @@ def forms(batch: int, seq: int, heads: int, head_dim: int, d_model: int, device:
 SETTINGS = {"norm split": {"triton.mix_order_reduction": False}}
 
 
-def compiled(name: str, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Callable | str:
-    """``fn`` compiled under the form's settings, both ways (compilation happens at the first call, so the calls
-    are made inside the settings), or why not. Attention runs eager: SDPA's kernel is the same compiled."""
+def prepared(name: str, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Callable | str:
+    """``fn`` ready to time, run once both ways, or why not: compiled under the form's settings (compilation
+    happens at the first call, so the calls are made inside the settings); attention eager, as SDPA's kernel is the
+    same compiled, where the backend has one for these inputs."""
     import torch._inductor.config as inductor
 
     if name.startswith("attn "):
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     table = forms(args.batch, args.seq, args.heads, args.head_dim, args.d_model, device, args.kv_heads)
     fns: dict[str, Callable] = {}
     for name, (fn, x, _, _) in table.items():
-        c = compiled(name, fn, x)
+        c = prepared(name, fn, x)
         if isinstance(c, str):
             print(f"{name}: {c}")
             continue
