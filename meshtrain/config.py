@@ -380,10 +380,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     for name in ("d_model", "n_layers", "n_heads", "max_seq_len", "multiple_of"):
         _need(getattr(m, name) > 0, f"model.{name} must be positive, got {getattr(m, name)}.")
     _need(m.vocab_size >= 0, "model.vocab_size must be >= 0 (0 takes it from the tokenizer).")
+    heads = _head_counts(m.d_model)
     _need(
         m.d_model % m.n_heads == 0,
-        f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}: "
-        f"pick n_heads from {_head_counts(m.d_model)}.",
+        f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}: pick n_heads from {heads}." if heads
+        else f"model.d_model={m.d_model} has no head count with an even head dimension (RoPE rotates pairs): "
+             f"pick an even model.d_model, e.g. {m.d_model + 1}.",
     )
     _need(m.head_dim % 2 == 0, f"head dimension d_model/n_heads = {m.head_dim} must be even for RoPE.")
     _need(m.n_kv_heads >= 0, "model.n_kv_heads must be >= 0 (0 means n_heads).")

@@ -27,6 +27,8 @@ def test_yaml_file_with_preset(tmp_path):
     ("train.lr=abc", "train.lr must be a number, got 'abc'."),
     ("model.tie_embeddings=maybe", "model.tie_embeddings must be true or false, got 'maybe'."),
     ("model.n_heads=5", "model.n_heads=5 must divide model.d_model=32"),
+    ("model.d_model=65", "model.d_model=65 has no head count with an even head dimension (RoPE rotates pairs): "
+                         "pick an even model.d_model, e.g. 66."),
     ("model.n_kv_heads=3", "model.n_kv_heads=3 must divide model.n_heads=4"),
     ("train.seq_len=100", "train.seq_len=100 exceeds model.max_seq_len=64"),
     ("train.grad_accum=3", "train.global_batch=8 must be divisible by data-parallel size 1 x train.grad_accum=3"),
