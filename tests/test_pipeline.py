@@ -60,6 +60,12 @@ def test_every_schedule_equals_one_device(pp, data, reference):
                                                      "train.recompute=full"]))
         layouts.append(("1f1b no clipping", [f"parallel.pp={pp}", "parallel.microbatches=4",
                                              "parallel.schedule=1f1b", "train.grad_clip=0"]))
+        # Zero-bubble W actions under activation checkpointing (they once lost weight gradients there).
+        layouts.append(("zb-h1 recompute", [f"parallel.pp={pp}", "parallel.microbatches=4",
+                                            "parallel.schedule=zb-h1", "train.recompute=full"]))
+        layouts.append(("dualpipev selective recompute", [f"parallel.pp={pp}", "parallel.microbatches=4",
+                                                          "parallel.schedule=dualpipev", "parallel.virtual_stages=2",
+                                                          "train.recompute=selective"]))
     results = spawn(layouts_worker, pp, args=(data, BASE, layouts), timeout=900)
     check_layouts(data, pp, layouts, results, reference)
 

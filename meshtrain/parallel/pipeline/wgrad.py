@@ -53,6 +53,9 @@ class _DeferredLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: nn.Parameter, store: WeightGradStore) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
+        # The Parameter itself, for W: a saved tensor unpacks as another tensor object, which under activation
+        # checkpointing is a leaf alias whose gradient need not reach the Parameter (W's gradient was lost).
+        ctx.param = weight
         ctx.store = store
         return F.linear(x, weight)
 
@@ -61,7 +64,7 @@ class _DeferredLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_x = g @ weight.to(g.dtype)
         if ctx.store.key is not None:
-            ctx.store.put(weight, x, g)
+            ctx.store.put(ctx.param, x, g)
             return grad_x, None, None
         return grad_x, _weight_grad(x, g, weight), None
 
