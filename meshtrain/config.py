@@ -463,6 +463,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _need(p.p2p_posting in ("auto", "ahead", "ordered"), f"parallel.p2p_posting must be auto, ahead or ordered, "
           f"got '{p.p2p_posting}': set parallel.p2p_posting=auto (ordered on NCCL, ahead on gloo).")
     _need(p.dp_shard >= 0, f"parallel.dp_shard must be >= 0 (0: shard over all of dp), got {p.dp_shard}.")
+    _need(p.dp_shard == 0 or p.zero > 0, f"parallel.dp_shard={p.dp_shard} sets HSDP's shard groups, but "
+          f"parallel.zero=0 shards nothing (plain DP keeps whole replicas): set parallel.zero=1, 2 or 3, or drop "
+          f"parallel.dp_shard.")
     _need(not (p.sp and p.tp == 1), "parallel.sp=true needs parallel.tp > 1 (it shards the sequence over tp).")
     _need(not (p.sp and t.seq_len % p.tp), f"parallel.sp=true splits train.seq_len={t.seq_len} over "
           f"parallel.tp={p.tp}: choose a seq_len divisible by tp.")

@@ -30,6 +30,8 @@ def test_yaml_file_with_preset(tmp_path):
     ("model.d_model=65", "model.d_model=65 has no head count with an even head dimension (RoPE rotates pairs): "
                          "pick an even model.d_model, e.g. 66."),
     ("model.n_kv_heads=3", "model.n_kv_heads=3 must divide model.n_heads=4"),
+    ("parallel.dp_shard=2", "parallel.dp_shard=2 sets HSDP's shard groups, but parallel.zero=0 shards nothing (plain "
+                            "DP keeps whole replicas): set parallel.zero=1, 2 or 3, or drop parallel.dp_shard."),
     ("train.seq_len=100", "train.seq_len=100 exceeds model.max_seq_len=64"),
     ("train.grad_accum=3", "train.global_batch=8 must be divisible by data-parallel size 1 x train.grad_accum=3"),
     ("parallel.zero=4", "parallel.zero must be 0, 1, 2 or 3, got 4."),
