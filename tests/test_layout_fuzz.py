@@ -1,0 +1,30 @@
+"""Random valid layouts on 4 ranks against one device (meshtrain/testing/fuzz.py): a fixed sample of the option
+combinations that no hand-written equivalence layout names. Each must run as asked and give every step's loss and
+grad norm and the step-1 gradient of every tensor within the equivalence tolerances (fp32, 1e-5 relative)."""
+
+import pytest
+
+from meshtrain.testing.equivalence import prepared_stdlib
+from meshtrain.testing.fuzz import check_random_layouts, random_layouts
+
+pytestmark = pytest.mark.slow
+
+SEED, LAYOUTS, WORLD = 0, 16, 4
+
+
+def test_the_sample_spans_the_options():
+    """The sample is not a handful of near-identical layouts: it has every axis above 1, ZeRO levels, a pipeline
+    schedule that splits backward, recompute, MoE with expert parallelism and kv heads fewer than tp."""
+    drawn = " ".join(o for _, overrides in random_layouts(SEED, LAYOUTS, WORLD) for o in overrides)
+    for want in ("parallel.pp=2", "parallel.tp=2", "parallel.cp=2", "parallel.ep=2", "parallel.zero=3",
+                 "parallel.sp=true", "train.recompute=full", "train.recompute=selective", "model.moe_experts=4",
+                 "model.n_kv_heads=1"):
+        assert want in drawn, want
+    assert "zb-h1" in drawn or "dualpipev" in drawn
+
+
+def test_random_layouts_equal_one_device(tmp_path_factory):
+    rows = check_random_layouts(prepared_stdlib(tmp_path_factory, "fuzzdata"), SEED, LAYOUTS, WORLD)
+    assert len(rows) == LAYOUTS
+    problems = [f"{r['name']} {' '.join(r['overrides'])}: {r['problem']}" for r in rows if r["problem"]]
+    assert not problems, "\n".join(problems)
