@@ -7,13 +7,13 @@ shapes), keeps those ``validate_layout`` accepts for ``world`` ranks, and ``chec
 with the single-device run, as every equivalence test does. Its first run found zero-bubble schedules under
 recompute training on wrong weight gradients (``pipeline/wgrad.py``), which no hand-written layout had combined.
 
-What it compares: every step's loss and grad norm and the step-1 gradient of every tensor (LOSS_RTOL,
-GRAD_RTOL), and that the layout really ran (mesh, bytes on every axis, pipeline actions). Not the final
-parameters: AdamW divides each entry by the root of its running square, so an entry whose gradient is near zero
-moves by a sign that summation order can decide. One device against itself with ``train.grad_accum=4`` instead of
-1 (a different summation order, nothing else; d_model 64, 8 heads) differs by up to 2.6e-5 in a parameter after
-four steps, with every loss within 1.2e-7; sampled layouts land on both sides of PARAM_RTOL that way. The
-hand-written equivalence files check parameters on the layouts they chose.
+What it compares: every step's loss and grad norm, the step-1 gradient of every tensor and the last step's
+validation loss (LOSS_RTOL, GRAD_RTOL), and that the layout really ran (mesh, bytes on every axis, pipeline
+actions). Not the final parameters: AdamW divides each entry by the root of its running square, so an entry whose
+gradient is near zero moves by a sign that summation order can decide. One device against itself with
+``train.grad_accum=4`` instead of 1 (a different summation order, nothing else; d_model 64, 8 heads) differs by up
+to 2.6e-5 in a parameter after four steps, with every loss within 1.2e-7; sampled layouts land on both sides of
+PARAM_RTOL that way. The hand-written equivalence files check parameters on the layouts they chose.
 
 What it leaves out, and why: ``moe_capacity_factor`` (capacity is per local token group, so it is
 layout-dependent by definition: docs/expert-parallel.md), bf16 (its own k·u tests; an MoE router's top-k flips
@@ -52,7 +52,8 @@ SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1", "dualpipev")
 def random_overrides(rng: random.Random, world: int) -> list[str]:
     """One draw of ``parallel.*``, ``train.*`` and ``model.*`` overrides for ``world`` ranks (not yet validated)."""
     o: dict[str, object] = {}
-    pp, tp, cp = rng.choice([1, 1, 2]), rng.choice([1, 2] + ([4] if world >= 8 else [])), rng.choice([1, 1, 2])
+    wide = [4] if world >= 8 else []
+    pp, tp, cp = rng.choice([1, 1, 2, *wide]), rng.choice([1, 2, *wide]), rng.choice([1, 1, 2])
     while pp * tp * cp > world:
         cp, tp = (1, tp) if cp > 1 else (cp, tp // 2)
     dp = world // (pp * tp * cp)
@@ -156,9 +157,12 @@ def compare(data: str, world: int, layouts: list[tuple[str, list[str]]], per_ran
         row["grad_norm"] = max(abs(a / b - 1) for r in results
                                for a, b in zip(r["grad_norms"], ref["grad_norms"], strict=True))
         row["grads"] = max(worst_rel(r["grads"], ref["grads"]) for r in results)
-        if row["loss"] > LOSS_RTOL or row["grad_norm"] > GRAD_RTOL or row["grads"] > GRAD_RTOL:
-            row["problem"] = (f"differs from one device: loss {row['loss']:.1e}, grad norm {row['grad_norm']:.1e}, "
-                              f"step-1 gradient {row['grads']:.1e} (tolerances {LOSS_RTOL:g}, {GRAD_RTOL:g})")
+        # The last step's validation loss: evaluation runs its own path (the pipeline's forward_only, no backward).
+        row["val_loss"] = max(abs(r["records"][-1]["val_loss"] / ref["records"][-1]["val_loss"] - 1) for r in results)
+        if max(row["loss"], row["val_loss"]) > LOSS_RTOL or max(row["grad_norm"], row["grads"]) > GRAD_RTOL:
+            row["problem"] = (f"differs from one device: loss {row['loss']:.1e}, validation loss "
+                              f"{row['val_loss']:.1e}, grad norm {row['grad_norm']:.1e}, step-1 gradient "
+                              f"{row['grads']:.1e} (tolerances {LOSS_RTOL:g}, {GRAD_RTOL:g})")
     return rows
 
 
@@ -185,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         prepare_data(default_source_dir(), data)
         rows = check_random_layouts(data, args.seed, args.layouts, args.world)
     for row in rows:
-        figures = (f"loss {row['loss']:.1e}  grad norm {row['grad_norm']:.1e}  step-1 gradient {row['grads']:.1e}"
+        figures = (f"loss {row['loss']:.1e}  val {row['val_loss']:.1e}  grad norm {row['grad_norm']:.1e}  "
+                   f"step-1 gradient {row['grads']:.1e}"
                    if "grads" in row else "")
         print(f"{'FAIL' if row['problem'] else 'ok':4s} {row['name']:8s} {figures}  {' '.join(row['overrides'])}")
         if row["problem"]:
