@@ -1,6 +1,7 @@
 """Random valid layouts on 4 ranks against one device (meshtrain/testing/fuzz.py): a fixed sample of the option
-combinations that no hand-written equivalence layout names. Each must run as asked and give every step's loss and
-grad norm and the step-1 gradient of every tensor within the equivalence tolerances (fp32, 1e-5 relative)."""
+combinations that no hand-written equivalence layout names. Each must run as asked, give every step's loss and
+grad norm, the step-1 gradient of every tensor and the last validation loss within the equivalence tolerances (fp32,
+1e-5 relative), and move the bytes the planner predicts."""
 
 import pytest
 
@@ -28,3 +29,5 @@ def test_random_layouts_equal_one_device(tmp_path_factory):
     assert len(rows) == LAYOUTS
     problems = [f"{r['name']} {' '.join(r['overrides'])}: {r['problem']}" for r in rows if r["problem"]]
     assert not problems, "\n".join(problems)
+    # Most also checked the planner's bytes (per-tensor ZeRO with tp or HSDP is not modelled: recorded, not failed).
+    assert sum(r["planner"].startswith("bytes exact") for r in rows) >= LAYOUTS // 2, [r["planner"] for r in rows]
