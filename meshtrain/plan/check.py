@@ -91,7 +91,8 @@ def predict_rank(cfg: Config, world_size: int, coords: dict[str, int]) -> tuple[
     expert_zero = min(p.zero, 2) if experts and edp > 1 else 0  # experts are ZeRO-1/2-sharded over edp
     if p.tp > 1:
         if p.zero in (1, 2) and p.zero_layout == "per_tensor":
-            raise ValueError("tp bytes with per-tensor ZeRO depend on which rank owns each norm; not modelled")
+            raise ValueError("parallel.zero_layout=per_tensor with parallel.tp > 1 is not modelled: its tp bytes "
+                             "depend on which rank owns each norm weight (the byte check covers zero_layout=flat)")
         n = shard or ndp
         k = coords["dp"] % (p.dp_shard or dp) * p.cp + coords["cp"]  # this rank's index in the shard group
         norms = norm_elems_held(m, p.tp, layers, first, last, p.zero, n, k, p.ep) + sum(

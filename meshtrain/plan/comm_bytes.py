@@ -35,7 +35,8 @@ def dp_comm_bytes(cfg: ModelConfig, zero: int, dp: int, grad_accum: int = 1, lay
         psi = sum(units)
         n = dp_shard or dp
         if dp // n > 1:
-            raise ValueError("per-tensor HSDP bytes depend on the ownership; not modelled")
+            raise ValueError("parallel.zero_layout=per_tensor with HSDP (parallel.dp_shard) is not modelled: its bytes "
+                             "depend on which rank owns each tensor (the byte check covers zero_layout=flat)")
         if n == 1:
             return {}
         return {("dp_shard_cp", "reduce"): (grad_accum if zero == 2 else 1) * reduce_bytes * psi,

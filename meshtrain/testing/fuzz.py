@@ -179,7 +179,7 @@ def _planner_problem(run: str, overrides: list[str], row: dict) -> str | None:
     try:
         text, exact, memory_ok = check_run(run)
     except ValueError as e:
-        row["planner"] = f"not modelled ({e})"
+        row["planner"] = str(e)
         return None
     uneven = "parallel.zero_layout=per_tensor" in overrides or "train.optimizer=muon" in overrides
     row["planner"] = "bytes exact" + ("" if uneven else ", state within 5%")
