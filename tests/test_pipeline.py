@@ -103,6 +103,42 @@ def test_pp_with_dp_and_zero1_on_4_ranks(data, reference):
     check_layouts(data, 4, layouts, results, reference)
 
 
+def _deferring_worker(rank: int, world: int, data: str, base: list[str], layouts: list[tuple[str, list[str]]]) -> dict:
+    """``layouts_worker``, plus whether every tensor-parallel linear on this rank left its weight gradient to W, and
+    how many weight gradients W computed."""
+    from meshtrain.parallel.pipeline.wgrad import immediate_params
+    from meshtrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+    def extra(trainer) -> dict:
+        engine = trainer.parallel.micro
+        linears = [m for st in engine.stages.values() for m in st.modules()
+                   if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+        immediate = {id(p) for st in engine.stages.values() for p in immediate_params(st)}
+        return {"linears": len(linears), "deferring": sum(id(m.weight) not in immediate for m in linears),
+                "applied": engine.wgrad.applied}
+
+    return {name: run_layout(data, [*base, *o], run_dir(data, world, name), extra=extra) for name, o in layouts}
+
+
+def test_zero_bubble_defers_tensor_parallel_weight_grads(data, reference):
+    """Zero-bubble schedules under tensor parallelism: the column- and row-parallel linears (fused QKV and gate/up,
+    the vocabulary-parallel head, with SP's regather or without) leave their weight gradients to W, as the plain
+    model's linears do. They once computed them in I, so W had nothing to do and the schedule was 1F1B with empty
+    slots, while the planner counted zero bubble. Same results as one device."""
+    layouts = [("pp2 tp2 sp zb-h1", ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true", "parallel.microbatches=4",
+                                     "parallel.schedule=zb-h1"]),
+               ("pp2 tp2 dualpipev recompute", ["parallel.pp=2", "parallel.tp=2", "parallel.microbatches=4",
+                                                "parallel.schedule=dualpipev", "parallel.virtual_stages=2",
+                                                "train.recompute=full"])]
+    results = spawn(_deferring_worker, 4, args=(data, BASE, layouts), timeout=900)
+    check_layouts(data, 4, layouts, results, reference)
+    for name, _ in layouts:
+        for rank, res in enumerate(r[name] for r in results):
+            got = res["extra"]
+            assert got["linears"] > 0 and got["deferring"] == got["linears"], f"{name}: rank {rank}: {got}"
+            assert got["applied"] > 0 and got["applied"] % (STEPS * 4) == 0, f"{name}: rank {rank}: {got}"
+
+
 def test_3d_dp2_tp2_pp2_on_8_ranks(data, reference):
     layouts = [("dp2 x tp2 x pp2 1f1b", ["parallel.pp=2", "parallel.tp=2", "parallel.microbatches=2"]),
                ("dp2 x tp2 sp x pp2 interleaved zero1", ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true",

@@ -22,7 +22,7 @@ How, and why this way:
 * Graph breaks, by design: tensor parallelism's f/g ops and sequence parallelism's gather/scatter are autograd
   Functions that call ``meshtrain.comm``; ring/all-gather attention (CP) and the expert all-to-all (EP) too. Each
   is one break (the code around it is still compiled); ``docs/compile.md`` lists where, from
-  ``torch._dynamo.explain``. Zero-bubble pipelines' ``DeferredLinear`` is one too (``pipeline/wgrad.py``).
+  ``torch._dynamo.explain``. Zero-bubble pipelines' ``deferred_linear`` is one too (``pipeline/wgrad.py``).
 * A recomputed block that breaks graphs -- it calls collectives (tp, cp or ep > 1), or it is an MoE block, whose
   routing reads token counts -- is compiled the other way round:
   ``checkpoint(compiled forward)``, not ``compile(checkpointed block)``. Dynamo cannot break a graph inside a

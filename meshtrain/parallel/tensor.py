@@ -48,6 +48,7 @@ from meshtrain.model.layers import compute_dtype
 from meshtrain.model.llama import Attention, Block, FeedForward, attend, heads_with_rope
 from meshtrain.parallel.cross_entropy import lean_cross_entropy
 from meshtrain.parallel.pieces import Placement, Placements, TPSlice
+from meshtrain.parallel.pipeline.wgrad import Deferrable, WeightGradStore, deferred_linear
 from meshtrain.rules import Rules, check_executable, tp_dim
 
 # ----------------------------------------------------------------------------- the f / g operators
@@ -132,14 +133,17 @@ class _GatherLinear(torch.autograd.Function):
     [B, T/tp, D] shard instead of the gathered [B, T, D] input the weight gradient needs: backward
     gathers it again, started before the input-gradient matmul so the two overlap, then computes the
     weight gradient and reduce-scatters the input gradient. Under autocast the shard is saved (and
-    re-gathered) in the compute dtype, which is all the matmuls read of it."""
+    re-gathered) in the compute dtype, which is all the matmuls read of it. Under a zero-bubble pipeline's I
+    action (``wgrad`` armed) the gathered input is stashed for W instead of the weight gradient computed."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group: AxisGroup,
+                wgrad: WeightGradStore | None = None) -> torch.Tensor:
         dev = x.device.type
         cast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
         w = weight if cast is None else weight.to(cast)
         ctx.group, ctx.x_dtype, ctx.w_dtype = group, x.dtype, weight.dtype
+        ctx.param, ctx.wgrad = weight, wgrad  # the tensor itself for W (pipeline/wgrad.py: saved ones are aliases)
         ctx.save_for_backward(x if cast is None else x.to(cast), w)
         full = _all_gather_seq(x, group)
         return F.linear(full if cast is None else full.to(cast), w)
@@ -153,8 +157,19 @@ class _GatherLinear(torch.autograd.Function):
         grad_in = g.matmul(w.to(g.dtype))  # under the all-gather
         gathering.wait()
         full = full.transpose(0, 1)
-        grad_w = g.reshape(-1, g.shape[-1]).t().matmul(full.reshape(-1, full.shape[-1]).to(g.dtype))
-        return _reduce_scatter_seq(grad_in.to(ctx.x_dtype), ctx.group), grad_w.to(ctx.w_dtype), None
+        if ctx.wgrad is not None and ctx.wgrad.armed():
+            ctx.wgrad.put(ctx.param, full, g)  # W computes g^T full, as below
+            grad_w = None
+        else:
+            grad_w = g.reshape(-1, g.shape[-1]).t().matmul(full.reshape(-1, full.shape[-1]).to(g.dtype))
+            grad_w = grad_w.to(ctx.w_dtype)
+        return _reduce_scatter_seq(grad_in.to(ctx.x_dtype), ctx.group), grad_w, None, None
+
+
+@torch.compiler.disable  # as deferred_linear: the backward reads whether the store is armed
+def _deferred_gather_linear(x: torch.Tensor, weight: torch.Tensor, group: AxisGroup,
+                            wgrad: WeightGradStore) -> torch.Tensor:
+    return _GatherLinear.apply(x, weight, group, wgrad)
 
 
 def copy_to_tp(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
@@ -219,10 +234,10 @@ class Sharder:
         return p
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(nn.Module, Deferrable):
     """y[..., out/tp] = enter(x) @ W[rows of this rank]^T. ``enter`` is f (or the SP all-gather); with SP and
     ``regather`` (``parallel.sp_regather``) backward gathers the sequence shard again instead of keeping the
-    gathered input (``_GatherLinear``)."""
+    gathered input (``_GatherLinear``). In a zero-bubble pipeline (``wgrad`` set) W computes the weight gradient."""
 
     def __init__(self, weight: torch.Tensor, group: AxisGroup, sp: bool, regather: bool = False) -> None:
         super().__init__()
@@ -235,15 +250,20 @@ class ColumnParallelLinear(nn.Module):
     def matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """enter(x) @ weight^T, for this layer's weight or a fused one (QKV, gate/up) sharing its entry."""
         if self.regather and self.group.size > 1:
+            if self.wgrad is not None:
+                return _deferred_gather_linear(x, weight, self.group, self.wgrad)
             return _GatherLinear.apply(x, weight, self.group)
+        if self.wgrad is not None:
+            return deferred_linear(self.enter(x), weight, self.wgrad)
         return F.linear(self.enter(x), weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.weight)
 
 
-class RowParallelLinear(nn.Module):
-    """y = exit(x[..., in/tp] @ W[:, columns of this rank]^T). ``exit`` is g (or the SP reduce-scatter)."""
+class RowParallelLinear(nn.Module, Deferrable):
+    """y = exit(x[..., in/tp] @ W[:, columns of this rank]^T). ``exit`` is g (or the SP reduce-scatter). In a
+    zero-bubble pipeline (``wgrad`` set) W computes the weight gradient."""
 
     def __init__(self, weight: torch.Tensor, group: AxisGroup, sp: bool) -> None:
         super().__init__()
@@ -251,7 +271,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight) if self.wgrad is None else deferred_linear(x, self.weight, self.wgrad)
         return scatter_seq(y, self.group) if self.sp else reduce_from_tp(y, self.group)
 
 

@@ -2,11 +2,16 @@
 
 A linear layer's backward does two matmuls: the input gradient (needed at once by the previous
 stage) and the weight gradient (needed only by the optimizer). ``defer_weight_grads(stage, store)``
-makes the stage's ``nn.Linear`` layers, while the store is armed, compute only the input gradient
+makes the stage's linear layers, while the store is armed, compute only the input gradient
 in backward and stash (input, output gradient) instead; the W action then does the weight matmuls
-and hands each gradient to autograd's accumulation (``param.backward(grad)``), so gradient hooks
+and hands each gradient to autograd's accumulation (``weight.backward(grad)``), so gradient hooks
 (data-parallel bucket sync) fire as usual. Every other parameter (norms, embedding) is cheap and
 gets its gradient in I.
+
+Which layers: the plain model's bias-free ``nn.Linear`` (swapped for ``DeferredLinear``) and, under tensor
+parallelism, its column- and row-parallel twins, which are ``Deferrable`` (``defer_weight_grads`` sets their
+``wgrad``). A fused weight (QKV, gate/up: a concatenation of parameters) is stashed as the tensor the matmul
+read, and W's ``backward`` carries its gradient through the concatenation to each parameter.
 """
 
 from __future__ import annotations
@@ -21,10 +26,15 @@ class WeightGradStore:
 
     def __init__(self) -> None:
         self.key: tuple[int, int] | None = None  # armed during an I action
-        self.stash: dict[tuple[int, int], list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]] = {}
+        self.stash: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self.applied = 0  # weight gradients W has computed (this process, all steps): what shows W did work
 
-    def put(self, weight: nn.Parameter, x: torch.Tensor, g: torch.Tensor) -> None:
+    def put(self, weight: torch.Tensor, x: torch.Tensor, g: torch.Tensor) -> None:
         self.stash.setdefault(self.key, []).append((weight, x, g))
+
+    def armed(self) -> bool:
+        """Inside an I action: a deferring layer stashes its weight gradient's inputs instead of computing it."""
+        return self.key is not None
 
     @torch.no_grad()
     def apply(self, key: tuple[int, int]) -> None:
@@ -39,6 +49,7 @@ class WeightGradStore:
         with torch.enable_grad():
             for w, gw in grads.values():
                 w.backward(gw)
+        self.applied += len(grads)
 
 
 def _weight_grad(x: torch.Tensor, g: torch.Tensor, weight: nn.Parameter) -> torch.Tensor:
@@ -51,7 +62,7 @@ def _weight_grad(x: torch.Tensor, g: torch.Tensor, weight: nn.Parameter) -> torc
 
 class _DeferredLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: nn.Parameter, store: WeightGradStore) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, store: WeightGradStore) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         # The Parameter itself, for W: a saved tensor unpacks as another tensor object, which under activation
         # checkpointing is a leaf alias whose gradient need not reach the Parameter (W's gradient was lost).
@@ -63,13 +74,28 @@ class _DeferredLinear(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor):
         x, weight = ctx.saved_tensors
         grad_x = g @ weight.to(g.dtype)
-        if ctx.store.key is not None:
+        if ctx.store.armed():
             ctx.store.put(ctx.param, x, g)
             return grad_x, None, None
         return grad_x, _weight_grad(x, g, weight), None
 
 
-class DeferredLinear(nn.Linear):
+# Eager under torch.compile (a clean graph break, like the collectives): the backward reads whether the store is
+# armed and stashes into it, which a traced backward would fix at compile time (never deferring).
+@torch.compiler.disable
+def deferred_linear(x: torch.Tensor, weight: torch.Tensor, store: WeightGradStore) -> torch.Tensor:
+    """``F.linear(x, weight)`` (bias-free) whose weight gradient, while ``store`` is armed, W computes."""
+    return _DeferredLinear.apply(x, weight, store)
+
+
+class Deferrable:
+    """A layer that can leave its weight gradient to W: ``defer_weight_grads`` sets ``wgrad``, and the layer then
+    runs its matmul through ``deferred_linear`` (or its own Function's equivalent). The tensor-parallel linears."""
+
+    wgrad: WeightGradStore | None = None
+
+
+class DeferredLinear(nn.Linear, Deferrable):
     """A bias-free linear layer whose weight gradient the W action computes (when the store is armed)."""
 
     def __init__(self, lin: nn.Linear, store: WeightGradStore) -> None:
@@ -77,25 +103,29 @@ class DeferredLinear(nn.Linear):
         self.in_features, self.out_features = lin.in_features, lin.out_features
         self.weight = lin.weight  # the same parameter object
         self.bias = None
-        self.store = store
+        self.wgrad = store
 
-    # Eager under torch.compile (a clean graph break, like the collectives): its backward reads whether the store
-    # is armed and stashes into it, which a traced backward would fix at compile time (never deferring).
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _DeferredLinear.apply(x, self.weight, self.store)
+        return deferred_linear(x, self.weight, self.wgrad)
 
 
 def defer_weight_grads(module: nn.Module, store: WeightGradStore) -> None:
-    """Swap every bias-free ``nn.Linear`` in ``module`` for a ``DeferredLinear`` (in place)."""
+    """Swap every bias-free ``nn.Linear`` in ``module`` for a ``DeferredLinear`` and hand every ``Deferrable``
+    layer (tensor-parallel linears) the store (in place)."""
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.bias is None:
                 setattr(parent, name, DeferredLinear(child, store))
+            elif isinstance(child, Deferrable):
+                child.wgrad = store
+
+
+def _defers(m: nn.Module) -> bool:
+    return isinstance(m, Deferrable) and m.wgrad is not None
 
 
 def immediate_params(module: nn.Module) -> list[nn.Parameter]:
-    """The parameters whose gradients the I action computes: all but the ``DeferredLinear`` weights."""
-    params = {id(p): p for m in module.modules() if not isinstance(m, DeferredLinear)
+    """The parameters whose gradients the I action computes: all but the weights of deferring layers."""
+    params = {id(p): p for m in module.modules() if not _defers(m)
               for p in m.parameters(recurse=False) if p.requires_grad}
     return list(params.values())
