@@ -460,6 +460,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
           f"got {p.bucket_mb}.")
     _need(p.schedule in SCHEDULES, f"parallel.schedule must be one of {', '.join(SCHEDULES)}, got '{p.schedule}'.")
     _need(p.virtual_stages >= 1, f"parallel.virtual_stages must be >= 1, got {p.virtual_stages}.")
+    _need(p.pp > 1 or p.microbatches == 1, f"parallel.microbatches={p.microbatches} splits each step into pipeline "
+          f"microbatches, but parallel.pp=1: accumulate with train.grad_accum={p.microbatches} instead, or set "
+          f"parallel.pp > 1.")
     _need(p.p2p_posting in ("auto", "ahead", "ordered"), f"parallel.p2p_posting must be auto, ahead or ordered, "
           f"got '{p.p2p_posting}': set parallel.p2p_posting=auto (ordered on NCCL, ahead on gloo).")
     _need(p.dp_shard >= 0, f"parallel.dp_shard must be >= 0 (0: shard over all of dp), got {p.dp_shard}.")

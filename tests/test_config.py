@@ -30,6 +30,8 @@ def test_yaml_file_with_preset(tmp_path):
     ("model.d_model=65", "model.d_model=65 has no head count with an even head dimension (RoPE rotates pairs): "
                          "pick an even model.d_model, e.g. 66."),
     ("model.n_kv_heads=3", "model.n_kv_heads=3 must divide model.n_heads=4"),
+    ("parallel.microbatches=4", "parallel.microbatches=4 splits each step into pipeline microbatches, but "
+                                "parallel.pp=1: accumulate with train.grad_accum=4 instead, or set parallel.pp > 1."),
     ("parallel.dp_shard=2", "parallel.dp_shard=2 sets HSDP's shard groups, but parallel.zero=0 shards nothing (plain "
                             "DP keeps whole replicas): set parallel.zero=1, 2 or 3, or drop parallel.dp_shard."),
     ("train.seq_len=100", "train.seq_len=100 exceeds model.max_seq_len=64"),
