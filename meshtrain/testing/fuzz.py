@@ -38,6 +38,7 @@ from meshtrain.testing.equivalence import (
     GRAD_RTOL,
     LOSS_RTOL,
     assert_layout_ran,
+    planner_mismatch,
     reference_runs,
     run_dir,
     run_layout,
@@ -165,27 +166,21 @@ def compare(data: str, world: int, layouts: list[tuple[str, list[str]]], per_ran
                               f"{row['val_loss']:.1e}, grad norm {row['grad_norm']:.1e}, step-1 gradient "
                               f"{row['grads']:.1e} (tolerances {LOSS_RTOL:g}, {GRAD_RTOL:g})")
             continue
-        row["problem"] = _planner_problem(run_dir(data, world, name), overrides, row)
+        row["problem"] = _planner_problem(run_dir(data, world, name), row)
     return rows
 
 
-def _planner_problem(run: str, overrides: list[str], row: dict) -> str | None:
-    """The planner's prediction of the run (``plan/check.check_run``): every rank's bytes on every axis exactly,
-    and its state within 5% where shards are even (flat ZeRO, AdamW), as ``assert_planner_predicts_runs`` asks of
-    the hand-written layouts. A layout the planner does not model (per-tensor ZeRO with tp or HSDP: its bytes
-    follow which rank owns each tensor) is recorded in ``row["planner"]``, not failed."""
-    from meshtrain.plan.check import check_run
-
+def _planner_problem(run: str, row: dict) -> str | None:
+    """The planner's prediction of the run, judged as for the hand-written layouts (``planner_mismatch``). A layout
+    the planner does not model (per-tensor ZeRO with tp or HSDP: its bytes follow which rank owns each tensor) is
+    recorded in ``row["planner"]``, not failed."""
     try:
-        text, exact, memory_ok = check_run(run)
+        mismatch = planner_mismatch(run)
     except ValueError as e:
         row["planner"] = str(e)
         return None
-    uneven = "parallel.zero_layout=per_tensor" in overrides or "train.optimizer=muon" in overrides
-    row["planner"] = "bytes exact" + ("" if uneven else ", state within 5%")
-    if exact and (memory_ok or uneven):
-        return None
-    return "the planner's prediction differs from the run:\n" + text
+    row["planner"] = "bytes exact"
+    return None if mismatch is None else "the planner's prediction differs from the run:\n" + mismatch
 
 
 def check_random_layouts(data: str, seed: int, n: int, world: int) -> list[dict]:
@@ -204,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layouts", type=int, default=24, help="how many random layouts (default 24)")
     ap.add_argument("--world", type=int, default=4, help="processes (default 4)")
     args = ap.parse_args(argv)
+    if args.layouts < 1 or args.world < 1:
+        ap.error(f"--layouts and --world must be >= 1, got {args.layouts} and {args.world}.")
     from meshtrain.train.prepare import default_source_dir, prepare_data
 
     with tempfile.TemporaryDirectory() as tmp:
