@@ -230,6 +230,7 @@ def test_every_query_prints_text_and_json(argv, capsys):
 
 @pytest.mark.parametrize("argv, names", [
     (["train-time", "--mfu", "3"], "--mfu"),
+    (["train-time", "--train-tokens", "inf"], "--train-tokens must be a positive, finite number"),
     (["critical-batch", "--devices", "x"], "--devices"),
     (["roofline", "--no-such-option"], "--no-such-option"),
     (["min-devices", "--hardware", "nope"], "--hardware"),
@@ -247,6 +248,7 @@ def test_query_bad_input_is_one_error_line(argv, names, capsys):
     (["--devices", "0"], "--devices must be >= 1, got 0."), (["--devices", "-8"], "--devices must be >= 1"),
     (["--seq-len", "-5"], "--seq-len must be >= 0"), (["--top", "0"], "--top and --max-pp must be >= 1"),
     (["--train-tokens", "nan"], "--train-tokens must be"),
+    (["--zero", "2,3", "--pp", "2,4"], "ZeRO-2/3 do not combine with pipeline parallelism"),
 ])
 def test_search_bad_flags_are_one_error_line(argv, names, capsys):
     """Each crashed (a ZeroDivisionError, an IndexError, a KeyError) or was taken for another value (--devices 0
@@ -254,6 +256,15 @@ def test_search_bad_flags_are_one_error_line(argv, names, capsys):
     assert cli.main(["plan", "--model", "tiny", "--hardware", "h100", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and names in err[0], err
+
+
+def test_zero_3_alone_plans_without_a_pipeline(capsys):
+    """``--zero 3`` (or 2) searches pp = 1 only, as the config refuses ZeRO-2/3 with pp > 1; it raised an IndexError
+    (no ZeRO stage left for pp > 1) before a second fuzz of the plan flags."""
+    assert cli.main(["plan", "--model", "tiny", "--hardware", "h100", "--zero", "3", "--top", "1000", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    layouts = [row["layout"] for row in answer["top"]]
+    assert len(layouts) == answer["fitting"] > 0 and all(lay["zero"] == 3 and lay["pp"] == 1 for lay in layouts)
 
 
 def test_a_hardware_file_that_is_not_a_profile_is_one_error_line(tmp_path, capsys):

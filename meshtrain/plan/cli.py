@@ -43,6 +43,10 @@ def check_search_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"--{flag} takes sizes >= 1, e.g. --{flag} 1,2,4; got {listed(sizes)}.")
     if not args.zero or not set(args.zero) <= {0, 1, 2, 3}:
         raise ValueError(f"--zero takes ZeRO stages from 0 to 3, e.g. --zero 1,3; got {listed(args.zero)}.")
+    if args.pp and min(args.pp) > 1 and min(args.zero) >= 2:  # config.validate refuses parallel.zero >= 2 with pp
+        raise ValueError(f"--zero {listed(args.zero)} with --pp {listed(args.pp)}: ZeRO-2/3 do not combine with "
+                         f"pipeline parallelism (each microbatch would reduce-scatter its gradients); add --zero 0 or "
+                         f"1, or --pp 1.")
     schedules = [s for s in args.schedules.split(",") if s]
     unknown = [s for s in schedules if s not in SCHEDULES]
     if not schedules or unknown:

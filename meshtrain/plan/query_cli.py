@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 from meshtrain.config import ArgumentParser, load_config
 from meshtrain.plan import queries
@@ -33,8 +34,8 @@ QUERIES = {
 
 
 def _positive(name: str, value: float) -> float:
-    if not value > 0:
-        raise ValueError(f"--{name} must be positive, got {value:g}")
+    if not (value > 0 and math.isfinite(value)):  # inf would print inf days or devices
+        raise ValueError(f"--{name} must be a positive, finite number, got {value:g}")
     return value
 
 

@@ -111,7 +111,9 @@ def candidate_layouts(problem: Problem, opts: SearchOptions | None = None) -> li
 
 
 def _zero_options(dp: int, opts: SearchOptions, pp: int) -> list[tuple[int, int]]:
-    zeros = [z for z in opts.zeros if pp == 1 or z <= 1]
+    zeros = [z for z in opts.zeros if pp == 1 or z <= 1]  # ZeRO-2/3 do not combine with pp > 1 (config.py)
+    if not zeros:  # only ZeRO-2/3 asked for (--zero): no layout at this pp
+        return []
     if dp == 1:
         return [(0, 0)] if 0 in zeros else [(zeros[0], 0)]
     out = []
