@@ -267,6 +267,20 @@ def test_zero_3_alone_plans_without_a_pipeline(capsys):
     assert len(layouts) == answer["fitting"] > 0 and all(lay["zero"] == 3 and lay["pp"] == 1 for lay in layouts)
 
 
+@pytest.mark.parametrize("argv, rule", [
+    (["--pp", "4"], "pp 4 needs 4 layers or more (8 for interleaved and dualpipev); the model has 2"),
+    (["--cp", "3"], "cp 3 needs a sequence length divisible by 2 x cp = 6 (its zigzag chunks); it is 32"),
+    (["--devices", "3", "--tp", "2"], "tp x pp x cp must divide the 3 devices"),
+    (["--devices", "64", "--batch-tokens", "96"], "dp (the devices over tp x pp x cp) must divide the 3 sequences"),
+])
+def test_a_search_with_no_layout_names_the_rule_that_turned_the_sizes_away(argv, rule, capsys):
+    """Each said "dp must divide the sequence count", whatever ruled the layouts out, before the search collected
+    its reasons (tiny: 2 layers, 32-token sequences)."""
+    assert cli.main(["plan", "--model", "tiny", "--hardware", "h100", *argv]) == 0
+    out = capsys.readouterr().out
+    assert "0 layouts tried" in out and f"over {argv[1] if argv[0] == '--devices' else 8} devices: {rule}" in out
+
+
 def test_a_hardware_file_that_is_not_a_profile_is_one_error_line(tmp_path, capsys):
     for text, names in [("{}", "lacks bf16_flops"), ("x", "not JSON"), ("[]", "not a JSON object")]:
         (tmp_path / "hw.json").write_text(text)

@@ -87,9 +87,11 @@ def explain(problem: Problem, result: SearchResult, top: int = 3, why: bool = Tr
     for this model and cluster."""
     best = result.best
     if result.tried == 0:
+        rules = result.rejected or ("dp must divide the sequence count and tp x pp x cp the rest",)
+        shown = "; ".join(rules[:3]) + (f"; and {len(rules) - 3} more" if len(rules) > 3 else "")
         return (f"No layout splits {problem.sequences} sequences of {problem.seq_len} tokens over {problem.devices} "
-                f"devices: dp must divide the sequence count and tp x pp x cp the rest (tp <= {problem.hw.tp_max}, "
-                f"powers of two). Use a batch of more (or a power of two) sequences, or widen --max-pp / --cp.")
+                f"devices: {shown}. Change the sizes asked for (--tp, --pp, --cp, --schedules), the batch, or the "
+                f"devices.")
     if best is None:
         f = result.fastest_any
         need = f"; the fastest layout needs {_gb(f.memory_total)} per device" if f else ""

@@ -49,6 +49,7 @@ class SearchResult:
     ranked: list[Estimate]
     tried: int
     fastest_any: Estimate | None
+    rejected: tuple[str, ...] = ()  # why sizes asked for gave no layout (each rule once), for "no layout" answers
 
     @property
     def best(self) -> Estimate | None:
@@ -63,30 +64,43 @@ def runtime_supports(axis: str) -> bool:
     return True
 
 
-def candidate_layouts(problem: Problem, opts: SearchOptions | None = None) -> list[Layout]:
+def candidate_layouts(problem: Problem, opts: SearchOptions | None = None,
+                      rejected: dict[str, None] | None = None) -> list[Layout]:
     """Every layout the runtime's shape rules allow for this problem (see ``config.validate``): tp divides
     heads and the MLP hidden size, divides the kv heads or is a multiple of them (kv heads replicated), and stays
     on the fast fabric; SP needs tp > 1 and seq_len % tp;
     pp needs ZeRO 0/1, microbatches dividing each dp rank's rows (multiples of pp for interleaved) and enough
-    layers; the global batch splits evenly over dp x accumulation."""
+    layers; the global batch splits evenly over dp x accumulation. ``rejected`` collects, once each, the rules
+    that turned sizes away (what a search that finds nothing tells the user)."""
     opts = opts or SearchOptions()
+
+    def reject(reason: str) -> None:
+        if rejected is not None:
+            rejected.setdefault(reason)
+
     cfg, hw, n, T = problem.model, problem.hw, problem.devices, problem.seq_len
     tps = opts.tps or tuple(x for x in _pow2_divisors(n, 1, hw.tp_max)
                             if cfg.n_heads % x == 0 and (cfg.kv_heads % x == 0 or x % cfg.kv_heads == 0)
                             and cfg.hidden_dim % x == 0)
     pps = opts.pps or tuple(x for x in _pow2_divisors(n, 1, opts.max_pp) if cfg.n_layers >= x)
-    if cfg.tie_embeddings:  # the runtime refuses pp > 1 with a weight shared by the first and last stage
+    if cfg.tie_embeddings and any(x > 1 for x in pps):  # the runtime refuses pp > 1 with a weight shared by the
+        reject("pp > 1 does not combine with tied embeddings (model.tie_embeddings)")  # first and last stage
         pps = tuple(x for x in pps if x == 1)
     out: list[Layout] = []
     for tp in tps:
         for cp in opts.cps:
             if T % (2 * cp) and cp > 1:
+                reject(f"cp {cp} needs a sequence length divisible by 2 x cp = {2 * cp} (its zigzag chunks); "
+                       f"it is {T}")
                 continue
             for pp in pps:
                 if n % (tp * cp * pp):
+                    reject(f"tp x pp x cp must divide the {n} devices")
                     continue
                 dp = n // (tp * cp * pp)
                 if problem.sequences % dp:
+                    reject(f"dp (the devices over tp x pp x cp) must divide the {problem.sequences} sequences of "
+                           f"the batch")
                     continue
                 rows = problem.sequences // dp
                 eps = [e for e in _pow2_divisors(dp * cp, 1, cfg.moe_experts) if cfg.moe_experts % e == 0] \
@@ -101,9 +115,13 @@ def candidate_layouts(problem: Problem, opts: SearchOptions | None = None) -> li
                     for sched in opts.schedules:
                         v = DEFAULT_VIRTUAL[sched]
                         if cfg.n_layers < pp * v:
+                            reject(f"pp {pp} needs {pp} layers or more ({2 * pp} for interleaved and dualpipev); the "
+                                   f"model has {cfg.n_layers}")
                             continue
                         for m in _divisors(rows):  # m < pp runs too, with its large bubble
                             if sched == "interleaved" and m % pp:
+                                reject("interleaved needs microbatches in multiples of pp that divide each dp rank's "
+                                       "sequences")
                                 continue
                             for zero, shard in _zero_options(dp, opts, pp):
                                 out.append(Layout(dp, tp, pp, cp, ep, zero, shard, sp, sched, v, m, rc))
@@ -127,7 +145,8 @@ def _zero_options(dp: int, opts: SearchOptions, pp: int) -> list[tuple[int, int]
 def search(problem: Problem, opts: SearchOptions | None = None) -> SearchResult:
     """Evaluate every candidate layout; keep those that fit memory; rank by predicted step time (then by
     memory). ``fastest_any`` is the fastest layout regardless of memory (to say when memory is what binds)."""
-    layouts = candidate_layouts(problem, opts)
+    rejected: dict[str, None] = {}
+    layouts = candidate_layouts(problem, opts, rejected)
     fits: list[Estimate] = []
     fastest_any: Estimate | None = None
     for lay in layouts:
@@ -137,7 +156,7 @@ def search(problem: Problem, opts: SearchOptions | None = None) -> SearchResult:
         if est.fits:
             fits.append(est)
     fits.sort(key=lambda e: (round(e.step_s, 9), e.memory_total))
-    return SearchResult(fits, len(layouts), fastest_any)
+    return SearchResult(fits, len(layouts), fastest_any, tuple(rejected))
 
 
 def to_config(problem: Problem, layout: Layout) -> Config:
