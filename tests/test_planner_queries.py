@@ -279,6 +279,9 @@ def test_a_search_with_no_layout_names_the_rule_that_turned_the_sizes_away(argv,
     assert cli.main(["plan", "--model", "tiny", "--hardware", "h100", *argv]) == 0
     out = capsys.readouterr().out
     assert "0 layouts tried" in out and f"over {argv[1] if argv[0] == '--devices' else 8} devices: {rule}" in out
+    assert cli.main(["plan", "--model", "tiny", "--hardware", "h100", *argv, "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["tried"] == 0 and rule in answer["explanation"] and any(rule in r for r in answer["rejected"])
 
 
 def test_a_hardware_file_that_is_not_a_profile_is_one_error_line(tmp_path, capsys):

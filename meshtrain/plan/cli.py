@@ -234,7 +234,8 @@ def main(argv: list[str]) -> int:
                         "revision": problem.revision},
             "tried": result.tried, "fitting": len(result.ranked), "why": why_best(problem, result),
             "top": [e.to_dict() for e in top],
-            "explanation": explain(problem, result) if result.best else None,
+            "explanation": explain(problem, result),  # with no layout: why (the rules of ``rejected``, or memory)
+            "rejected": list(result.rejected),
             "emitted": str(emitted[0]) if emitted else None,
         }
         print(json.dumps(out, indent=2))
