@@ -273,7 +273,7 @@ def test_zero_3_alone_plans_without_a_pipeline(capsys):
     (["--devices", "3", "--tp", "2"], "tp x pp x cp must divide the 3 devices"),
     (["--devices", "64", "--batch-tokens", "96"], "dp (the devices over tp x pp x cp) must divide the 3 sequences"),
 ])
-def test_a_search_with_no_layout_names_the_rule_that_turned_the_sizes_away(argv, rule, capsys):
+def test_a_search_with_no_layout_names_the_rule_that_turned_the_sizes_away(argv, rule, capsys, tmp_path):
     """Each said "dp must divide the sequence count", whatever ruled the layouts out, before the search collected
     its reasons (tiny: 2 layers, 32-token sequences)."""
     assert cli.main(["plan", "--model", "tiny", "--hardware", "h100", *argv]) == 0
@@ -282,6 +282,10 @@ def test_a_search_with_no_layout_names_the_rule_that_turned_the_sizes_away(argv,
     assert cli.main(["plan", "--model", "tiny", "--hardware", "h100", *argv, "--json"]) == 0
     answer = json.loads(capsys.readouterr().out)
     assert answer["tried"] == 0 and rule in answer["explanation"] and any(rule in r for r in answer["rejected"])
+    assert cli.main(["plan", "--model", "tiny", "--hardware", "h100", *argv, "--emit", str(tmp_path / "run.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: nothing to --emit: No layout") and rule in err[0]
+    assert not (tmp_path / "run.yaml").exists()
 
 
 def test_a_hardware_file_that_is_not_a_profile_is_one_error_line(tmp_path, capsys):

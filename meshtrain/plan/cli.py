@@ -221,6 +221,8 @@ def main(argv: list[str]) -> int:
         if chosen is None:
             chosen = next((check_runnable(problem, e) for e in result.ranked[len(top):]
                            if check_runnable(problem, e).runnable), None)
+        if chosen is None and not result.ranked:  # none tried (the rules named) or none fits (memory)
+            raise ConfigError(f"nothing to --emit: {explain(problem, result)}")
         if chosen is None:
             raise ConfigError("no layout that fits is runnable by meshtrain today; nothing to --emit")
         emitted = (emit_yaml(problem, chosen, args.emit), chosen)
