@@ -165,7 +165,7 @@ class TrainConfig:
 class DataConfig:
     """Where tokens come from."""
 
-    path: str = ""  # a prepared folder (meshtrain prepare-data); empty: the stdlib, prepared on first use
+    path: str = ""  # a prepared folder (meshtrain prepare-data), or a blend "W1 DIR1 W2 DIR2 ..."; empty: the stdlib
     source: str = "files"  # files | synthetic
     tokenizer: str = "byte"  # byte | path to a HuggingFace tokenizer.json
     val_fraction: float = 0.02
@@ -364,6 +364,35 @@ def save_config(cfg: Config, path: str | Path) -> None:
 # ----------------------------------------------------------------------------- validation
 
 
+def data_blend(path: str) -> list[tuple[float, str]] | None:
+    """``data.path`` as a weighted blend of prepared folders, Megatron's ``--data-path`` form
+    ``"W1 DIR1 W2 DIR2 ..."``: the (weight, folder) pairs, weights normalised to sum to 1. None for one folder (or
+    the default corpus). A folder that exists under the whole string is one folder, spaces and all."""
+    parts = path.split()
+    if len(parts) < 2 or Path(path).expanduser().exists():
+        return None
+    form = "a blend is 'W1 DIR1 W2 DIR2 ...' with weights > 0, e.g. data.path='0.7 data/code 0.3 data/prose'"
+    try:
+        float(parts[0])
+    except ValueError:
+        return None  # one folder whose name has spaces (checked, with its fix, where it is read)
+    _need(len(parts) % 2 == 0, f"data.path {path!r} has {len(parts)} words: {form}.")
+    pairs = []
+    for word, folder in zip(parts[0::2], parts[1::2], strict=True):
+        try:
+            weight = float(word)
+        except ValueError:
+            raise ConfigError(f"data.path {path!r}: {word!r} (before {folder}) is not a weight: {form}.") from None
+        _need(math.isfinite(weight) and weight > 0, f"data.path {path!r}: weight {word} of {folder} must be a "
+              f"finite number > 0: {form}.")
+        pairs.append((weight, folder))
+    folders = [f for _, f in pairs]
+    _need(len(set(folders)) == len(folders), f"data.path {path!r} names a folder twice: give each folder once, "
+          f"with the sum of its weights.")
+    total = sum(w for w, _ in pairs)
+    return [(w / total, f) for w, f in pairs]
+
+
 def _need(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
@@ -440,6 +469,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _need(not t.wandb or bool(t.wandb_project.strip()), "train.wandb=true needs a train.wandb_project name.")
     _need(d.source in ("files", "synthetic"), f"data.source must be 'files' or 'synthetic', got '{d.source}'.")
     _need(0 <= d.val_fraction <= 0.5, f"data.val_fraction must be in [0, 0.5], got {d.val_fraction}.")
+    data_blend(d.path)  # a blend's form (the folders themselves are checked before launch: trainer.check_data)
 
     for name in ("dp", "tp", "pp", "cp", "ep", "microbatches"):
         lo = 0 if name == "dp" else 1

@@ -82,8 +82,11 @@ def _check_batch_args(seed: int, step: int, batch_size: int, seq_len: int) -> No
         raise ValueError(f"train.seq_len must be >= 1, got {seq_len}")
 
 
-def _batch_rng(seed: int, step: int, split_id: int) -> np.random.Generator:
-    return np.random.default_rng([int(seed), int(step), split_id])
+def _batch_rng(seed: int, step: int, split_id: int, stream: int | None = None) -> np.random.Generator:
+    """The generator of one step's batch; ``stream`` names another independent one of the same step (a blend's
+    choice of sources and each source's rows, ``blend.py``)."""
+    key = [int(seed), int(step), split_id] + ([int(stream)] if stream is not None else [])
+    return np.random.default_rng(key)
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
@@ -184,11 +187,21 @@ class TokenDataset:
         """Tokens in this split."""
         return int(self._tokens.shape[0])
 
-    def batch(self, seed: int, step: int, batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def can_sample(self, seq_len: int) -> bool:
+        """Whether the split holds one window of ``seq_len`` (inputs and the target after them) and one more."""
+        return self.num_tokens >= seq_len + 2
+
+    def token_probs(self) -> np.ndarray:
+        """The split's unigram distribution over the vocabulary (float64, sums to 1)."""
+        counts = np.bincount(np.asarray(self._tokens), minlength=self.vocab_size).astype(np.float64)
+        return counts / max(counts.sum(), 1.0)
+
+    def batch(self, seed: int, step: int, batch_size: int, seq_len: int,
+              stream: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The global batch for ``step``: int64 ``(inputs, targets)`` of shape ``[batch_size, seq_len]``.
 
         Rows are windows at random offsets; ``targets`` is ``inputs`` shifted left by one token. The
-        result depends only on ``(seed, step, split)``.
+        result depends only on ``(seed, step, split)`` (and ``stream``, which a blend sets per source).
         """
         _check_batch_args(seed, step, batch_size, seq_len)
         n = self.num_tokens
@@ -197,7 +210,7 @@ class TokenDataset:
                 f"the {self.split} split of {self.path} has only {n} tokens, fewer than train.seq_len + 2 = "
                 f"{seq_len + 2}; lower train.seq_len or use more data"
             )
-        rng = _batch_rng(seed, step, self._split_id)
+        rng = _batch_rng(seed, step, self._split_id, stream)
         # A window needs seq_len + 1 tokens (inputs plus the one extra target); high is exclusive.
         offsets = rng.integers(0, n - seq_len, size=batch_size)
         idx = offsets[:, None] + np.arange(seq_len + 1)
@@ -257,6 +270,10 @@ class SyntheticDataset:
     def num_tokens(self) -> int:
         """Nominal size of the split."""
         return self._num_tokens
+
+    def can_sample(self, seq_len: int) -> bool:
+        """Always: the stream is unbounded."""
+        return True
 
     def _affine_tables(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         # k steps of x -> a*x + b from v give A[k]*v + b*S[k] with A[k] = a^k, S[k] = 1 + a + ... + a^(k-1);

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from meshtrain import comm
-from meshtrain.config import Config, ConfigError, ModelConfig, save_config
+from meshtrain.config import Config, ConfigError, ModelConfig, data_blend, save_config
 from meshtrain.generate import sample
 from meshtrain.mesh import Mesh, init_distributed
 from meshtrain.model.hf import HFSource
@@ -34,6 +34,7 @@ from meshtrain.parallel.parallelize import DTYPES, parallelize
 from meshtrain.plan.flops import flops_per_token, mfu, param_count
 from meshtrain.plan.hardware import peak_flops
 from meshtrain.plan.validate import validate_layout
+from meshtrain.train.blend import BlendedDataset
 from meshtrain.train.checkpoint import Checkpointer, CheckpointError, CheckpointReader, latest_checkpoint, restore_rng
 from meshtrain.train.data import BatchAhead, SyntheticDataset, TokenDataset, read_meta, to_device
 from meshtrain.train.gc_schedule import GcClock, GcSchedule
@@ -147,6 +148,12 @@ def check_data(cfg: Config) -> None:
     d = cfg.data
     if d.source != "files":
         return
+    blend = data_blend(d.path)
+    if blend is not None:  # prepared folders, one tokenizer (BlendedDataset checks it; opening reads no tokens)
+        data = BlendedDataset([(w, ensure_prepared(f)) for w, f in blend], "train")
+        load_tokenizer(data.meta["tokenizer"], data.path)
+        _check_vocab(cfg, data.vocab_size)
+        return
     path = ensure_prepared(d.path or None, d.tokenizer, d.val_fraction, check_only=True)
     if not (path / "meta.json").is_file():  # the default corpus, not prepared yet
         load_tokenizer(d.tokenizer)
@@ -197,11 +204,10 @@ def check_checkpoint_model(model: ModelConfig, reader: CheckpointReader) -> None
                           f"section as in its meta.json, or choose another --out for a new run.")
 
 
-def unigram_loss(tokens: np.ndarray, vocab_size: int) -> float:
-    """Entropy (nats/token) of the training data's unigram distribution: the loss of a model that
-    ignores context. A language model must go well below it."""
-    counts = np.bincount(np.asarray(tokens), minlength=vocab_size).astype(np.float64)
-    p = counts[counts > 0] / counts.sum()
+def unigram_loss(probs: np.ndarray) -> float:
+    """Entropy (nats/token) of the training data's unigram distribution (``token_probs()``): the loss of a model
+    that ignores context. A language model must go well below it."""
+    p = probs[probs > 0]
     return float(-(p * np.log(p)).sum())
 
 
@@ -252,16 +258,23 @@ class Trainer:
             self.tokenizer = None
             self.data_dir = None
         else:
-            self.data_dir = self._prepare_data()
-            self.train_data = TokenDataset(self.data_dir, "train")
-            self.val_data = TokenDataset(self.data_dir, "val")
+            prepared = self._prepare_data()
+            if isinstance(prepared, list):  # a blend of prepared folders (data.path "W1 DIR1 W2 DIR2 ...")
+                self.train_data = BlendedDataset(prepared, "train")
+                self.val_data = BlendedDataset(prepared, "val")
+            else:
+                self.train_data = TokenDataset(prepared, "train")
+                self.val_data = TokenDataset(prepared, "val")
+            self.data_dir = self.train_data.path  # the tokenizer's folder (a blend's folders share one)
+            if isinstance(self.train_data, BlendedDataset):
+                self.notes.append(f"data: {self.train_data.describe()}")
             self.tokenizer = load_tokenizer(self.train_data.meta["tokenizer"], self.data_dir)
         _check_vocab(cfg, self.train_data.vocab_size)
         if cfg.model.vocab_size == 0:
             cfg.model.vocab_size = self.train_data.vocab_size
 
         # A split too small for one sequence (e.g. prepared with val_fraction=0) means no validation.
-        self.can_validate = self.val_data.num_tokens >= t.seq_len + 2
+        self.can_validate = self.val_data.can_sample(t.seq_len)
         # The plain model on the meta device (no storage), then every parallelism in one fixed order
         # (parallel/parallelize.py), which gives each rank storage for what it holds and nothing more.
         self.model = build_model(cfg.model, t.seed, self.device, meta=True)
@@ -297,7 +310,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup helpers
 
-    def _prepare_data(self) -> Path:
+    def _prepare_data(self) -> Path | list[tuple[float, Path]]:
+        blend = data_blend(self.cfg.data.path)
+        if blend is not None:  # folders prepared beforehand: nothing to prepare here
+            return [(w, ensure_prepared(f)) for w, f in blend]
         # Rank 0 prepares the default corpus first so the others only read it.
         if self.mesh.rank == 0:
             path = ensure_prepared(self.cfg.data.path or None, self.cfg.data.tokenizer, self.cfg.data.val_fraction)
@@ -454,8 +470,8 @@ class Trainer:
             for note in self.notes:
                 log.write(note)
             n = param_count(cfg.model)
-            base = unigram_loss(self.train_data._tokens, cfg.model.vocab_size) \
-                if isinstance(self.train_data, TokenDataset) else math.log(cfg.model.vocab_size)
+            base = math.log(cfg.model.vocab_size) if isinstance(self.train_data, SyntheticDataset) \
+                else unigram_loss(self.train_data.token_probs())
             self.baseline = base
             if self.parallel.log_lines():
                 log.write(self.parallel.log_lines())
