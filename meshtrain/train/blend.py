@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshtrain.train.data import TokenDataset, _batch_rng, _check_batch_args, _split_id
+from meshtrain.train.data import TokenDataset, batch_rng, check_batch_args, split_index
 
 
 class BlendedDataset:
@@ -31,7 +31,7 @@ class BlendedDataset:
         """``folders``: (weight, prepared folder) pairs, weights summing to 1. Every folder must have been
         prepared with the same tokenizer: one model reads them all."""
         self.split = split
-        self._split_id = _split_id(split)
+        self._split_id = split_index(split)
         self.weights = np.array([w for w, _ in folders], dtype=np.float64)
         self.parts = [TokenDataset(path, split) for _, path in folders]
         first = self.parts[0]
@@ -75,12 +75,12 @@ class BlendedDataset:
 
     def sources(self, seed: int, step: int, batch_size: int) -> np.ndarray:
         """Which folder each row of ``step``'s global batch comes from (index into the blend)."""
-        rng = _batch_rng(seed, step, self._split_id, stream=0)
+        rng = batch_rng(seed, step, self._split_id, stream=0)
         return rng.choice(len(self.parts), size=batch_size, p=self.weights)
 
     def batch(self, seed: int, step: int, batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The global batch for ``step``, as ``TokenDataset.batch``: each row a window of the folder drawn for it."""
-        _check_batch_args(seed, step, batch_size, seq_len)
+        check_batch_args(seed, step, batch_size, seq_len)
         src = self.sources(seed, step, batch_size)
         inputs = torch.empty(batch_size, seq_len, dtype=torch.int64)
         targets = torch.empty(batch_size, seq_len, dtype=torch.int64)

@@ -64,14 +64,16 @@ class BatchAhead:
         return batch
 
 
-def _split_id(split: str) -> int:
+def split_index(split: str) -> int:
+    """The split's number in every batch generator's seed (``train`` 0, ``val`` 1)."""
     if split not in SPLIT_IDS:
         raise ValueError(f"unknown data split {split!r}; expected one of {sorted(SPLIT_IDS)}")
     return SPLIT_IDS[split]
 
 
-def _check_batch_args(seed: int, step: int, batch_size: int, seq_len: int) -> None:
-    # SeedSequence rejects negative entries with an obscure message; say which argument is wrong.
+def check_batch_args(seed: int, step: int, batch_size: int, seq_len: int) -> None:
+    """Refuse, naming it, an argument of ``batch`` out of range (SeedSequence rejects negative entries with an
+    obscure message)."""
     if int(seed) < 0:
         raise ValueError(f"train.seed must be >= 0, got {seed}")
     if int(step) < 0:
@@ -82,7 +84,7 @@ def _check_batch_args(seed: int, step: int, batch_size: int, seq_len: int) -> No
         raise ValueError(f"train.seq_len must be >= 1, got {seq_len}")
 
 
-def _batch_rng(seed: int, step: int, split_id: int, stream: int | None = None) -> np.random.Generator:
+def batch_rng(seed: int, step: int, split_id: int, stream: int | None = None) -> np.random.Generator:
     """The generator of one step's batch; ``stream`` names another independent one of the same step (a blend's
     choice of sources and each source's rows, ``blend.py``)."""
     key = [int(seed), int(step), split_id] + ([int(stream)] if stream is not None else [])
@@ -130,7 +132,7 @@ class TokenDataset:
         """Open ``<path>/<split>.bin`` after checking it against ``meta.json``."""
         self.path = Path(path)
         self.split = split
-        self._split_id = _split_id(split)
+        self._split_id = split_index(split)
         self.meta = read_meta(self.path)
         n = int(self.meta[f"{split}_tokens"])
         # Files are little-endian on disk whatever the host.
@@ -203,14 +205,14 @@ class TokenDataset:
         Rows are windows at random offsets; ``targets`` is ``inputs`` shifted left by one token. The
         result depends only on ``(seed, step, split)`` (and ``stream``, which a blend sets per source).
         """
-        _check_batch_args(seed, step, batch_size, seq_len)
+        check_batch_args(seed, step, batch_size, seq_len)
         n = self.num_tokens
         if n < seq_len + 2:
             raise ValueError(
                 f"the {self.split} split of {self.path} has only {n} tokens, fewer than train.seq_len + 2 = "
                 f"{seq_len + 2}; lower train.seq_len or use more data"
             )
-        rng = _batch_rng(seed, step, self._split_id, stream)
+        rng = batch_rng(seed, step, self._split_id, stream)
         # A window needs seq_len + 1 tokens (inputs plus the one extra target); high is exclusive.
         offsets = rng.integers(0, n - seq_len, size=batch_size)
         idx = offsets[:, None] + np.arange(seq_len + 1)
@@ -244,7 +246,7 @@ class SyntheticDataset:
         if not 0.0 <= noise <= 1.0:
             raise ValueError(f"synthetic data noise must be in [0, 1], got {noise}")
         self.split = split
-        self._split_id = _split_id(split)
+        self._split_id = split_index(split)
         self._vocab_size = int(vocab_size)
         self._num_tokens = int(num_tokens)
         self.noise = float(noise)
@@ -291,9 +293,9 @@ class SyntheticDataset:
 
     def batch(self, seed: int, step: int, batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Same contract as :meth:`TokenDataset.batch`: a pure function of ``(seed, step, split)``."""
-        _check_batch_args(seed, step, batch_size, seq_len)
+        check_batch_args(seed, step, batch_size, seq_len)
         n = seq_len + 1
-        rng = _batch_rng(seed, step, self._split_id)
+        rng = batch_rng(seed, step, self._split_id)
         restart = rng.random((batch_size, n)) < self.noise
         restart[:, 0] = True  # every row starts from a random token
         rand = rng.integers(0, self._vocab_size, size=(batch_size, n), dtype=np.int64)
