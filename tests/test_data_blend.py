@@ -121,3 +121,19 @@ def test_a_blend_with_an_unprepared_folder_is_refused_before_launch(folders, tmp
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"data.path {tmp_path} is not a prepared data folder" in err[0], err
+
+
+@pytest.mark.parametrize("blend", [False, True])
+def test_a_split_too_short_for_train_seq_len_is_refused_before_launch(folders, tmp_path, capsys, blend):
+    """It used to stop the launched ranks at their first batch, after the run folder was written."""
+    from meshtrain import cli
+
+    a, b = folders
+    data = f"0.5 {b} 0.5 {a}" if blend else str(a)
+    out = tmp_path / "run"
+    argv = ["train", "--config", "tiny", "--nproc", "2", "--out", str(out), "train.steps=1", "train.seq_len=8192",
+            "model.max_seq_len=8192", f"data.path={data}"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"the train split of {b if blend else a} has only" in err[0], err
+    assert "fewer than train.seq_len + 2 = 8194" in err[0] and not out.exists()

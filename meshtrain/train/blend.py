@@ -69,6 +69,11 @@ class BlendedDataset:
         """Whether every folder's split holds a window: any row may come from any of them."""
         return all(part.can_sample(seq_len) for part in self.parts)
 
+    def check_fits(self, seq_len: int) -> None:
+        """Raise, naming the folder and ``train.seq_len``, when one folder's split cannot give a window."""
+        for part in self.parts:
+            part.check_fits(seq_len)
+
     def token_probs(self) -> np.ndarray:
         """The blend's unigram distribution: each folder's, weighted."""
         return sum(w * part.token_probs() for w, part in zip(self.weights, self.parts, strict=True))

@@ -91,6 +91,14 @@ def batch_rng(seed: int, step: int, split_id: int, stream: int | None = None) ->
     return np.random.default_rng(key)
 
 
+def check_fits(path: str | Path, split: str, num_tokens: int, seq_len: int) -> None:
+    """Raise, naming ``train.seq_len`` and the folder, when a split of ``num_tokens`` cannot give one window of
+    ``seq_len`` tokens and the target after them (and one more: the offsets' exclusive bound)."""
+    if num_tokens < seq_len + 2:
+        raise ValueError(f"the {split} split of {path} has only {num_tokens} tokens, fewer than train.seq_len + 2 = "
+                         f"{seq_len + 2}; lower train.seq_len or use more data")
+
+
 def read_meta(path: str | Path) -> dict[str, Any]:
     """Read and validate ``meta.json`` of a prepared data folder, with errors that say how to fix it."""
     path = Path(path)
@@ -193,6 +201,10 @@ class TokenDataset:
         """Whether the split holds one window of ``seq_len`` (inputs and the target after them) and one more."""
         return self.num_tokens >= seq_len + 2
 
+    def check_fits(self, seq_len: int) -> None:
+        """Raise, naming ``train.seq_len``, when the split cannot give one window (``can_sample``)."""
+        check_fits(self.path, self.split, self.num_tokens, seq_len)
+
     def token_probs(self) -> np.ndarray:
         """The split's unigram distribution over the vocabulary (float64, sums to 1)."""
         counts = np.bincount(np.asarray(self._tokens), minlength=self.vocab_size).astype(np.float64)
@@ -206,12 +218,8 @@ class TokenDataset:
         result depends only on ``(seed, step, split)`` (and ``stream``, which a blend sets per source).
         """
         check_batch_args(seed, step, batch_size, seq_len)
+        self.check_fits(seq_len)
         n = self.num_tokens
-        if n < seq_len + 2:
-            raise ValueError(
-                f"the {self.split} split of {self.path} has only {n} tokens, fewer than train.seq_len + 2 = "
-                f"{seq_len + 2}; lower train.seq_len or use more data"
-            )
         rng = batch_rng(seed, step, self._split_id, stream)
         # A window needs seq_len + 1 tokens (inputs plus the one extra target); high is exclusive.
         offsets = rng.integers(0, n - seq_len, size=batch_size)

@@ -36,7 +36,7 @@ from meshtrain.plan.hardware import peak_flops
 from meshtrain.plan.validate import validate_layout
 from meshtrain.train.blend import BlendedDataset
 from meshtrain.train.checkpoint import Checkpointer, CheckpointError, CheckpointReader, latest_checkpoint, restore_rng
-from meshtrain.train.data import BatchAhead, SyntheticDataset, TokenDataset, read_meta, to_device
+from meshtrain.train.data import BatchAhead, SyntheticDataset, TokenDataset, check_fits, read_meta, to_device
 from meshtrain.train.gc_schedule import GcClock, GcSchedule
 from meshtrain.train.metrics import MetricsLogger, alloc_retries, import_wandb, peak_memory_bytes, retries_line
 from meshtrain.train.optim import build_optimizer, clip_divisor, non_finite, optimizer_step, set_lr
@@ -142,9 +142,10 @@ def _check_vocab(cfg: Config, data_vocab: int) -> None:
 
 
 def check_data(cfg: Config) -> None:
-    """The data a run will read, checked without reading tokens: a set ``data.path`` is a prepared folder whose
-    tokenizer loads and fits ``model.vocab_size``; for the default corpus, its tokenizer exists and its cache
-    can be written (rank 0 prepares it on first use)."""
+    """The data a run will read, checked without reading tokens: a set ``data.path`` is a prepared folder (or a
+    blend of them, of one tokenizer) whose tokenizer loads and fits ``model.vocab_size`` and whose train split holds
+    a ``train.seq_len`` window; for the default corpus, its tokenizer exists and its cache can be written (rank 0
+    prepares it on first use)."""
     d = cfg.data
     if d.source != "files":
         return
@@ -153,14 +154,16 @@ def check_data(cfg: Config) -> None:
         data = BlendedDataset([(w, ensure_prepared(f)) for w, f in blend], "train")
         load_tokenizer(data.meta["tokenizer"], data.path)
         _check_vocab(cfg, data.vocab_size)
+        data.check_fits(cfg.train.seq_len)
         return
     path = ensure_prepared(d.path or None, d.tokenizer, d.val_fraction, check_only=True)
     if not (path / "meta.json").is_file():  # the default corpus, not prepared yet
         load_tokenizer(d.tokenizer)
         return
-    meta = read_meta(path)
+    meta = read_meta(path)  # meta.json only: the ranks open the token files
     load_tokenizer(meta["tokenizer"], path)
     _check_vocab(cfg, int(meta["vocab_size"]))
+    check_fits(path, "train", int(meta["train_tokens"]), cfg.train.seq_len)
 
 
 # Options that decide a tensor's name or shape: what a checkpoint and the config must agree on to resume.
