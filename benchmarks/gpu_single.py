@@ -41,6 +41,12 @@ that fails frees the cache and synchronises the device (a retry), which near the
 idle while the host queues again; and the process's peak reserved memory. ``--profile`` also says where the device
 sat idle inside the profiled steps (``train/profiling.idle_gaps``).
 
+Two experiments on the kernels, for every row of the process, off by default (what ``meshtrain train`` runs):
+``--rope swap`` puts ``kernel_forms.rope_swap``, RoPE as one multiply-add with the same arithmetic, where compiled
+blocks call ``model/layers.rope_real``; ``--sdpa BACKEND`` holds SDPA to one fused backend (torch's global switches,
+set before anything compiles). Each is adopted in the model only once a run here shows it faster (docs/
+benchmarks.md). Inductor's own settings come from the environment (``TORCHINDUCTOR_*``), as the JSON records.
+
     PYTHONPATH=. python benchmarks/gpu_single.py [--steps 10] [--warmup 3] [--rounds 5] [--batch 4] [--seq 2048]
     PYTHONPATH=. python benchmarks/gpu_single.py --dry-run-cpu   # tiny model on CPU: checks the script itself
 """
@@ -76,6 +82,9 @@ TOLERANCE = {"fp32": (1e-5, 1e-3), "bf16": (1e-3, 1e-3)}
 # Inductor's settings given in the environment (gpu_session.sh's kernel-tuning probe sets two), read before anything
 # compiles (Inductor adds its own, its cache folder, once it runs): the JSON says how a run was compiled.
 INDUCTOR_ENV = {k: v for k, v in sorted(os.environ.items()) if k.startswith("TORCHINDUCTOR_")}
+# --sdpa: torch's global switches, each backend alone (math off too, so a backend with no kernel fails loudly).
+SDPA_SWITCHES = {"auto": None, "cudnn": "enable_cudnn_sdp", "flash": "enable_flash_sdp",
+                 "efficient": "enable_mem_efficient_sdp"}
 BF16_CHECKED_STEPS = 3  # bf16: the steps checked (the module docstring says why not all)
 
 
@@ -101,6 +110,36 @@ ALLOCATOR_COUNTS = ("num_alloc_retries", "num_sync_all_streams", "num_device_all
 def allocator_counts(device: torch.device) -> dict[str, int]:
     stats = torch.cuda.memory_stats(device)
     return {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTS}
+
+
+# Inductor settings the session's experiments change through the environment, read back as Inductor holds them:
+# an environment variable this torch does not know changes nothing, and the JSON and report then say so.
+INDUCTOR_SETTINGS = ("triton.mix_order_reduction", "triton.enable_pdl")
+
+
+def inductor_settings() -> dict[str, object]:
+    """INDUCTOR_SETTINGS as this process's Inductor holds them (None: this torch has no such setting)."""
+    import torch._inductor.config as inductor
+
+    out = {}
+    for key in INDUCTOR_SETTINGS:
+        section, _, attr = key.rpartition(".")
+        out[key] = getattr(getattr(inductor, section, None), attr, None)
+    return out
+
+
+def choose_kernels(args: argparse.Namespace) -> None:
+    """``--rope`` and ``--sdpa`` (the module docstring), before any row is built or compiled."""
+    if args.rope == "swap":
+        from kernel_forms import rope_swap  # benchmarks/, beside this script
+
+        import meshtrain.model.layers as layers
+
+        layers.rope_real = rope_swap  # apply_rope calls it by name under torch.compile
+    switch = SDPA_SWITCHES[args.sdpa]
+    if switch is not None:
+        for name in ("enable_cudnn_sdp", "enable_flash_sdp", "enable_mem_efficient_sdp", "enable_math_sdp"):
+            getattr(torch.backends.cuda, name)(name == switch)
 
 
 def model_overrides(args: argparse.Namespace) -> list[str]:
@@ -249,6 +288,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--gc-every", type=int, metavar="N",
                     help="Python's garbage collector for every row as the trainer's train.gc_every=N schedules it "
                          "(default the trainer's, 50); 0: Python's automatic collection")
+    ap.add_argument("--rope", choices=("ours", "swap"), default="ours",
+                    help="RoPE in compiled blocks: ours (model/layers.rope_real) or kernel_forms.rope_swap")
+    ap.add_argument("--sdpa", choices=tuple(SDPA_SWITCHES), default="auto",
+                    help="SDPA's backend: torch's choice (auto), or cudnn, flash or efficient alone")
     ap.add_argument("--json", metavar="PATH", help="also write every row's losses, step times and peak memory here")
     args = ap.parse_args(argv)
     defaults = DRY_DEFAULTS if args.dry_run_cpu else GPU_DEFAULTS
@@ -292,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     device = one_device(args.dry_run_cpu, NO_CUDA)
     if device is None:
         return 2
+    choose_kernels(args)
     total = args.warmup + args.rounds * args.steps + args.profile
     overrides = model_overrides(args) + train_overrides(args, total)
     compile_ok = compile_option_exists()
@@ -437,7 +481,7 @@ def write_json(path: str, args: argparse.Namespace, rows: dict[str, Row]) -> Non
     import json
 
     out = {"args": vars(args), "torch": torch.__version__,
-           "inductor_env": INDUCTOR_ENV,
+           "inductor_env": INDUCTOR_ENV, "inductor_settings": inductor_settings(),
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.dry_run_cpu else "cpu",
            "rows": {n: {"losses": r.losses, "times": r.times, "peak": r.peak, "note": r.note,
                         "kernels_ms_per_step": r.kernels, "allocator": r.allocator, "idle": r.idle,
@@ -473,7 +517,11 @@ def report(args: argparse.Namespace, cfg, device: torch.device, rows: dict[str, 
           f"{cfg.model.n_heads}/{cfg.model.kv_heads} heads, hidden {cfg.model.hidden_dim}, vocab "
           f"{cfg.model.vocab_size}), {args.batch} x {args.seq} tokens/step, {fpt:.4g} FLOP/token "
           f"(plan/flops.py); {args.warmup} warm-up + {args.steps} timed steps x {args.rounds} rounds")
-    print(f"ours = meshtrain train {' '.join(overrides)}\n")
+    print(f"ours = meshtrain train {' '.join(overrides)}")
+    chosen = [f"--rope {args.rope}"] * (args.rope != "ours") + [f"--sdpa {args.sdpa}"] * (args.sdpa != "auto")
+    inductor = [f"{k}={v}" for k, v in INDUCTOR_ENV.items()]
+    held = ", ".join(f"{k}={v}" for k, v in inductor_settings().items())
+    print(f"kernel experiments: {', '.join(chosen + inductor) or 'none'} (Inductor holds {held})\n")
     print("| row | tokens/s (median) | per-round min-max | MFU | peak memory (GiB) | step (ms) |")
     print("|---|---|---|---|---|---|")
     medians: dict[str, list[float]] = {}

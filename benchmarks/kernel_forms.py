@@ -12,7 +12,8 @@ backward of one compiled call, in the same process, rounds alternating the order
 - ``rope ours``: ``model/layers.rope_real`` as compiled blocks run it, pairs (x[2i], x[2i+1]) rotated with a stack.
 - ``rope swap``: the same rotation as ``x * cos2 + swap(x) * sin2`` with [T, D] tables (cos repeated per pair, sin
   signed) and each pair's two values swapped: one multiply-add over contiguous memory. The same arithmetic in the
-  same order, so the script checks its output and gradient are bitwise those of ``rope ours``: a drop-in.
+  same order, so the script checks its output and gradient are bitwise those of ``rope ours``: a drop-in, with
+  ``rope_real``'s arguments (``gpu_single.py --rope swap`` runs the trainer with it).
 - ``rope half``: HF's rotate-half convention (pairs (x[i], x[i + D/2])), a different model, for the bound: adopting
   it would change the checkpoint layout and the HF conversion (``model/hf.py``'s row permutation).
 - ``copy``: ``x * 2`` (and its backward), a read and a write: the copy rate the others are read against.
@@ -55,10 +56,13 @@ NO_CUDA = ("kernel_forms.py needs a CUDA device; none is visible: run it on a GP
            "check the script on tiny shapes on CPU.")
 
 
-def rope_swap(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
-    """``rope_real`` as one multiply-add: out[2i] = x[2i] cos - x[2i+1] sin, out[2i+1] = x[2i+1] cos + x[2i] sin,
-    with cos2 = cos repeated per pair and sin2 = (-sin, sin) per pair, both [T, 1, D] fp32."""
+def rope_swap(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``rope_real`` as one multiply-add, with ``rope_real``'s arguments (so ``gpu_single.py --rope swap`` can put it
+    in its place): out[2i] = x[2i] cos - x[2i+1] sin, out[2i+1] = x[2i+1] cos + x[2i] sin, from tables cos2 = cos
+    repeated per pair and sin2 = (-sin, sin) per pair, which the compiler builds inside the kernel."""
     xf = x.float()
+    cos2 = torch.stack((cos, cos), dim=-1).flatten(-2)
+    sin2 = torch.stack((-sin, sin), dim=-1).flatten(-2)
     swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
     return (xf * cos2 + swapped * sin2).type_as(x)
 
@@ -86,13 +90,25 @@ ATTENTION = {"attn cudnn": SDPBackend.CUDNN_ATTENTION, "attn flash": SDPBackend.
 ATTENTION_CPU = {"attn flash": SDPBackend.FLASH_ATTENTION, "attn math": SDPBackend.MATH}
 
 
-def forms(batch: int, seq: int, heads: int, head_dim: int, d_model: int, device: torch.device, kv_heads: int = 8):
+def projections(weights: list[torch.Tensor], fused: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Projections of one input by several weights (a block's q, k and v; or its gate and up), as separate matmuls
+    or as one over the weights concatenated (Megatron's fused QKV and gate-up), their outputs split again. Each
+    output is summed on its own, in fp32, as a stand-in for its consumer (RoPE, SwiGLU): the same extra work for
+    both forms."""
+    sizes = [w.shape[0] for w in weights]
+
+    def project(x: torch.Tensor) -> torch.Tensor:
+        outs = F.linear(x, torch.cat(weights)).split(sizes, dim=-1) if fused else [F.linear(x, w) for w in weights]
+        return sum(o.sum(dtype=torch.float32) for o in outs)
+    return project
+
+
+def forms(batch: int, seq: int, heads: int, head_dim: int, d_model: int, device: torch.device, kv_heads: int = 8,
+          hidden: int = 5632):
     """name -> (function of one tensor, its input, what it must do forward, and backward: bytes of whole tensors
-    moved, or for attention FLOPs)."""
+    moved, or for attention and the matmuls FLOPs)."""
     torch.manual_seed(0)  # the same inputs every run
     cos, sin = (t.to(device).unsqueeze(-2) for t in rope_tables(head_dim, seq, 10000.0))  # [T, 1, D/2]
-    cos2 = cos.repeat_interleave(2, -1)
-    sin2 = torch.stack((-sin, sin), dim=-1).flatten(-2)
     cos_h, sin_h = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
     q = torch.randn(batch, seq, heads, head_dim, device=device, dtype=torch.bfloat16)
     h = torch.randn(batch, seq, d_model, device=device, dtype=torch.bfloat16)
@@ -101,15 +117,34 @@ def forms(batch: int, seq: int, heads: int, head_dim: int, d_model: int, device:
     qb, hb = q.numel() * 2, h.numel() * 2
     flops = 4 * batch * seq * seq * heads * head_dim / 2  # QK^T and AV, causal: half the square
     backends = ATTENTION if device.type == "cuda" else ATTENTION_CPU
+    x2 = torch.randn(batch * seq, d_model, device=device, dtype=torch.bfloat16)
+
+    def weights(*rows: int) -> list[torch.Tensor]:  # bf16, as autocast casts them; with gradients, as in training
+        return [(torch.randn(r, d_model, device=device) * d_model ** -0.5).to(torch.bfloat16).requires_grad_(True)
+                for r in rows]
+
+    qkv_w, gate_up_w = weights(heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), weights(hidden, hidden)
+    qkv_flops = 2 * batch * seq * d_model * (heads + 2 * kv_heads) * head_dim
+    gate_up_flops = 2 * batch * seq * d_model * 2 * hidden
     return {
         "rope ours": (lambda x: rope_real(x, cos, sin), q, 2 * qb, 2 * qb),
-        "rope swap": (lambda x: rope_swap(x, cos2, sin2), q, 2 * qb, 2 * qb),
+        "rope swap": (lambda x: rope_swap(x, cos, sin), q, 2 * qb, 2 * qb),
         "rope half": (lambda x: rope_half(x, cos_h, sin_h), q, 2 * qb, 2 * qb),
         "copy": (lambda x: x * 2, q, 2 * qb, 2 * qb),  # not x * 1, which a compiler may drop
         "norm ours": (lambda x: x + norm(x), h, 2 * hb, 3 * hb),  # backward reads g and x, writes dx
         "norm split": (lambda x: x + norm(x), h, 2 * hb, 3 * hb),
         **{name: (attention(b, heads, kv_heads), qkv, flops, 2 * flops) for name, b in backends.items()},
+        # backward: the input's gradient and the weights', each a matmul of the forward's size
+        "gemm qkv 3": (projections(qkv_w, False), x2, qkv_flops, 2 * qkv_flops),
+        "gemm qkv 1": (projections(qkv_w, True), x2, qkv_flops, 2 * qkv_flops),
+        "gemm gate-up 2": (projections(gate_up_w, False), x2, gate_up_flops, 2 * gate_up_flops),
+        "gemm gate-up 1": (projections(gate_up_w, True), x2, gate_up_flops, 2 * gate_up_flops),
     }
+
+
+def counts_flops(name: str) -> bool:
+    """Whether a form's amount is FLOPs (attention, the matmuls) rather than bytes."""
+    return name.startswith(("attn ", "gemm "))
 
 
 # Inductor settings per form, applied while it compiles (missing in an older torch: the form is skipped).
@@ -185,7 +220,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     gpu = not args.dry_run_cpu
     args.batch = args.batch or (24 if gpu else 2)
     args.seq = args.seq or (2048 if gpu else 64)
-    args.heads, args.kv_heads, args.head_dim, args.d_model = (32, 8, 64, 2048) if gpu else (4, 2, 16, 64)
+    args.heads, args.kv_heads, args.head_dim, args.d_model, args.hidden = \
+        (32, 8, 64, 2048, 5632) if gpu else (4, 2, 16, 64, 192)
     for flag in ("batch", "seq", "rounds", "iters"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag} must be at least 1")
@@ -197,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     device = one_device(args.dry_run_cpu, NO_CUDA)
     if device is None:
         return 2
-    table = forms(args.batch, args.seq, args.heads, args.head_dim, args.d_model, device, args.kv_heads)
+    table = forms(args.batch, args.seq, args.heads, args.head_dim, args.d_model, device, args.kv_heads, args.hidden)
     fns: dict[str, Callable] = {}
     for name, (fn, x, _, _) in table.items():
         c = prepared(name, fn, x)
@@ -212,15 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     # rounding too. A form beyond it is not timed, and the script exits 1 after the others' figures.
     same, failed = [], []
     attn = [n for n in fns if n.startswith("attn ")]
-    for a_name, b_name in (("rope ours", "rope swap"), ("norm ours", "norm split"),
-                           *((attn[0], n) for n in attn[1:])):
+    for a_name, b_name in (("rope ours", "rope swap"), ("norm ours", "norm split"), ("gemm qkv 3", "gemm qkv 1"),
+                           ("gemm gate-up 2", "gemm gate-up 1"), *((attn[0], n) for n in attn[1:])):
         if a_name in fns and b_name in fns:
             x = table[a_name][1]
             for backward in (False, True):
                 a, b = run(fns[a_name], x, backward).float(), run(fns[b_name], x, backward).float()
                 way = "gradient" if backward else "output"
                 # bf16 rounding: 1e-2 of values of order one; attention's gradients grow with the sequence
-                tol = 1e-2 * (max(1.0, a.abs().max().item()) if a_name.startswith("attn ") else 1.0)
+                tol = 1e-2 * (max(1.0, a.abs().max().item()) if counts_flops(a_name) else 1.0)
                 if not torch.allclose(a, b, rtol=1e-2, atol=tol):
                     print(f"{b_name}'s {way} differs from {a_name}'s beyond bf16 rounding: largest "
                           f"{(a - b).abs().max().item():.3e}; {b_name} is not timed", file=sys.stderr)
@@ -245,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         fwd, both = (statistics.median(times[name][b]) for b in (False, True))
         bwd = both - fwd
         _, _, fwd_amount, bwd_amount = table[name]
-        unit = "TFLOP/s" if name.startswith("attn ") else "TB/s"
+        unit = "TFLOP/s" if counts_flops(name) else "TB/s"
         print(f"| {name} | {fwd:.3f} | {rate(fwd_amount, fwd, unit)} | {bwd:.3f} | {rate(bwd_amount, bwd, unit)} | "
               f"{min(times[name][True]):.3f}-{max(times[name][True]):.3f} |")
     print("\nsame run: " + "; ".join(same))

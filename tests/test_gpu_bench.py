@@ -94,13 +94,14 @@ def test_the_gpu_session_script_refuses_a_gpu_mem_that_is_no_number_in_one_line(
 @pytest.mark.slow
 @pytest.mark.parametrize("mem, runs", [
     ("", (("b8", 8), ("b16", 16), ("b32", 32), ("b32b", 32))),  # no GPU memory read: the H200 plan
-    ("80", (("b8c", 8), ("b24", 24), ("w8", 8), ("b8e", 8), ("b24b", 24))),  # an H100: pairs, 24, a wider model
+    ("80", (("b8c", 8), ("b24", 24), ("b24v", 24), ("b24p", 24), ("w8", 8), ("b8e", 8), ("b24b", 24))),  # an H100
 ])
 def test_the_gpu_session_script_runs_its_measurements(tmp_path, mem, runs):
     """benchmarks/gpu_session.sh, the next GPU session's one command, on the CPU dry run: its runs (the H200 plan:
     32 with the profile, 32 again with Python's automatic garbage collection, the kernel forms, 8 with the profile and
-    16; the H100 plan: ours compiled alone at 24, 24 again with Python's automatic garbage collection, the kernel
-    forms, the compiled pair at 8 with the profile, a wider model's pair, the eager pair at 8)
+    16; the H100 plan: ours compiled alone at 24, 24 with RoPE's swap form and the norm's reductions apart, the kernel
+    forms, 24 with programmatic dependent launch, 24 again with Python's automatic garbage collection, the compiled
+    pair at 8 with the profile, a wider model's pair, the eager pair at 8)
     each leave their output and JSON in $OUT, beside the machine's facts; the extra arguments reach every run and
     win over the script's own (here --rows, as the dry run needs ours eager)."""
     import json
@@ -124,9 +125,17 @@ def test_the_gpu_session_script_runs_its_measurements(tmp_path, mem, runs):
     forms = (tmp_path / "forms.txt").read_text()  # benchmarks/kernel_forms.py, on its own dry run
     assert "| rope swap |" in forms and "| norm split |" in forms and "same run: rope swap output:" in forms, forms
     assert "| attn flash |" in forms and "attn math gradient: " in forms, forms  # the CPU's attention backends
+    assert "| gemm qkv 1 |" in forms and "gemm gate-up 1 gradient: " in forms, forms  # fused projections
     given = {k: v for k, v in os.environ.items() if k.startswith("TORCHINDUCTOR_")}  # this machine's own, if any
-    for name, _ in runs:  # each JSON says how its run was compiled: here, with this machine's settings alone
-        assert json.loads((tmp_path / f"{name}.json").read_text())["inductor_env"] == given, name
+    experiments = {"b24v": ({"TORCHINDUCTOR_MIX_ORDER_REDUCTION": "0"}, "swap"),
+                   "b24p": ({"TORCHINDUCTOR_ENABLE_PDL": "1"}, "ours")}
+    for name, _ in runs:  # each JSON says how its run was compiled: this machine's settings and the run's own
+        record = json.loads((tmp_path / f"{name}.json").read_text())
+        env, rope = experiments.get(name, ({}, "ours"))
+        assert record["inductor_env"] == {**given, **env} and record["args"]["rope"] == rope, name
+    if mem:  # Inductor holds what the environment asked for (read back, not only passed on)
+        held = {n: json.loads((tmp_path / f"{n}.json").read_text())["inductor_settings"] for n in ("b24v", "b24p")}
+        assert held["b24v"]["triton.mix_order_reduction"] is False and held["b24p"]["triton.enable_pdl"] is True
     if mem:  # the wider model is another shape (the dry run's own: twice the width, one block)
         args = json.loads((tmp_path / "w8.json").read_text())["args"]
         assert (args["d_model"], args["layers"]) == (128, 1)
@@ -189,7 +198,7 @@ exec {sys.executable} "$@"
     run = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh")], capture_output=True, text=True,
                          env=env, timeout=120)
     ran = sorted(p.stem for p in out.glob("*.json"))
-    assert ran == ["b24", "b24b", "b8e"], run.stderr  # 130 s and 110 s fit 140; 150 s does not; 100 s does
+    assert ran == ["b24", "b24b", "b24p", "b24v", "b8e"], run.stderr  # 130, 110 and 100 s fit 140; 150 s does not
     for name in ("forms", "b8c", "w8"):
         assert f"[gpu_session] {name} skipped: " in run.stderr and "could overrun the call's 140" in run.stderr
     bad = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh")], capture_output=True, text=True,
@@ -249,6 +258,41 @@ def test_the_report_says_what_the_allocator_did_over_each_rows_timed_steps(capsy
             "synchronises), 1 syncs of all streams, 7 device allocations, 6 frees; the process's peak reserved "
             "75.00 GiB") in said
     assert "allocator over HF compiled" not in said  # no counts (a CPU row): no line
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_swap_form_of_rope_is_rope_real_to_the_bit_and_gpu_single_can_put_it_in_its_place(dtype, monkeypatch):
+    """``gpu_single.py --rope swap`` (the session's b24v) runs the trainer with ``kernel_forms.rope_swap`` where
+    compiled blocks call ``rope_real``: a drop-in only if output and gradient are the same bits, which this checks
+    eagerly (the kernel forms check it compiled); and ``--sdpa flash`` leaves torch's flash switch alone on."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_single
+    import kernel_forms
+
+    import meshtrain.model.layers as layers
+    from meshtrain.model.layers import rope_real, rope_tables
+
+    torch.manual_seed(0)
+    cos, sin = (t.unsqueeze(-2) for t in rope_tables(16, 32, 10000.0))
+    x = torch.randn(2, 32, 3, 16, dtype=dtype)
+    grads = []
+    for form in (rope_real, kernel_forms.rope_swap):
+        xi = x.clone().requires_grad_(True)
+        y = form(xi, cos, sin)
+        y.backward(torch.linspace(-1, 1, y.numel()).view_as(y).to(dtype))
+        grads.append((y.detach(), xi.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    switches = {"flash_sdp_enabled": "enable_flash_sdp", "mem_efficient_sdp_enabled": "enable_mem_efficient_sdp",
+                "cudnn_sdp_enabled": "enable_cudnn_sdp", "math_sdp_enabled": "enable_math_sdp"}  # query: setter
+    before = {n: getattr(torch.backends.cuda, n)() for n in switches}
+    monkeypatch.setattr(layers, "rope_real", layers.rope_real)  # restored after the test
+    try:
+        gpu_single.choose_kernels(gpu_single.parse_args(["--dry-run-cpu", "--rope", "swap", "--sdpa", "flash"]))
+        assert layers.rope_real is kernel_forms.rope_swap
+        assert [getattr(torch.backends.cuda, n)() for n in switches] == [True, False, False, False]
+    finally:
+        for n, on in before.items():
+            getattr(torch.backends.cuda, switches[n])(on)
 
 
 def test_the_kernel_forms_refuse_without_cuda_in_one_line():
