@@ -15,11 +15,11 @@
 #    against its wall time (the idle gap read off directly); ~2.5 minutes on an H200. Then batch 16, the compiled
 #    rows. Each run has its own timeout so a slow one cannot take the rest.
 # On an H100 (80 GB) four rows do not fit at batch 8, so pairs, the open question first: ours compiled alone at batch
-# 24 (b24: the largest batch that fits, where MFU is highest; the issue's goal is read there), batch 24 with two
-# kernel experiments (b24v), benchmarks/kernel_forms.py (forms.txt: RoPE, the norm backward, attention's backends
-# and fused projections in other forms), batch 24 with programmatic dependent launch (b24p), batch 24 once more
-# (b24b) with Python's automatic garbage collection, then the figures already measured once: the compiled pair at
-# batch 8 with the profile (b8c), the compiled pair of a wider model (w8), the eager pair at 8 (b8e). b8c and b24 are
+# 24 (b24: the largest batch that fits, where MFU is highest; the issue's goal is read there: batch 28 fits too,
+# at a lower MFU), benchmarks/kernel_forms.py (forms.txt: RoPE, the norm backward, attention's backends and fused
+# projections in other forms), batch 24 once more (b24b) with Python's automatic garbage collection, then the
+# figures already measured: the compiled pair at batch 8 with the profile (b8c), the compiled pair of a wider model
+# (w8), the eager pair at 8 (b8e). b8c and b24 are
 # profiled so that the last step can fit the planner's GPU kernel costs on two batches and check its predictions,
 # the wider model's included (fit.txt; docs/planner.md). Each step runs only if its timeout still fits the call's
 # SESSION_S seconds (default 570, under the device tool's 10 minutes), so a slow start drops the last, not the first.
@@ -103,13 +103,10 @@ else  # an H100 (80 GB): ours eager at batch 8 (~47 GiB) and three other rows' ~
     # decides.
     export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
     run b24 130 --batch 24 --profile 2 --rows "ours compiled" "$@"
-    # Then the two kernel experiments the forms below time alone, in the whole step (b24v): RoPE as one
-    # multiply-add (--rope swap) and the norm backward's two reductions apart (Inductor's mixed-order reduction
-    # off); then Hopper's programmatic dependent launch for Inductor's kernels (b24p: each kernel's prologue
-    # overlaps the previous one's tail, for the ~9-43 ms a step the device sat idle at b13d967).
-    TORCHINDUCTOR_MIX_ORDER_REDUCTION=0 run b24v 130 --batch 24 --profile 2 --rows "ours compiled" --rope swap "$@"
+    # (Two kernel experiments ran in this slot on 2026-11-27, at 8eb85bc: RoPE's swap form with the norm's reductions
+    # apart, 0.9% slower, and programmatic dependent launch, no faster; docs/benchmarks.md. gpu_single.py keeps
+    # --rope and --sdpa, and Inductor reads TORCHINDUCTOR_* settings from the environment, for the next such test.)
     forms "$@"
-    TORCHINDUCTOR_ENABLE_PDL=1 run b24p 130 --batch 24 --profile 2 --rows "ours compiled" "$@"
     # Batch 24 again with Python's automatic garbage collection, as the three runs at b13d967 had it (--gc-every 0;
     # b24 collects as the trainer now does, train.gc_every=50): its report says what the collector took inside the
     # timed steps. (Inductor's kernel tuning, probed at b13d967, changed nothing worth keeping: docs/benchmarks.md.)
@@ -124,7 +121,8 @@ fi
 case " $* " in
     *" --dry-run-cpu "*) ;;
     *)
-        files=$(for n in $fitted; do [ -f "$OUT/$n.json" ] && echo "$OUT/$n.json"; done)
+        # only this call's runs: a folder kept from an earlier session (a machine's /tmp) may hold older ones
+        files=$(for n in $fitted; do [ "$OUT/$n.json" -nt "$OUT/env.txt" ] && echo "$OUT/$n.json"; done)
         if [ "$(echo "$files" | grep -c .)" -lt 2 ]; then  # the call dropped the second batch: nothing to fit
             echo "[gpu_session] the kernel fit skipped: it needs two of $fitted, and the call ran $(echo $files)" >&2
         else

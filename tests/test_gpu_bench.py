@@ -94,14 +94,13 @@ def test_the_gpu_session_script_refuses_a_gpu_mem_that_is_no_number_in_one_line(
 @pytest.mark.slow
 @pytest.mark.parametrize("mem, runs", [
     ("", (("b8", 8), ("b16", 16), ("b32", 32), ("b32b", 32))),  # no GPU memory read: the H200 plan
-    ("80", (("b8c", 8), ("b24", 24), ("b24v", 24), ("b24p", 24), ("w8", 8), ("b8e", 8), ("b24b", 24))),  # an H100
+    ("80", (("b8c", 8), ("b24", 24), ("w8", 8), ("b8e", 8), ("b24b", 24))),  # an H100: pairs, 24, a wider model
 ])
 def test_the_gpu_session_script_runs_its_measurements(tmp_path, mem, runs):
     """benchmarks/gpu_session.sh, the next GPU session's one command, on the CPU dry run: its runs (the H200 plan:
     32 with the profile, 32 again with Python's automatic garbage collection, the kernel forms, 8 with the profile and
-    16; the H100 plan: ours compiled alone at 24, 24 with RoPE's swap form and the norm's reductions apart, the kernel
-    forms, 24 with programmatic dependent launch, 24 again with Python's automatic garbage collection, the compiled
-    pair at 8 with the profile, a wider model's pair, the eager pair at 8)
+    16; the H100 plan: ours compiled alone at 24, the kernel forms, 24 again with Python's automatic garbage
+    collection, the compiled pair at 8 with the profile, a wider model's pair, the eager pair at 8)
     each leave their output and JSON in $OUT, beside the machine's facts; the extra arguments reach every run and
     win over the script's own (here --rows, as the dry run needs ours eager)."""
     import json
@@ -127,15 +126,9 @@ def test_the_gpu_session_script_runs_its_measurements(tmp_path, mem, runs):
     assert "| attn flash |" in forms and "attn math gradient: " in forms, forms  # the CPU's attention backends
     assert "| gemm qkv 1 |" in forms and "gemm gate-up 1 gradient: " in forms, forms  # fused projections
     given = {k: v for k, v in os.environ.items() if k.startswith("TORCHINDUCTOR_")}  # this machine's own, if any
-    experiments = {"b24v": ({"TORCHINDUCTOR_MIX_ORDER_REDUCTION": "0"}, "swap"),
-                   "b24p": ({"TORCHINDUCTOR_ENABLE_PDL": "1"}, "ours")}
-    for name, _ in runs:  # each JSON says how its run was compiled: this machine's settings and the run's own
+    for name, _ in runs:  # each JSON says how its run was compiled: here, with this machine's settings alone
         record = json.loads((tmp_path / f"{name}.json").read_text())
-        env, rope = experiments.get(name, ({}, "ours"))
-        assert record["inductor_env"] == {**given, **env} and record["args"]["rope"] == rope, name
-    if mem:  # Inductor holds what the environment asked for (read back, not only passed on)
-        held = {n: json.loads((tmp_path / f"{n}.json").read_text())["inductor_settings"] for n in ("b24v", "b24p")}
-        assert held["b24v"]["triton.mix_order_reduction"] is False and held["b24p"]["triton.enable_pdl"] is True
+        assert record["inductor_env"] == given and record["args"]["rope"] == "ours", name
     if mem:  # the wider model is another shape (the dry run's own: twice the width, one block)
         args = json.loads((tmp_path / "w8.json").read_text())["args"]
         assert (args["d_model"], args["layers"]) == (128, 1)
@@ -159,7 +152,7 @@ def test_the_gpu_session_fits_the_planner_on_its_runs(tmp_path):
 if [ "$1" = benchmarks/gpu_single.py ]; then  # ... --json PATH: the recorded run named like PATH, if any
     while [ $# -gt 0 ]; do case $1 in --json) j=$2;; esac; shift; done
     r={fixtures}/$(basename "$j")
-    [ ! -f "$r" ] || cp "$r" "$j"
+    [ "$(basename "$j" .json)" = "${{SKIP_RUN:-}}" ] || [ ! -f "$r" ] || cp "$r" "$j"
     exit 0
 fi
 [ "$1" != benchmarks/kernel_forms.py ] || exit 0  # the kernel forms need a GPU and are not fitted
@@ -177,6 +170,18 @@ exec {sys.executable} "$@"
     wide = next(line for line in fit.splitlines() if line.startswith("| d4096 L8 h32/8 | 8 | 294.8 |"))
     assert wide.endswith("| no |")  # another shape: checked, not fitted
     assert sum(line.startswith("| d") for line in fit.splitlines()) == 3  # b8e (eager) and b24b: neither fitted
+
+    # A run this call did not make is not read, though its folder holds one from earlier (a machine's /tmp kept
+    # from another session): here w8 fails to write and an older w8.json lies in $OUT.
+    stale = tmp_path / "again"
+    stale.mkdir()
+    (stale / "w8.json").write_bytes((fixtures / "w8.json").read_bytes())
+    os.utime(stale / "w8.json", (1e9, 1e9))
+    again = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh")], capture_output=True, text=True,
+                           env={**env, "OUT": str(stale), "SKIP_RUN": "w8"}, timeout=300)
+    fit = (stale / "fit.txt").read_text()
+    assert again.returncode == 0, again.stderr + fit
+    assert "| d4096" not in fit and sum(line.startswith("| d2048") for line in fit.splitlines()) == 2, fit
 
 
 def test_the_gpu_session_drops_its_last_steps_when_their_timeouts_no_longer_fit_the_call(tmp_path):
@@ -198,7 +203,7 @@ exec {sys.executable} "$@"
     run = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh")], capture_output=True, text=True,
                          env=env, timeout=120)
     ran = sorted(p.stem for p in out.glob("*.json"))
-    assert ran == ["b24", "b24b", "b24p", "b24v", "b8e"], run.stderr  # 130, 110 and 100 s fit 140; 150 s does not
+    assert ran == ["b24", "b24b", "b8e"], run.stderr  # 130 s and 110 s fit 140; 150 s does not; 100 s does
     for name in ("forms", "b8c", "w8"):
         assert f"[gpu_session] {name} skipped: " in run.stderr and "could overrun the call's 140" in run.stderr
     bad = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh")], capture_output=True, text=True,
