@@ -62,7 +62,7 @@ def test_every_format_gives_the_documents_in_order_with_their_offsets(tmp_path: 
     src = {"text": write_text_folder, "jsonl": write_jsonl, "parquet": write_parquet}[kind](tmp_path / "src")
     ext = (".txt",) if kind == "text" else None
     meta = prepare_data(src, tmp_path / "out", val_fraction=0.0, extensions=ext)
-    assert meta["source_format"] == kind and meta["files"] == len(DOCS) and meta["format"] == 2
+    assert meta["source_format"] == kind and meta["files"] == len(DOCS) and meta["format"] == 3
     assert meta["empty"] == {"text": 0, "jsonl": 2, "parquet": 1}[kind]  # "" and null texts: no documents
     ds = TokenDataset(tmp_path / "out")
     assert np.array_equal(np.asarray(ds._tokens), expected_tokens(DOCS))
@@ -191,7 +191,8 @@ def test_rerun_after_a_kill_gives_the_bytes_of_an_uninterrupted_run(tmp_path: Pa
     assert prep.main([*args, "--out", str(tmp_path / "clean")]) == 0  # an uninterrupted run
     assert sorted(p.name for p in tmp_path.iterdir()) == ["clean", "out", "src"]  # the killed run's temp removed
     names = sorted(p.name for p in (tmp_path / "clean").iterdir())
-    assert names == ["meta.json", "train.bin", "train.docs.npy", "val.bin", "val.docs.npy"]
+    assert names == ["meta.json", "train.bin", "train.counts.npy", "train.docs.npy", "val.bin", "val.counts.npy",
+                     "val.docs.npy"]
     for name in names:
         a, b = (tmp_path / "out" / name).read_bytes(), (tmp_path / "clean" / name).read_bytes()
         assert (a == b) if name != "meta.json" else (a.replace(b"/out", b"/clean") == b), name

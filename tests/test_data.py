@@ -173,7 +173,7 @@ def test_load_tokenizer_specs(tmp_path: Path) -> None:
 
 def test_prepare_writes_consistent_files(prepared: Path, corpus: Path) -> None:
     meta = json.loads((prepared / "meta.json").read_text())
-    assert meta["format"] == 2 and meta["tokenizer"] == "byte" and meta["dtype"] == "uint16"
+    assert meta["format"] == 3 and meta["tokenizer"] == "byte" and meta["dtype"] == "uint16"
     assert (meta["vocab_size"], meta["eos_id"]) == (257, 256)
     assert meta["files"] == 40 and meta["skipped"] == 1  # bad.py; tests/, __pycache__/, .hidden/ excluded
     assert meta["source"] == str(corpus)
@@ -186,6 +186,57 @@ def test_prepare_writes_consistent_files(prepared: Path, corpus: Path) -> None:
     total = sum(len(p.read_bytes()) for p in corpus.rglob("mod_*.py"))
     assert len(train) + len(val) == total + 40
     assert not list(prepared.parent.glob(".data.tmp-*"))
+    for split, tokens in (("train", train), ("val", val)):  # each token id's count, for the unigram baseline
+        counts = np.load(prepared / f"{split}.counts.npy", allow_pickle=False)
+        assert counts.dtype == np.dtype("<i8") and np.array_equal(counts, np.bincount(tokens, minlength=257))
+
+
+def test_the_unigram_baseline_reads_the_counts_prepare_data_wrote_not_the_split(prepared: Path) -> None:
+    """The trainer's baseline (``token_probs``) comes from ``train.counts.npy``: with ``train.bin``'s bytes zeroed
+    (the size kept, so the folder still opens) the distribution is still the text's. Counts that do not add up to
+    the split, or a missing file, are refused in one line that names the file and the fix."""
+    tokens = np.fromfile(prepared / "train.bin", dtype=np.uint16)
+    exact = np.bincount(tokens, minlength=257)
+    (prepared / "train.bin").write_bytes(bytes(tokens.nbytes))
+    ds = TokenDataset(prepared)
+    assert np.array_equal(ds.token_counts(), exact) and np.allclose(ds.token_probs(), exact / exact.sum())
+    np.save(prepared / "train.counts.npy", exact + (np.arange(257) == 3))
+    with pytest.raises(ValueError, match=r"train\.counts\.npy is corrupt \(not 257 int64 counts adding up to the "
+                                         r"split's \d+ tokens\); re-run `meshtrain prepare-data --force`"):
+        ds.token_counts()
+    (prepared / "train.counts.npy").unlink()
+    with pytest.raises(FileNotFoundError, match=r"train\.counts\.npy is missing"):
+        ds.token_counts()
+
+
+def test_a_folder_without_counts_counts_a_bounded_sample(prepared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Folders prepared before the counts (formats 1 and 2) are counted at startup: exactly below
+    ``COUNT_SAMPLE_TOKENS``, else in evenly spaced blocks adding up to it, so a corpus of any size costs the same
+    read. Here a split of 10^12 virtual tokens (no file: each slice is made when read) is counted by reading exactly
+    the sample; and a real older folder gives the exact counts."""
+    from meshtrain.train import data
+
+    meta = json.loads((prepared / "meta.json").read_text())
+    (prepared / "meta.json").write_text(json.dumps({**meta, "format": 2}))
+    for p in prepared.glob("*.counts.npy"):
+        p.unlink()
+    exact = np.bincount(np.fromfile(prepared / "train.bin", dtype=np.uint16), minlength=257)
+    assert np.array_equal(TokenDataset(prepared).token_counts(), exact)
+
+    class Virtual:  # token id = position mod 257, made per slice; records what was read
+        read = 0
+
+        def __len__(self) -> int:
+            return 10**12
+
+        def __getitem__(self, s: slice) -> np.ndarray:
+            Virtual.read += s.stop - s.start
+            return (np.arange(s.start, s.stop, dtype=np.int64) % 257).astype(np.uint32)
+
+    monkeypatch.setattr(data, "COUNT_SAMPLE_TOKENS", 64 * 257 * 1000)
+    counts = data.count_tokens(Virtual(), 257)
+    assert Virtual.read == counts.sum() == 64 * 257 * 1000  # the sample and nothing more
+    assert (counts == 64 * 1000).all()  # each block of 257,000 holds every id 1000 times
 
 
 def test_prepare_is_deterministic(tmp_path: Path, corpus: Path) -> None:

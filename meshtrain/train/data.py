@@ -18,13 +18,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshtrain.train.prepare import META_FORMAT, docs_path
+from meshtrain.train.prepare import COUNT_CHUNK, META_FORMAT, counts_path, docs_path
 
 SPLIT_IDS = {"train": 0, "val": 1}
 _REQUIRED_META = ("format", "tokenizer", "vocab_size", "eos_id", "dtype", "train_tokens", "val_tokens")
 _DTYPES = ("uint16", "uint32")
-# 1: tokens only; 2: plus <split>.docs.npy, the document offsets. The tokens are the same in both.
-READABLE_FORMATS = (1, META_FORMAT)
+# 1: tokens only; 2: plus <split>.docs.npy, the document offsets; 3: plus <split>.counts.npy, each token id's
+# count. The tokens are the same in all three.
+READABLE_FORMATS = (1, 2, META_FORMAT)
+# A folder without counts (formats 1 and 2): the unigram baseline counts at most this many tokens of a split, in
+# evenly spaced blocks, so startup reads a bounded part of a corpus of any size (exact below it).
+COUNT_SAMPLE_TOKENS = 1 << 26
+COUNT_SAMPLE_BLOCKS = 64
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -133,6 +138,26 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     return meta
 
 
+def count_tokens(tokens: np.ndarray, vocab_size: int, limit: int | None = None,
+                 blocks: int = COUNT_SAMPLE_BLOCKS) -> np.ndarray:
+    """Each token id's count (int64 ``[vocab_size]``) in ``tokens`` (a memory map): exact when it holds at most
+    ``limit`` tokens (default ``COUNT_SAMPLE_TOKENS``), else over ``blocks`` evenly spaced blocks adding up to
+    ``limit``, an estimate that reads the same amount whatever the corpus's size. Counted ``COUNT_CHUNK`` tokens
+    at a time, so memory stays that chunk's int64 copy and the counts."""
+    limit = COUNT_SAMPLE_TOKENS if limit is None else limit
+    n = len(tokens)
+    if n <= limit:
+        spans = [(0, n)]
+    else:
+        size = max(limit // blocks, 1)
+        spans = [(int(a), int(a) + size) for a in np.linspace(0, n - size, blocks).astype(np.int64)]
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for start, stop in spans:
+        for i in range(start, stop, COUNT_CHUNK):
+            counts += np.bincount(tokens[i:min(stop, i + COUNT_CHUNK)], minlength=vocab_size)[:vocab_size]
+    return counts
+
+
 class TokenDataset:
     """One split of a prepared data folder, memory-mapped read-only."""
 
@@ -205,9 +230,29 @@ class TokenDataset:
         """Raise, naming ``train.seq_len``, when the split cannot give one window (``can_sample``)."""
         check_fits(self.path, self.split, self.num_tokens, seq_len)
 
+    def token_counts(self) -> np.ndarray:
+        """How many times each token id occurs in the split, int64 ``[vocab_size]``: from ``<split>.counts.npy``
+        (format 3, written by ``prepare-data``), read with ``allow_pickle=False`` and checked against the split;
+        for an older folder, counted over at most ``COUNT_SAMPLE_TOKENS`` of it (``count_tokens``)."""
+        if self.meta["format"] < 3:
+            return count_tokens(self._tokens, self.vocab_size)
+        path = counts_path(self.path, self.split)
+        fix = "re-run `meshtrain prepare-data --force`"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing; {fix}")
+        try:
+            counts = np.load(path, allow_pickle=False)
+        except ValueError as e:
+            raise ValueError(f"{path} is corrupt ({e}); {fix}") from None
+        if counts.dtype != np.dtype("<i8") or counts.shape != (self.vocab_size,) or (counts < 0).any() \
+                or int(counts.sum()) != self.num_tokens:
+            raise ValueError(f"{path} is corrupt (not {self.vocab_size} int64 counts adding up to the split's "
+                             f"{self.num_tokens} tokens); {fix}")
+        return counts
+
     def token_probs(self) -> np.ndarray:
-        """The split's unigram distribution over the vocabulary (float64, sums to 1)."""
-        counts = np.bincount(np.asarray(self._tokens), minlength=self.vocab_size).astype(np.float64)
+        """The split's unigram distribution over the vocabulary (float64, sums to 1; ``token_counts``)."""
+        counts = self.token_counts().astype(np.float64)
         return counts / max(counts.sum(), 1.0)
 
     def batch(self, seed: int, step: int, batch_size: int, seq_len: int,

@@ -39,8 +39,11 @@ from meshtrain.train.tokenizer import HFTokenizer, load_tokenizer, tokenizer_tag
 
 log = logging.getLogger(__name__)
 
-# 2: adds <split>.docs.npy (document offsets); format 1 folders are still read.
-META_FORMAT = 2
+# 2: adds <split>.docs.npy (document offsets); 3: adds <split>.counts.npy (each token id's count). Folders of
+# formats 1 and 2 are still read.
+META_FORMAT = 3
+# Tokens counted per bincount while writing a split: bounds the int64 copy bincount makes (32 MB).
+COUNT_CHUNK = 1 << 22
 
 
 def default_source_dir() -> Path:
@@ -83,15 +86,19 @@ class _SplitWriter:
 
     Holding the last document back lets the caller move it to the other split at the end (the fallback
     that keeps both splits non-empty) without buffering the whole corpus in memory. ``close`` writes the
-    document offsets beside the tokens (``<split>.docs.npy``).
+    document offsets beside the tokens (``<split>.docs.npy``) and each token id's count
+    (``<split>.counts.npy``): the trainer's unigram baseline then reads ``vocab_size`` numbers, not the split.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, vocab_size: int) -> None:
         self.path = path
         self._f: BinaryIO = open(path, "wb")  # closed in close()
         self.tokens = 0
         self._lengths = array("q")  # tokens of each written document, eos included (8 bytes a document)
         self._pending: np.ndarray | None = None
+        self.counts = np.zeros(vocab_size, dtype=np.int64)
+        self._uncounted: list[np.ndarray] = []  # written documents not yet in counts (under COUNT_CHUNK tokens)
+        self._uncounted_tokens = 0
 
     @property
     def docs(self) -> int:
@@ -111,6 +118,17 @@ class _SplitWriter:
         self._f.write(memoryview(np.ascontiguousarray(doc)))
         self.tokens += len(doc)
         self._lengths.append(len(doc))
+        # Counted in chunks: one bincount per document would cost O(vocab_size) each.
+        self._uncounted.append(doc)
+        self._uncounted_tokens += len(doc)
+        if self._uncounted_tokens >= COUNT_CHUNK:
+            self._count()
+
+    def _count(self) -> None:
+        if self._uncounted:
+            ids = np.concatenate(self._uncounted)
+            self.counts += np.bincount(ids, minlength=len(self.counts))[:len(self.counts)]
+        self._uncounted, self._uncounted_tokens = [], 0
 
     def close(self) -> None:
         if self._f.closed:
@@ -123,15 +141,24 @@ class _SplitWriter:
         self._f.close()
         offsets = np.zeros(len(self._lengths) + 1, dtype="<i8")
         np.cumsum(np.frombuffer(self._lengths, dtype=np.int64), out=offsets[1:])
-        with open(docs_path(self.path.parent, self.path.stem), "wb") as f:
-            np.save(f, offsets, allow_pickle=False)
-            f.flush()
-            os.fsync(f.fileno())
+        self._count()
+        for path, array_ in ((docs_path(self.path.parent, self.path.stem), offsets),
+                             (counts_path(self.path.parent, self.path.stem), self.counts.astype("<i8"))):
+            with open(path, "wb") as f:
+                np.save(f, array_, allow_pickle=False)
+                f.flush()
+                os.fsync(f.fileno())
 
 
 def docs_path(folder: Path, split: str) -> Path:
     """``<split>.docs.npy``: int64 offsets, document ``i`` is tokens ``[offsets[i], offsets[i+1])`` (format 2)."""
     return folder / f"{split}.docs.npy"
+
+
+def counts_path(folder: Path, split: str) -> Path:
+    """``<split>.counts.npy``: int64 ``[vocab_size]``, how many times each token id occurs in the split (format
+    3)."""
+    return folder / f"{split}.counts.npy"
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
@@ -262,7 +289,7 @@ def prepare_data(
     bar: _Progress | None = None
     try:
         tmp.mkdir()
-        writers = {"train": _SplitWriter(tmp / "train.bin"), "val": _SplitWriter(tmp / "val.bin")}
+        writers = {split: _SplitWriter(tmp / f"{split}.bin", int(tok.vocab_size)) for split in ("train", "val")}
         bar = _Progress(corpus.total, corpus.unit, progress)
         skipped = empty = 0
         for key, text, work in corpus:
