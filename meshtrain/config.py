@@ -27,6 +27,7 @@ SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1", "dualpipev")  # parallel.sc
 RECOMPUTE_MODES = ("none", "full", "selective")  # train.recompute (meshtrain/parallel/recompute.py)
 CP_LAYOUTS = ("zigzag", "contiguous")  # parallel.cp_layout (meshtrain/parallel/context.py)
 CP_ATTENTIONS = ("ring", "allgather")  # parallel.cp_attention
+ROPE_SCALINGS = ("none", "llama3")  # model.rope_scaling
 REDUCE_DTYPES = ("fp32", "bf16")  # parallel.reduce_dtype (meshtrain/parallel/grad_sync.py)
 
 
@@ -55,6 +56,14 @@ class ModelConfig:
     multiple_of: int = 32
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # RoPE scaling: none, or llama3 (Llama 3.1+): wavelengths beyond rope_original_max_len / rope_low_freq_factor
+    # are stretched by rope_factor, those under rope_original_max_len / rope_high_freq_factor kept, those between
+    # blended (model/layers.rope_frequencies)
+    rope_scaling: str = "none"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
     max_seq_len: int = 256
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -427,6 +436,18 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _need(math.isfinite(m.init_std) and m.init_std > 0, f"model.init_std must be a positive number, got {m.init_std}.")
     _need(math.isfinite(m.rope_theta) and m.rope_theta > 0,
           f"model.rope_theta must be a positive number (Llama: 10000, Llama 3: 500000), got {m.rope_theta}.")
+    _need(m.rope_scaling in ROPE_SCALINGS,
+          f"model.rope_scaling must be one of {', '.join(ROPE_SCALINGS)} (llama3: Llama 3.1 and later), got "
+          f"{m.rope_scaling!r}.")
+    if m.rope_scaling == "llama3":
+        _need(math.isfinite(m.rope_factor) and m.rope_factor > 0,
+              f"model.rope_factor must be a positive number (Llama 3.1: 8, Llama 3.2: 32), got {m.rope_factor}.")
+        _need(math.isfinite(m.rope_low_freq_factor) and 0 < m.rope_low_freq_factor < m.rope_high_freq_factor
+              and math.isfinite(m.rope_high_freq_factor),
+              f"model.rope_low_freq_factor={m.rope_low_freq_factor} and model.rope_high_freq_factor="
+              f"{m.rope_high_freq_factor} must be positive with low < high (Llama 3.1: 1 and 4).")
+        _need(m.rope_original_max_len > 0,
+              f"model.rope_original_max_len must be positive (Llama 3.1: 8192), got {m.rope_original_max_len}.")
     _need(m.vocab_size != 1, "model.vocab_size must be 0 (from the tokenizer) or at least 2, got 1.")
     _check_moe(m)
 

@@ -47,6 +47,7 @@ STEPS = 5
 BASE = run_overrides(STEPS)
 PP = ["model.n_layers=4"]  # two blocks per pipeline stage
 
+LLAMA3_ROPE = ["model.rope_scaling=llama3", "model.rope_original_max_len=128", "model.init_std=0.2"]
 LAYOUTS_2 = [
     ("cp2 zigzag ring", ["parallel.cp=2"]),
     ("cp2 contiguous ring", ["parallel.cp=2", "parallel.cp_layout=contiguous"]),
@@ -55,6 +56,10 @@ LAYOUTS_2 = [
     ("cp2 contiguous allgather selective", ["parallel.cp=2", "parallel.cp_layout=contiguous",
                                             "parallel.cp_attention=allgather", "train.recompute=selective"]),
     ("cp2 zigzag ring no clipping", ["parallel.cp=2", "train.grad_clip=0"]),
+    # Llama 3.1's RoPE scaling, its bands set so the tiny model's four frequencies (wavelengths 6, 63, 628 and 6283
+    # positions) are kept, blended and divided: each rank's rows of the scaled tables, by real position. A larger
+    # init makes attention sharp enough from the first step for the angles to show in the losses.
+    ("cp2 zigzag ring llama3 rope", ["parallel.cp=2", *LLAMA3_ROPE]),
 ]
 LAYOUTS_4 = [
     ("cp4 zigzag ring", ["parallel.cp=4"]),
@@ -299,6 +304,9 @@ def test_cp2_layouts_on_2_ranks_equal_one_device(world2, references, data):
     # All-gather attention computes the ring's blocks in the ring's order: the same first loss, bit for bit.
     for runs, _, _ in world2:
         assert runs["cp2 zigzag allgather"]["losses"][0] == runs["cp2 zigzag ring"]["losses"][0]
+        # the scaled tables are another model: its run is not the unscaled one's (one device, the same init)
+        plain = references(["model.init_std=0.2"])["losses"]
+        assert max(abs(a - b) for a, b in zip(runs["cp2 zigzag ring llama3 rope"]["losses"], plain, strict=True)) > 1e-3
 
 
 @pytest.mark.slow

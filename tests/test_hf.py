@@ -41,12 +41,21 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
             p.copy_(1 + noise if "norm" in name else noise)
 
 
+# Llama 3.1's RoPE scaling, shrunk so that the tiny model's four frequencies (head_dim 8, theta 5000: wavelengths
+# 6.3, 53, 444 and 3737 positions) fall in all three of its bands against original_max_position_embeddings 64:
+# under 64 / 4 (kept), between 16 and 64 / 1 (blended), beyond (divided by the factor).
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
 def hf_llama(folder: Path, *, tie: bool = False, kv_heads: int = 2, shard: str | None = None,
-             seed: int = 0) -> LlamaForCausalLM:
-    """A tiny random LlamaForCausalLM saved to ``folder`` (sharded into files of at most ``shard``)."""
+             seed: int = 0, rope: dict | None = None) -> LlamaForCausalLM:
+    """A tiny random LlamaForCausalLM saved to ``folder`` (sharded into files of at most ``shard``; ``rope``: its
+    ``rope_parameters``, e.g. ``LLAMA3``)."""
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=SEQ,
-                      rope_theta=5000.0, rms_norm_eps=1e-5, tie_word_embeddings=tie)
+                      rope_theta=5000.0, rms_norm_eps=1e-5, tie_word_embeddings=tie,
+                      **({"rope_parameters": rope} if rope else {}))
     model = LlamaForCausalLM(cfg).eval()
     _randomise(model, seed)
     if shard:
@@ -103,6 +112,34 @@ def test_import_gives_transformers_logits(tmp_path, layout):
     model = Llama(src.cfg).eval()
     load_full(model, src)
     assert logit_diff(model, hf, tokens()) <= LOGIT_ATOL
+
+
+def test_llama3_rope_scaling_imports_and_exports_with_transformers_logits(tmp_path):
+    """Llama 3.1+'s ``rope_type: llama3`` (every Llama 3.1, 3.2 and 3.3 checkpoint): imported, our logits are
+    transformers' within LOGIT_ATOL; without the scaling (the same weights, rope_scaling none) they are not, so the
+    scaling is what makes them equal; exported again, transformers reads the same rope parameters back and gives
+    the same logits. Both config layouts: transformers 5's ``rope_parameters`` and 4's ``rope_scaling``."""
+    import dataclasses
+
+    hf = hf_llama(tmp_path / "in", rope=LLAMA3)
+    src = HFSource(tmp_path / "in")
+    assert (src.cfg.rope_scaling, src.cfg.rope_factor, src.cfg.rope_low_freq_factor, src.cfg.rope_high_freq_factor,
+            src.cfg.rope_original_max_len, src.cfg.rope_theta) == ("llama3", 8.0, 1.0, 4.0, 64, 5000.0)
+    model = Llama(src.cfg).eval()
+    load_full(model, src)
+    assert logit_diff(model, hf, tokens()) <= LOGIT_ATOL
+    plain = Llama(dataclasses.replace(src.cfg, rope_scaling="none")).eval()
+    load_full(plain, src)
+    assert logit_diff(plain, hf, tokens()) > 1e-2
+
+    out = export_hf(state_source(model), src.cfg, tmp_path / "out")
+    again = LlamaForCausalLM.from_pretrained(out).eval()
+    assert {k: again.config.rope_parameters[k] for k in LLAMA3} == LLAMA3
+    assert logit_diff(model, again, tokens()) <= LOGIT_ATOL
+    c = json.loads((out / "config.json").read_text())  # transformers 4 reads rope_scaling, with rope_theta beside it
+    c.pop("rope_parameters")
+    (out / "config.json").write_text(json.dumps(c))
+    assert c["rope_scaling"]["rope_type"] == "llama3" and hf_model_config(out) == src.cfg
 
 
 def test_without_the_rope_permutation_the_logits_differ(tmp_path):
@@ -272,9 +309,13 @@ BAD = {  # name: (shard, how to break the folder, error type, what the one line 
                      ValueError, ["config.json: architectures is ['MistralForCausalLM']", "LlamaForCausalLM"]),
     "mixtral": (None, _mixtral, ValueError,
                 ["config.json: architectures is ['MixtralForCausalLM']", "renormalises", "LlamaForCausalLM"]),
-    "rope-scaling": (None, lambda f: _edit_config(f, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5,
+    "rope-scaling": (None, lambda f: _edit_config(f, rope_parameters={"rope_type": "yarn", "rope_theta": 5e5,
                                                                       "factor": 8.0}),
-                     ValueError, ["config.json: rope_parameters.rope_type is 'llama3'", "rope_type default"]),
+                     ValueError, ["config.json: rope_parameters.rope_type is 'yarn'", "rope_type default",
+                                  "or llama3"]),
+    "llama3-incomplete": (None, lambda f: _edit_config(f, rope_parameters={**LLAMA3, "low_freq_factor": None}),
+                          ValueError, ["config.json: rope_parameters.low_freq_factor is None",
+                                       "a positive number (rope_type llama3)"]),
     "rope-scaling-v4": (None, lambda f: _edit_config(f, rope_scaling={"type": "linear", "factor": 2.0}),
                         ValueError, ["config.json: rope_scaling.rope_type is 'linear'"]),
     "attention-bias": (None, lambda f: _edit_config(f, attention_bias=True),

@@ -17,6 +17,7 @@ import numpy as np
 
 from meshtrain.config import ModelConfig
 from meshtrain.jax.sharding import Shardings, tree_shardings
+from meshtrain.model import layers
 from meshtrain.model.axes import ACTIVATION_AXES, LOGITS_AXES, param_axes
 
 Params = dict[str, jax.Array]
@@ -74,11 +75,11 @@ def place(arrays: dict[str, np.ndarray], sh: Shardings, kind: str = "params") ->
     return {n: jax.device_put(a, shardings[n]) for n, a in arrays.items()}
 
 
-def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin [max_len, head_dim // 2], computed in float64 then rounded, as ``model/layers.py`` does."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    angles = np.outer(np.arange(max_len, dtype=np.float64), inv_freq)
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+def rope_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin [max_len, head_dim // 2] in float32: ``model/layers.rope_tables``'s, so both executors take their
+    angles, RoPE scaling included, from one place."""
+    cos, sin = layers.rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg)
+    return cos.numpy(), sin.numpy()
 
 
 def _rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -105,7 +106,7 @@ def forward(params: Params, tokens: jax.Array, cfg: ModelConfig, sh: Shardings |
 
     b, t = tokens.shape
     hd = cfg.head_dim
-    cos, sin = (jnp.asarray(a[:t]) for a in rope_tables(hd, cfg.max_seq_len, cfg.rope_theta))
+    cos, sin = (jnp.asarray(a[:t]) for a in rope_tables(cfg))
     h = constrain(jnp.take(params["tok_embeddings.weight"], tokens, axis=0), ACTIVATION_AXES)
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))
     for i in range(cfg.n_layers):

@@ -105,24 +105,38 @@ def _positive_int(file: Path, data: dict[str, Any], key: str, default: int | Non
     return value
 
 
-def _rope_theta(file: Path, data: dict[str, Any]) -> float:
-    """rope_theta from either layout: transformers 4 (``rope_theta``, ``rope_scaling``) or 5 (``rope_parameters``).
-    Only the plain rotation is implemented (layers.rope_tables): any scaling (linear, dynamic, llama3, yarn...)
-    would change the angles, so it is refused rather than ignored."""
-    theta = data.get("rope_theta", 10000.0)
+# HF's llama3 rope parameters -> ours (model.rope_*); each must be a positive number.
+LLAMA3_ROPE = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
+               "high_freq_factor": "rope_high_freq_factor", "original_max_position_embeddings": "rope_original_max_len"}
+
+
+def _rope(file: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """Our ``rope_*`` fields from either layout: transformers 4 (``rope_theta``, ``rope_scaling``) or 5
+    (``rope_parameters``). The plain rotation and Llama 3.1's ``llama3`` scaling are implemented
+    (``layers.rope_frequencies``); any other scaling (linear, dynamic, yarn...) would change the angles, so it is
+    refused rather than ignored."""
+    theta, out = data.get("rope_theta", 10000.0), {}
     for key in ("rope_scaling", "rope_parameters"):
         params = data.get(key)
         if params is None:
             continue
         if not isinstance(params, dict):
-            raise _config_error(file, key, params, "null or a mapping with rope_type default")
+            raise _config_error(file, key, params, "null or a mapping with rope_type default or llama3")
         kind = params.get("rope_type", params.get("type", "default"))
-        if kind != "default":
-            raise _config_error(file, f"{key}.rope_type", kind, "only rope_type default (no RoPE scaling)")
+        if kind not in ("default", "llama3"):
+            raise _config_error(file, f"{key}.rope_type", kind,
+                                "rope_type default (no RoPE scaling) or llama3 (Llama 3.1+)")
         theta = params.get("rope_theta", theta)
+        if kind == "llama3":
+            out["rope_scaling"] = "llama3"
+            for hf_name, ours in LLAMA3_ROPE.items():
+                value = params.get(hf_name)
+                if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+                    raise _config_error(file, f"{key}.{hf_name}", value, "a positive number (rope_type llama3)")
+                out[ours] = int(value) if ours == "rope_original_max_len" else float(value)
     if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:
         raise _config_error(file, "rope_theta", theta, "a positive number")
-    return float(theta)
+    return {"rope_theta": float(theta), **out}
 
 
 def hf_model_config(folder: str | Path) -> ModelConfig:
@@ -175,7 +189,7 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
         n_kv_heads=kv_heads,
         ffn_hidden=_positive_int(file, c, "intermediate_size"),
         norm_eps=float(eps),
-        rope_theta=_rope_theta(file, c),
+        **_rope(file, c),
         max_seq_len=_positive_int(file, c, "max_position_embeddings", 2048),
         tie_embeddings=tie,
         init_std=float(init_std) if isinstance(init_std, int | float) and init_std > 0 else 0.02,
@@ -315,6 +329,7 @@ class HFSource:
 def hf_config_dict(cfg: ModelConfig, eos_token_id: int | None = None) -> dict[str, Any]:
     """The config.json of a LlamaForCausalLM equal to our model ``cfg``, readable by transformers 4 (rope_theta)
     and 5 (rope_parameters)."""
+    scaling = {} if cfg.rope_scaling == "none" else {hf: getattr(cfg, ours) for hf, ours in LLAMA3_ROPE.items()}
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -330,8 +345,9 @@ def hf_config_dict(cfg: ModelConfig, eos_token_id: int | None = None) -> dict[st
         "initializer_range": cfg.init_std,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_scaling": None if cfg.rope_scaling == "none" else {"rope_type": cfg.rope_scaling, **scaling},
+        "rope_parameters": {"rope_type": "default" if cfg.rope_scaling == "none" else cfg.rope_scaling,
+                            "rope_theta": cfg.rope_theta, **scaling},
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,

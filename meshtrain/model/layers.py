@@ -11,6 +11,8 @@ same program."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -74,10 +76,25 @@ class RMSNorm(nn.Module):
         return _RMSNormFn.apply(x, self.weight, self.eps)
 
 
-def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles, shape [max_len, head_dim // 2], in fp32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
+def rope_frequencies(head_dim: int, theta: float, cfg: ModelConfig | None = None) -> torch.Tensor:
+    """RoPE's angular frequency of each pair, [head_dim // 2] in float64: theta^(-2i/head_dim), then, when
+    ``cfg.rope_scaling`` is llama3 (Llama 3.1+, Meta's ``apply_scaling``, HF's ``rope_type: llama3``), frequencies
+    of wavelength beyond ``original / low_freq_factor`` divided by ``rope_factor``, those under ``original /
+    high_freq_factor`` kept, and those between blended linearly in ``original / wavelength``."""
+    freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if cfg is None or cfg.rope_scaling == "none":
+        return freq
+    original, low, high = cfg.rope_original_max_len, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    wavelength = 2 * math.pi / freq
+    smooth = ((original / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0: long waves, 1: short ones
+    return (1 - smooth) * freq / cfg.rope_factor + smooth * freq
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float,
+                cfg: ModelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, shape [max_len, head_dim // 2], in fp32 (``cfg``: its RoPE scaling,
+    ``rope_frequencies``)."""
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), rope_frequencies(head_dim, theta, cfg))
     return angles.cos().float(), angles.sin().float()
 
 

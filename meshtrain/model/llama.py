@@ -110,7 +110,7 @@ class Llama(nn.Module):
         # Sequence parallelism shards the hidden states' sequence between the blocks; RoPE is applied
         # after the gather, so the tables must cover the whole sequence.
         self.seq_shards = 1
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -247,6 +247,6 @@ def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu",
         for key, b in module._buffers.items():
             if b is not None and b.is_meta:
                 module._buffers[key] = torch.zeros(b.shape, dtype=b.dtype, device=device)
-    cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+    cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     return model
