@@ -70,6 +70,7 @@ class ModelConfig:
     # Mixture of experts (every block's MLP becomes an MoE layer when moe_experts > 0).
     moe_experts: int = 0  # routed experts per layer; 0: dense SwiGLU MLP
     moe_top_k: int = 2  # experts per token (softmax router, top-k)
+    moe_renormalize: bool = False  # True: each token's top-k gate weights divided by their sum (Mixtral)
     moe_shared_experts: int = 0  # always-on experts added to the routed output (DeepSeek-style)
     moe_hidden: int = 0  # hidden size of each expert's SwiGLU; 0: the dense rule (hidden_dim)
     moe_capacity_factor: float = 0.0  # 0: dropless; > 0: each expert takes at most cf * tokens * k / E

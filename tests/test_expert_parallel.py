@@ -45,6 +45,7 @@ LAYOUTS_2 = [
     ("ep1 dp2 zero3", ["parallel.zero=3", *AUX]),
     ("ep1 tp2 sp", ["parallel.tp=2", "parallel.sp=true", *AUX]),
     ("ep2 no clipping", ["parallel.ep=2", "train.grad_clip=0", *AUX]),
+    ("ep2 renormalised gates", ["parallel.ep=2", "model.moe_renormalize=true", *AUX]),  # Mixtral's router
 ]
 # A capacity is per local token group, so it depends on the layout: ep=2 must drop exactly what plain
 # data parallelism over the same two token groups drops.
@@ -121,6 +122,8 @@ def test_reference_runs_route_and_balance(reference):
     assert bias["aux"] == [0.0] * STEPS
     assert bias["loads"][0] == aux["loads"][0]  # the bias starts at zero ...
     assert bias["loads"][1:] != aux["loads"][1:]  # ... then changes which experts are chosen
+    renormalised = reference(["model.moe_renormalize=true", *AUX])  # Mixtral's gates: another model from step 1
+    assert renormalised["loads"][0] == aux["loads"][0] and abs(renormalised["losses"][0] - aux["losses"][0]) > 1e-4
 
 
 def test_expert_parallel_on_2_ranks_equals_one_device(data, reference):

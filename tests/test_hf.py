@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from meshtrain.config import Config, ModelConfig, update_from_dict
 from meshtrain.model.hf import HFSource, export_hf, halves_to_interleaved, hf_model_config, interleaved_to_halves
@@ -142,6 +142,61 @@ def test_llama3_rope_scaling_imports_and_exports_with_transformers_logits(tmp_pa
     assert c["rope_scaling"]["rope_type"] == "llama3" and hf_model_config(out) == src.cfg
 
 
+def hf_mixtral(folder: Path, seed: int = 0) -> MixtralForCausalLM:
+    """A tiny random MixtralForCausalLM (4 experts, 2 per token) saved to ``folder``, in the hub's per-expert
+    layout (transformers 5 fuses the experts in memory and writes them back apart)."""
+    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=SEQ, rope_theta=5000.0, rms_norm_eps=1e-5, router_aux_loss_coef=0.02)
+    model = MixtralForCausalLM(cfg).eval()
+    _randomise(model, seed)
+    model.save_pretrained(folder)
+    return model
+
+
+def test_mixtral_imports_and_exports_with_transformers_logits(tmp_path):
+    """A Mixtral folder imports as our MoE with renormalised gates (``model.moe_renormalize``): our logits are
+    transformers' within LOGIT_ATOL, and with Switch's gates (the same weights, not renormalised) they are not.
+    Exported again it is a MixtralForCausalLM that transformers loads with the same logits and the same
+    config (the load-balancing coefficient back in Mixtral's scale)."""
+    import dataclasses
+
+    hf = hf_mixtral(tmp_path / "in")
+    src = HFSource(tmp_path / "in")
+    c = src.cfg
+    assert (c.moe_experts, c.moe_top_k, c.moe_renormalize, c.expert_hidden, c.moe_shared_experts,
+            c.moe_capacity_factor) == (4, 2, True, 48, 0, 0.0)
+    assert c.moe_aux_loss_coef == pytest.approx(0.04)  # 0.02 over the k = 2 choices: ours sums to 1, theirs to k
+    assert "layers.1.feed_forward.experts.3.w2.weight" in src.tensors
+    model = Llama(c).eval()
+    load_full(model, src)
+    assert logit_diff(model, hf, tokens()) <= LOGIT_ATOL
+    switch = Llama(dataclasses.replace(c, moe_renormalize=False)).eval()
+    load_full(switch, src)
+    assert logit_diff(switch, hf, tokens()) > 1e-2
+
+    out = export_hf(state_source(model), c, tmp_path / "out")
+    again = MixtralForCausalLM.from_pretrained(out).eval()
+    assert (again.config.num_local_experts, again.config.num_experts_per_tok) == (4, 2)
+    assert again.config.router_aux_loss_coef == pytest.approx(0.02)
+    assert logit_diff(model, again, tokens()) <= LOGIT_ATOL
+    assert hf_model_config(out) == c
+
+
+@pytest.mark.parametrize("option, says", [
+    ({"moe_renormalize": False}, "model.moe_renormalize=false: this mixture of experts has no HuggingFace form"),
+    ({"moe_shared_experts": 1}, "model.moe_shared_experts=1: this mixture of experts has no HuggingFace form"),
+    ({"moe_bias_update_rate": 0.01}, "Mixtral selects experts by probability alone"),
+])
+def test_an_moe_mixtral_cannot_compute_is_refused_before_any_file_is_written(tmp_path, option, says):
+    fields = {"moe_renormalize": True, **option}
+    cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=SEQ,
+                      moe_experts=4, **fields)
+    with pytest.raises(ValueError, match=says):
+        export_hf(state_source(our_model(cfg)), cfg, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
 def test_without_the_rope_permutation_the_logits_differ(tmp_path):
     """The test above can fail: HF's q/k rows loaded as they are (no permutation) give other logits."""
     hf = hf_llama(tmp_path)
@@ -249,15 +304,12 @@ def test_round_trip_hf_ours_hf_is_exact(tmp_path, shard):
             assert torch.equal(again[key], t), (name, key)
 
 
-def test_export_refuses_a_padded_vocabulary_and_moe(tmp_path):
+def test_export_refuses_a_padded_vocabulary(tmp_path):
     cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=4, max_seq_len=SEQ)
     tensors = dict(state_source(our_model(cfg)).tensors)
     tensors["tok_embeddings.weight"] = torch.cat([tensors["tok_embeddings.weight"], torch.zeros(1, 32)])
     with pytest.raises(ValueError, match=r"tok_embeddings.weight has shape \(68, 32\).*padded for tensor"):
         export_hf(DictSource(tensors), cfg, tmp_path / "pad")
-    moe = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=4, moe_experts=4)
-    with pytest.raises(ValueError, match="moe_experts=4.*dense Llama models only"):
-        export_hf(state_source(our_model(moe)), moe, tmp_path / "moe")
     assert not any(tmp_path.iterdir())
 
 
@@ -297,18 +349,24 @@ def _drop_tensor(folder: Path) -> None:
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
-def _mixtral(folder: Path) -> None:
+def _mixtral(folder: Path, **fields) -> None:
+    """A Mixtral config.json over the folder's Llama weights (the config is read, and refused, first)."""
+    fields = {"num_local_experts": 4, "num_experts_per_tok": 2, **fields}
     cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                        architectures=["MixtralForCausalLM"])
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                        architectures=["MixtralForCausalLM"], **fields)
     cfg.save_pretrained(folder)
 
 
 BAD = {  # name: (shard, how to break the folder, error type, what the one line must say)
     "architecture": (None, lambda f: _edit_config(f, architectures=["MistralForCausalLM"], model_type="mistral"),
                      ValueError, ["config.json: architectures is ['MistralForCausalLM']", "LlamaForCausalLM"]),
-    "mixtral": (None, _mixtral, ValueError,
-                ["config.json: architectures is ['MixtralForCausalLM']", "renormalises", "LlamaForCausalLM"]),
+    "mixtral-window": (None, lambda f: _mixtral(f, sliding_window=16), ValueError,
+                       ["config.json: sliding_window is 16", "at least max_position_embeddings=64"]),
+    "mixtral-top-k": (None, lambda f: _mixtral(f, num_experts_per_tok=5), ValueError,
+                      ["config.json: num_experts_per_tok is 5", "at most num_local_experts=4"]),
+    "mixtral-as-llama": (None, lambda f: _edit_config(f, architectures=["MixtralForCausalLM"]), ValueError,
+                         ["config.json: model_type is 'llama'", "MixtralForCausalLM (model_type mixtral)"]),
     "rope-scaling": (None, lambda f: _edit_config(f, rope_parameters={"rope_type": "yarn", "rope_theta": 5e5,
                                                                       "factor": 8.0}),
                      ValueError, ["config.json: rope_parameters.rope_type is 'yarn'", "rope_type default",

@@ -28,8 +28,10 @@ head: our row 2j+p is HF's row p*head_dim/2 + j (``interleaved_to_halves``, the 
 convert_llama_weights_to_hf applies; ``halves_to_interleaved`` inverts it). Dot products q.k are sums over the
 same pairs either way, so the scores, and the logits, are the same. wv, wo and everything else are unchanged.
 
-Mixtral is not supported: Mixtral renormalises the top-k gate weights of each token to sum to one, our router
-(``moe.py``) uses the softmax probabilities as they are, so the same weights give different logits.
+Mixtral: an MoE model (``model.moe_experts``) maps onto MixtralForCausalLM when its router renormalises each
+token's top-k gates as Mixtral's does (``model.moe_renormalize``; our default, Switch's, does not) and it has no
+shared experts or selection bias (``check_mixtral``): ``block_sparse_moe.gate`` is our ``feed_forward.router``
+and ``block_sparse_moe.experts.{e}.w1/w3/w2`` our ``feed_forward.experts.{e}.w1/w3/w2``.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ from meshtrain.model.source import Box, TensorSource, full_box, write_safetensor
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-SUPPORTED = "LlamaForCausalLM (model_type llama)"
+SUPPORTED = "LlamaForCausalLM (model_type llama) or MixtralForCausalLM (model_type mixtral)"
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral"}  # architecture -> model_type
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
 
 
@@ -139,6 +142,28 @@ def _rope(file: Path, data: dict[str, Any]) -> dict[str, Any]:
     return {"rope_theta": float(theta), **out}
 
 
+def _mixtral(file: Path, c: dict[str, Any], max_len: int) -> dict[str, Any]:
+    """Our ``moe_*`` fields for a Mixtral config.json: ``num_local_experts`` experts of hidden
+    ``intermediate_size``, ``num_experts_per_tok`` of them per token, gates renormalised over those (Mixtral's
+    router), dropless. Mixtral's load-balancing loss sums each expert's share of the k choices (adding up to k)
+    where ours takes the share of one (adding up to one), so ``router_aux_loss_coef`` becomes ``moe_aux_loss_coef``
+    times k. ``router_jitter_noise`` only perturbs training inputs and is not applied. A sliding window shorter
+    than the context would change attention, so it is refused."""
+    experts = _positive_int(file, c, "num_local_experts")
+    top_k = _positive_int(file, c, "num_experts_per_tok")
+    if top_k > experts:
+        raise _config_error(file, "num_experts_per_tok", top_k, f"at most num_local_experts={experts}")
+    window = c.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < max_len):
+        raise _config_error(file, "sliding_window", window,
+                            f"null or at least max_position_embeddings={max_len} (full causal attention only)")
+    coef = c.get("router_aux_loss_coef", 0.001)  # MixtralConfig's default
+    if isinstance(coef, bool) or not isinstance(coef, int | float) or not 0 <= coef < math.inf:
+        raise _config_error(file, "router_aux_loss_coef", coef, "a number >= 0")
+    return {"moe_experts": experts, "moe_top_k": top_k, "moe_renormalize": True,
+            "moe_aux_loss_coef": float(coef) * top_k}
+
+
 def hf_model_config(folder: str | Path) -> ModelConfig:
     """Our ``ModelConfig`` for the HF folder's config.json (a LlamaForCausalLM).
 
@@ -148,14 +173,11 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
     """
     file, c = _read_config(Path(folder))
     arch = c.get("architectures")
-    if arch is not None and arch != ["LlamaForCausalLM"]:
-        if isinstance(arch, list) and "MixtralForCausalLM" in arch:
-            raise ValueError(f"{file}: architectures is {arch!r}; meshtrain supports {SUPPORTED} only: Mixtral "
-                             f"renormalises each token's top-k gate weights, meshtrain's router does not, so the "
-                             f"logits would differ (docs/huggingface.md).")
+    if arch is not None and (not isinstance(arch, list) or len(arch) != 1 or arch[0] not in ARCHITECTURES):
         raise _config_error(file, "architectures", arch, SUPPORTED)
-    if c.get("model_type") != "llama":
-        raise _config_error(file, "model_type", c.get("model_type"), SUPPORTED)
+    model_type = c.get("model_type")
+    if model_type not in ARCHITECTURES.values() or (arch is not None and ARCHITECTURES[arch[0]] != model_type):
+        raise _config_error(file, "model_type", model_type, SUPPORTED)
     for key in ("attention_bias", "mlp_bias"):
         if c.get(key, False):
             raise _config_error(file, key, c[key], "false only (meshtrain's Llama has no biases)")
@@ -181,7 +203,9 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
     if not isinstance(tie, bool):
         raise _config_error(file, "tie_word_embeddings", tie, "true or false")
     init_std = c.get("initializer_range", 0.02)
+    max_len = _positive_int(file, c, "max_position_embeddings", 2048)
     return ModelConfig(
+        **(_mixtral(file, c, max_len) if model_type == "mixtral" else {}),
         vocab_size=_positive_int(file, c, "vocab_size"),
         d_model=d_model,
         n_layers=_positive_int(file, c, "num_hidden_layers"),
@@ -190,7 +214,7 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
         ffn_hidden=_positive_int(file, c, "intermediate_size"),
         norm_eps=float(eps),
         **_rope(file, c),
-        max_seq_len=_positive_int(file, c, "max_position_embeddings", 2048),
+        max_seq_len=max_len,
         tie_embeddings=tie,
         init_std=float(init_std) if isinstance(init_std, int | float) and init_std > 0 else 0.02,
     )
@@ -208,12 +232,26 @@ class HFTensor:
     rope_heads: int | None  # wq/wk: heads whose rows are permuted between the RoPE layouts; else None
 
 
+def check_mixtral(cfg: ModelConfig) -> None:
+    """Raise, naming the option, when an MoE model is not one Mixtral computes: gates not renormalised (Switch's,
+    our default), shared experts, or the aux-loss-free selection bias (Mixtral selects by probability alone)."""
+    if not cfg.moe_experts:
+        return
+    for bad, option, why in (
+            (not cfg.moe_renormalize, "model.moe_renormalize=false",
+             "Mixtral divides each token's top-k gates by their sum; set model.moe_renormalize=true to train one"),
+            (cfg.moe_shared_experts > 0, f"model.moe_shared_experts={cfg.moe_shared_experts}",
+             "Mixtral has no shared experts"),
+            (cfg.moe_bias_update_rate > 0, f"model.moe_bias_update_rate={cfg.moe_bias_update_rate}",
+             "Mixtral selects experts by probability alone, so the aux-loss-free bias would be lost")):
+        if bad:
+            raise ValueError(f"{option}: this mixture of experts has no HuggingFace form ({why}).")
+
+
 def hf_names(cfg: ModelConfig) -> dict[str, HFTensor]:
     """Our parameter names -> their HF tensors, in HF's order. Tied: ``output.weight`` is the embedding."""
     d, hd, hidden = cfg.d_model, cfg.head_dim, cfg.hidden_dim
-    if cfg.moe_experts:
-        raise ValueError(f"model.moe_experts={cfg.moe_experts}: HuggingFace import and export support dense "
-                         f"Llama models only (Mixtral's router renormalises its top-k gates, ours does not).")
+    check_mixtral(cfg)
     out = {"tok_embeddings.weight": HFTensor("model.embed_tokens.weight", (cfg.vocab_size, d), None)}
     for i in range(cfg.n_layers):
         a, m, ours = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp", f"layers.{i}"
@@ -224,6 +262,16 @@ def hf_names(cfg: ModelConfig) -> dict[str, HFTensor]:
             f"{ours}.attention.wv.weight": HFTensor(f"{a}.v_proj.weight", (cfg.kv_heads * hd, d), None),
             f"{ours}.attention.wo.weight": HFTensor(f"{a}.o_proj.weight", (d, cfg.n_heads * hd), None),
             f"{ours}.ffn_norm.weight": HFTensor(f"model.layers.{i}.post_attention_layernorm.weight", (d,), None),
+        })
+        if cfg.moe_experts:  # Mixtral's names (its experts' w1/w3/w2 are ours: gate, up, down)
+            moe, eh = f"model.layers.{i}.block_sparse_moe", cfg.expert_hidden
+            out[f"{ours}.feed_forward.router.weight"] = HFTensor(f"{moe}.gate.weight", (cfg.moe_experts, d), None)
+            for e in range(cfg.moe_experts):
+                for w, shape in (("w1", (eh, d)), ("w3", (eh, d)), ("w2", (d, eh))):
+                    out[f"{ours}.feed_forward.experts.{e}.{w}.weight"] = \
+                        HFTensor(f"{moe}.experts.{e}.{w}.weight", shape, None)
+            continue
+        out.update({
             f"{ours}.feed_forward.w1.weight": HFTensor(f"{m}.gate_proj.weight", (hidden, d), None),
             f"{ours}.feed_forward.w3.weight": HFTensor(f"{m}.up_proj.weight", (hidden, d), None),
             f"{ours}.feed_forward.w2.weight": HFTensor(f"{m}.down_proj.weight", (d, hidden), None),
@@ -238,7 +286,7 @@ def hf_names(cfg: ModelConfig) -> dict[str, HFTensor]:
 
 
 class HFSource:
-    """An HF Llama folder as a ``TensorSource`` of our logical tensors, read lazily a box at a time.
+    """An HF Llama or Mixtral folder as a ``TensorSource`` of our logical tensors, read lazily a box at a time.
 
     Construction reads config.json and the safetensors headers only, and checks up front (so a bad folder fails
     before any process starts) that every shard the index names exists and that every tensor config.json implies
@@ -327,15 +375,20 @@ class HFSource:
 
 
 def hf_config_dict(cfg: ModelConfig, eos_token_id: int | None = None) -> dict[str, Any]:
-    """The config.json of a LlamaForCausalLM equal to our model ``cfg``, readable by transformers 4 (rope_theta)
-    and 5 (rope_parameters)."""
+    """The config.json of a LlamaForCausalLM (a MixtralForCausalLM for an MoE model) equal to our model ``cfg``,
+    readable by transformers 4 (rope_theta) and 5 (rope_parameters)."""
     scaling = {} if cfg.rope_scaling == "none" else {hf: getattr(cfg, ours) for hf, ours in LLAMA3_ROPE.items()}
+    check_mixtral(cfg)
+    moe = {"num_local_experts": cfg.moe_experts, "num_experts_per_tok": cfg.moe_top_k, "sliding_window": None,
+           "router_aux_loss_coef": cfg.moe_aux_loss_coef / cfg.moe_top_k, "router_jitter_noise": 0.0,
+           "output_router_logits": False} if cfg.moe_experts else {}
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": ["MixtralForCausalLM" if cfg.moe_experts else "LlamaForCausalLM"],
+        "model_type": "mixtral" if cfg.moe_experts else "llama",
+        **moe,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.hidden_dim,
+        "intermediate_size": cfg.expert_hidden if cfg.moe_experts else cfg.hidden_dim,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.kv_heads,
@@ -384,7 +437,8 @@ def _plan_shards(names: list[tuple[str, tuple[int, ...]]], max_bytes: int) -> li
 def export_hf(source: TensorSource, cfg: ModelConfig, out_dir: str | Path,
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, files: Iterable[str | Path] = (),
               eos_token_id: int | None = None) -> Path:
-    """Write our model (``cfg``, tensors from ``source`` by our names) as an HF LlamaForCausalLM folder.
+    """Write our model (``cfg``, tensors from ``source`` by our names) as an HF LlamaForCausalLM folder (a
+    MixtralForCausalLM one for an MoE model).
 
     config.json, ``model.safetensors`` (or shards of at most ``max_shard_bytes`` plus
     ``model.safetensors.index.json``) in fp32, and ``files`` copied in (a tokenizer.json). One tensor is in memory

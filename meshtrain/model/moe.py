@@ -4,7 +4,8 @@
 
 - **Router**: a bias-free Linear d_model -> E, softmax in fp32. Each token picks the ``top_k`` experts
   with the largest scores; its gate weights are those experts' softmax probabilities, *not*
-  renormalised over the top k (Switch / GShard style: the gates still say how sure the router is).
+  renormalised over the top k (Switch / GShard style: the gates still say how sure the router is), or with
+  ``moe_renormalize`` divided by their sum, so each token's gates add up to one (Mixtral's router).
 - **Experts**: SwiGLU MLPs of hidden size ``expert_hidden`` in an ``nn.ModuleDict`` keyed by the
   global expert index, so parameter names are logical (``layers.0.feed_forward.experts.3.w1.weight``)
   and the per-name deterministic init gives every layout the same weights. Expert parallelism deletes
@@ -89,7 +90,7 @@ class MoEFeedForward(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.n_experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
+        self.n_experts, self.top_k, self.renormalize = cfg.moe_experts, cfg.moe_top_k, cfg.moe_renormalize
         self.capacity_factor = cfg.moe_capacity_factor
         self.aux_loss_coef = cfg.moe_aux_loss_coef
         self.bias_update_rate = cfg.moe_bias_update_rate
@@ -112,7 +113,8 @@ class MoEFeedForward(nn.Module):
         with torch.no_grad():
             scores = probs + self.expert_bias if self.bias_update_rate > 0 else probs
             choice = scores.topk(self.top_k, dim=-1).indices
-        return probs, choice, probs.gather(1, choice)
+        gates = probs.gather(1, choice)
+        return probs, choice, gates / gates.sum(-1, keepdim=True) if self.renormalize else gates
 
     def within_capacity(self, expert: torch.Tensor, n_tokens: int) -> torch.Tensor | None:
         """Which assignments (flattened [N x k], token order) fit their expert's capacity; None if dropless."""
