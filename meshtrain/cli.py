@@ -26,7 +26,7 @@ from pathlib import Path
 
 from meshtrain import launch
 from meshtrain.comm import CommError
-from meshtrain.config import ArgumentParser, Config, ConfigError, load_config
+from meshtrain.config import ArgumentParser, Config, ConfigError, load_config, validate
 from meshtrain.model.source import TensorSource
 from meshtrain.train.checkpoint import CheckpointError
 from meshtrain.train.trainer import NonFiniteError
@@ -72,7 +72,12 @@ def _train(argv: list[str]) -> int:
     nodes = launch.nodes_from_args(args)
     if args.dry_run and args.nproc is None:
         raise ConfigError("--dry-run prints the torchrun line of a launch: use it with --nproc N.")
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, check=False)
+    if cfg.train.init_from:  # its config.json is the model: the layout is checked against it, not the preset's
+        from meshtrain.train.trainer import resolve_init_from
+
+        resolve_init_from(cfg)
+    validate(cfg)
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
         from meshtrain.train.trainer import check_before_launch
 

@@ -183,6 +183,21 @@ def test_mixtral_imports_and_exports_with_transformers_logits(tmp_path):
     assert hf_model_config(out) == c
 
 
+def test_the_layout_is_checked_against_the_init_from_model_not_the_presets(tmp_path):
+    """``train.init_from``'s config.json replaces the model section, so ``parallel.ep=2`` is checked against the
+    Mixtral's 4 experts (the tiny preset has none, which was refused before any process started); a layout that
+    model cannot take is still refused there, in one line."""
+    hf_mixtral(tmp_path / "hf")
+    args = ["train", "--config", "tiny", f"train.init_from={tmp_path / 'hf'}", "data.source=synthetic",
+            "--nproc", "2", "--dry-run", "--out", str(tmp_path / "run")]
+    ok = _meshtrain(*args, "parallel.ep=2")
+    assert ok.returncode == 0 and "torch.distributed.run" in ok.stdout and "parallel.ep=2" in ok.stdout, ok.stderr
+    bad = _meshtrain(*args, "parallel.ep=3")
+    lines = bad.stderr.strip().splitlines()
+    assert bad.returncode == 2 and len(lines) == 1 and "parallel.ep=3 must divide model.moe_experts=4" in lines[0], \
+        bad.stderr
+
+
 @pytest.mark.parametrize("option, says", [
     ({"moe_renormalize": False}, "model.moe_renormalize=false: this mixture of experts has no HuggingFace form"),
     ({"moe_shared_experts": 1}, "model.moe_shared_experts=1: this mixture of experts has no HuggingFace form"),
@@ -474,7 +489,8 @@ def _fine_tune(rank: int, world_size: int, out: str, overrides: list[str]) -> li
 
     cfg = load_config("tiny", ["data.source=synthetic", "train.steps=3", "train.seq_len=32", "train.global_batch=8",
                                "train.warmup_steps=1", "train.sample_tokens=0", "train.progress=false",
-                               "train.tensorboard=false", "train.peak_flops=1e11", *overrides])
+                               "train.tensorboard=false", "train.peak_flops=1e11", *overrides],
+                      check=False)  # the Trainer takes the HF model, then checks the layout against it
     return [r["loss"] for r in Trainer(cfg, out).train()]
 
 
@@ -513,4 +529,39 @@ def test_import_fine_tune_in_parallel_and_export(tmp_path):
     ours = Llama(update_from_dict(Config(), read_checkpoint_meta(ckpt)["config"]).model).eval()
     load_full(ours, CheckpointReader(ckpt))
     assert logit_diff(ours, tuned, x) <= LOGIT_ATOL
+    assert logit_diff(ours, hf, x) > 1e-3  # it did train
+
+
+@pytest.mark.slow
+def test_a_mixtral_fine_tunes_with_expert_parallelism_and_exports(tmp_path):
+    """A Mixtral folder -> ``train.init_from`` on one process: its first loss is transformers' on the same batch;
+    at ep=2 over dp=2 (each rank reading only its two experts) the same losses (1e-5 relative); ``meshtrain
+    convert`` of that run -> transformers loads a MixtralForCausalLM with the checkpoint's logits (1e-5)."""
+    from meshtrain.testing.spawn import spawn
+    from meshtrain.train.data import SyntheticDataset
+
+    folder = tmp_path / "hf"
+    cfg = MixtralConfig(vocab_size=257, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=64, rope_theta=5000.0, rms_norm_eps=1e-5)
+    hf = MixtralForCausalLM(cfg).eval()
+    _randomise(hf, 0)
+    hf.save_pretrained(folder)
+    init = [f"train.init_from={folder}"]
+
+    one = _fine_tune(0, 1, str(tmp_path / "one"), init)
+    x, y = SyntheticDataset(257, "train").batch(0, 0, 8, 32)
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
+    assert one[0] == pytest.approx(want, rel=1e-5)
+    for losses in spawn(_fine_tune, 2, args=(str(tmp_path / "ep2"), [*init, "parallel.ep=2"]), timeout=300):
+        assert losses == pytest.approx(one, rel=1e-5)
+
+    r = _meshtrain("convert", "--ckpt", str(tmp_path / "ep2"), "--out", str(tmp_path / "export"))
+    assert r.returncode == 0, r.stderr
+    tuned = MixtralForCausalLM.from_pretrained(tmp_path / "export").eval()
+    ckpt = latest_checkpoint(tmp_path / "ep2" / "checkpoints")
+    ours = Llama(update_from_dict(Config(), read_checkpoint_meta(ckpt)["config"]).model).eval()
+    load_full(ours, CheckpointReader(ckpt))
+    assert ours.cfg.moe_renormalize and logit_diff(ours, tuned, x) <= LOGIT_ATOL
     assert logit_diff(ours, hf, x) > 1e-3  # it did train
