@@ -17,7 +17,14 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+)
 
 from meshtrain.config import Config, ModelConfig, update_from_dict
 from meshtrain.model.hf import HFSource, export_hf, halves_to_interleaved, hf_model_config, interleaved_to_halves
@@ -140,6 +147,21 @@ def test_llama3_rope_scaling_imports_and_exports_with_transformers_logits(tmp_pa
     c.pop("rope_parameters")
     (out / "config.json").write_text(json.dumps(c))
     assert c["rope_scaling"]["rope_type"] == "llama3" and hf_model_config(out) == src.cfg
+
+
+def test_a_mistral_without_a_sliding_window_imports_as_a_llama(tmp_path):
+    """MistralForCausalLM (v0.2 and later: no sliding window) names its tensors as Llama does: imported, our
+    logits are transformers' within LOGIT_ATOL."""
+    cfg = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, rope_theta=5000.0,
+                        rms_norm_eps=1e-5, sliding_window=None)
+    hf = MistralForCausalLM(cfg).eval()
+    _randomise(hf, 0)
+    hf.save_pretrained(tmp_path)
+    src = HFSource(tmp_path)
+    model = Llama(src.cfg).eval()
+    load_full(model, src)
+    assert logit_diff(model, hf, tokens()) <= LOGIT_ATOL
 
 
 def hf_mixtral(folder: Path, seed: int = 0) -> MixtralForCausalLM:
@@ -374,8 +396,11 @@ def _mixtral(folder: Path, **fields) -> None:
 
 
 BAD = {  # name: (shard, how to break the folder, error type, what the one line must say)
-    "architecture": (None, lambda f: _edit_config(f, architectures=["MistralForCausalLM"], model_type="mistral"),
-                     ValueError, ["config.json: architectures is ['MistralForCausalLM']", "LlamaForCausalLM"]),
+    "architecture": (None, lambda f: _edit_config(f, architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
+                     ValueError, ["config.json: architectures is ['Qwen2ForCausalLM']", "LlamaForCausalLM"]),
+    "mistral-window": (None, lambda f: _edit_config(f, architectures=["MistralForCausalLM"], model_type="mistral",
+                                                    sliding_window=32),
+                       ValueError, ["config.json: sliding_window is 32", "at least max_position_embeddings=64"]),
     "mixtral-window": (None, lambda f: _mixtral(f, sliding_window=16), ValueError,
                        ["config.json: sliding_window is 16", "at least max_position_embeddings=64"]),
     "mixtral-top-k": (None, lambda f: _mixtral(f, num_experts_per_tok=5), ValueError,

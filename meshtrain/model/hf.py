@@ -55,8 +55,10 @@ from meshtrain.model.source import Box, TensorSource, full_box, write_safetensor
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-SUPPORTED = "LlamaForCausalLM (model_type llama) or MixtralForCausalLM (model_type mixtral)"
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral"}  # architecture -> model_type
+SUPPORTED = ("LlamaForCausalLM (model_type llama), MistralForCausalLM (model_type mistral, without a sliding "
+             "window) or MixtralForCausalLM (model_type mixtral)")
+# architecture -> model_type. A Mistral without a sliding window (v0.2 and later) is a Llama by other names.
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral"}
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
 
 
@@ -142,21 +144,25 @@ def _rope(file: Path, data: dict[str, Any]) -> dict[str, Any]:
     return {"rope_theta": float(theta), **out}
 
 
-def _mixtral(file: Path, c: dict[str, Any], max_len: int) -> dict[str, Any]:
-    """Our ``moe_*`` fields for a Mixtral config.json: ``num_local_experts`` experts of hidden
-    ``intermediate_size``, ``num_experts_per_tok`` of them per token, gates renormalised over those (Mixtral's
-    router), dropless. Mixtral's load-balancing loss sums each expert's share of the k choices (adding up to k)
-    where ours takes the share of one (adding up to one), so ``router_aux_loss_coef`` becomes ``moe_aux_loss_coef``
-    times k. ``router_jitter_noise`` only perturbs training inputs and is not applied. A sliding window shorter
-    than the context would change attention, so it is refused."""
-    experts = _positive_int(file, c, "num_local_experts")
-    top_k = _positive_int(file, c, "num_experts_per_tok")
-    if top_k > experts:
-        raise _config_error(file, "num_experts_per_tok", top_k, f"at most num_local_experts={experts}")
+def _full_attention(file: Path, c: dict[str, Any], max_len: int) -> None:
+    """Mistral and Mixtral configs may set a sliding window; one shorter than the context would change attention
+    (meshtrain's is full causal), so it is refused."""
     window = c.get("sliding_window")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < max_len):
         raise _config_error(file, "sliding_window", window,
                             f"null or at least max_position_embeddings={max_len} (full causal attention only)")
+
+
+def _mixtral(file: Path, c: dict[str, Any]) -> dict[str, Any]:
+    """Our ``moe_*`` fields for a Mixtral config.json: ``num_local_experts`` experts of hidden
+    ``intermediate_size``, ``num_experts_per_tok`` of them per token, gates renormalised over those (Mixtral's
+    router), dropless. Mixtral's load-balancing loss sums each expert's share of the k choices (adding up to k)
+    where ours takes the share of one (adding up to one), so ``router_aux_loss_coef`` becomes ``moe_aux_loss_coef``
+    times k. ``router_jitter_noise`` only perturbs training inputs and is not applied."""
+    experts = _positive_int(file, c, "num_local_experts")
+    top_k = _positive_int(file, c, "num_experts_per_tok")
+    if top_k > experts:
+        raise _config_error(file, "num_experts_per_tok", top_k, f"at most num_local_experts={experts}")
     coef = c.get("router_aux_loss_coef", 0.001)  # MixtralConfig's default
     if isinstance(coef, bool) or not isinstance(coef, int | float) or not 0 <= coef < math.inf:
         raise _config_error(file, "router_aux_loss_coef", coef, "a number >= 0")
@@ -204,8 +210,10 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
         raise _config_error(file, "tie_word_embeddings", tie, "true or false")
     init_std = c.get("initializer_range", 0.02)
     max_len = _positive_int(file, c, "max_position_embeddings", 2048)
+    if model_type != "llama":
+        _full_attention(file, c, max_len)
     return ModelConfig(
-        **(_mixtral(file, c, max_len) if model_type == "mixtral" else {}),
+        **(_mixtral(file, c) if model_type == "mixtral" else {}),
         vocab_size=_positive_int(file, c, "vocab_size"),
         d_model=d_model,
         n_layers=_positive_int(file, c, "num_hidden_layers"),
