@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from meshtrain import launch
 from meshtrain.comm import CommError
@@ -227,11 +228,39 @@ def _find_checkpoint(arg: str) -> tuple[Path, dict, Config]:
     return path, meta, update_from_dict(Config(), meta["config"], str(path / "meta.json"))
 
 
+def _generation_source(arg: str) -> tuple[Path, TensorSource | None, Config, Any]:
+    """What ``generate --ckpt`` names: a meshtrain checkpoint (its folder, config and tokenizer; None: read with
+    ``CheckpointReader``), or a HuggingFace model folder (``config.json`` and safetensors, with its
+    ``tokenizer.json``), read through ``HFSource`` a rank's pieces at a time."""
+    from meshtrain.config import TrainConfig
+    from meshtrain.train.tokenizer import load_tokenizer
+
+    path = Path(arg)
+    if (path / "config.json").is_file() and not (path / "meta.json").exists():
+        from meshtrain.model.hf import HFSource
+
+        source = HFSource(path)
+        if not (path / "tokenizer.json").is_file():
+            raise ConfigError(f"--ckpt {path} is a HuggingFace model folder without a tokenizer.json to encode the "
+                              f"prompts with: copy the model's tokenizer.json into it.")
+        tok = load_tokenizer(str(path / "tokenizer.json"))
+        if tok.vocab_size > source.cfg.vocab_size:
+            raise ConfigError(f"{path / 'tokenizer.json'} has {tok.vocab_size} tokens but the model's vocabulary is "
+                              f"{source.cfg.vocab_size}: the tokenizer is not this model's.")
+        m = source.cfg
+        return path, source, Config(model=m, train=TrainConfig(seq_len=min(TrainConfig.seq_len, m.max_seq_len))), tok
+    path, meta, saved = _find_checkpoint(arg)
+    if not meta.get("tokenizer"):
+        raise CheckpointError(f"{path} was trained on synthetic data: there is no tokenizer to decode with.")
+    return path, None, saved, load_tokenizer("hf" if meta["tokenizer"] == "hf" else meta["tokenizer"], path)
+
+
 def _generate(argv: list[str]) -> int:
     ap = ArgumentParser(prog="meshtrain generate", description="Generate text from a checkpoint "
                                  "(KV cache, batched prompts, tensor parallel with --nproc N parallel.tp=N; "
                                  "docs/generation.md).")
-    ap.add_argument("--ckpt", required=True, help="a checkpoint folder (step_NNNNNN) or a run folder (--out)")
+    ap.add_argument("--ckpt", required=True, help="a checkpoint folder (step_NNNNNN), a run folder (--out), or a "
+                                                  "HuggingFace model folder with its tokenizer.json")
     ap.add_argument("--prompt", action="append", help="a prompt; repeat for a batch (default: 'def ')")
     ap.add_argument("--tokens", type=int, default=200, help="new tokens per prompt")
     ap.add_argument("--temperature", type=float, default=0.8)
@@ -244,7 +273,6 @@ def _generate(argv: list[str]) -> int:
     args = ap.parse_intermixed_args(argv)
 
     from meshtrain.train.inference import check_generation, generation_config, load_for_generation, run_generation
-    from meshtrain.train.tokenizer import load_tokenizer
 
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: launch at least 1 process (--nproc N, N >= 1).")
@@ -253,10 +281,7 @@ def _generate(argv: list[str]) -> int:
                           f"{args.temperature}.")
     if args.top_k < 0:
         raise ConfigError(f"--top-k must be >= 0 (0: sample from every token), got {args.top_k}.")
-    path, meta, saved = _find_checkpoint(args.ckpt)
-    if not meta.get("tokenizer"):
-        raise CheckpointError(f"{path} was trained on synthetic data: there is no tokenizer to decode with.")
-    tok = load_tokenizer("hf" if meta["tokenizer"] == "hf" else meta["tokenizer"], path)
+    path, source, saved, tok = _generation_source(args.ckpt)
     cfg = generation_config(saved, args.overrides)
     prompts = args.prompt or ["def "]
     ids = [tok.encode(p) for p in prompts]
@@ -266,7 +291,7 @@ def _generate(argv: list[str]) -> int:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
                "-m", "meshtrain.cli", "generate", *_without_option(argv, "--nproc")]
         return _run_torchrun(cmd, None)
-    gm = load_for_generation(cfg, path)
+    gm = load_for_generation(cfg, path, source)
     run = run_generation(gm, ids, args.tokens, 0.0 if args.greedy else args.temperature, args.top_k, args.seed,
                          tok.eos_id)
     from meshtrain import comm
