@@ -284,7 +284,9 @@ def _generate(argv: list[str]) -> int:
     path, source, saved, tok = _generation_source(args.ckpt)
     cfg = generation_config(saved, args.overrides)
     prompts = args.prompt or ["def "]
-    ids = [tok.encode(p) for p in prompts]
+    # a HuggingFace model's prompts as transformers tokenizes them (Llama's beginning-of-text first); a meshtrain
+    # run's as its data was prepared (no special tokens)
+    ids = [tok.encode_prompt(p) if source is not None else tok.encode(p) for p in prompts]
     world = args.nproc or int(os.environ.get("WORLD_SIZE", "1"))
     check_generation(cfg, world, args.tokens)
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:

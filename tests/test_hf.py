@@ -596,12 +596,17 @@ def _greedy_case(tmp_path: Path) -> tuple[Path, str, str]:
     """An HF Llama folder with its tokenizer.json, a prompt, and what ``meshtrain generate --greedy --tokens 12``
     must print: the prompt and the tokens transformers' own greedy ``generate`` gives, decoded (ours stops
     before the eos, theirs with it)."""
+    from tokenizers import Tokenizer, processors
+
     from meshtrain.train.tokenizer import HFTokenizer
 
     folder = tmp_path / "hf"
     folder.mkdir()
     words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex bad jugglers".split()
     _tokenizer_json(folder / "tokenizer.json", [" ".join(words[i:] + words[:i]) for i in range(len(words))])
+    raw = Tokenizer.from_file(str(folder / "tokenizer.json"))  # Llama's way: a beginning-of-text token first
+    raw.post_processor = processors.TemplateProcessing(single="<unk> $A", special_tokens=[("<unk>", 0)])
+    raw.save(str(folder / "tokenizer.json"))
     tok = HFTokenizer(folder / "tokenizer.json")
     cfg = LlamaConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, rope_theta=5000.0,
@@ -610,7 +615,8 @@ def _greedy_case(tmp_path: Path) -> tuple[Path, str, str]:
     _randomise(hf, 0)
     hf.save_pretrained(folder)
     prompt = "the quick brown fox"
-    ids = tok.encode(prompt)
+    ids = tok.encode_prompt(prompt)
+    assert ids[0] == 0 and ids[1:] == tok.encode(prompt)  # as transformers' tokenizer(prompt) gives them
     with torch.no_grad():
         out = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=tok.eos_id,
                           pad_token_id=tok.eos_id)

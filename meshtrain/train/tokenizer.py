@@ -28,6 +28,12 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a prompt to a HuggingFace model, with the special tokens its tokenizer.json's
+        post-processor adds (Llama's beginning-of-text token): the form the model was trained on, as
+        ``tokenizer(text)`` in transformers gives it."""
+        return list(self._tok.encode(text, add_special_tokens=True).ids)
+
     def encode_array(self, text: str) -> np.ndarray: ...
 
     def decode(self, ids: Iterable[int]) -> str: ...
@@ -43,6 +49,12 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         """Return the UTF-8 bytes of ``text`` as a list of ids (no eos appended)."""
         return list(text.encode("utf-8"))
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a prompt to a HuggingFace model, with the special tokens its tokenizer.json's
+        post-processor adds (Llama's beginning-of-text token): the form the model was trained on, as
+        ``tokenizer(text)`` in transformers gives it."""
+        return list(self._tok.encode(text, add_special_tokens=True).ids)
 
     def encode_array(self, text: str) -> np.ndarray:
         """Like :meth:`encode` but as a uint8 numpy array; avoids a Python int per byte on big corpora."""
@@ -103,6 +115,12 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` without special tokens (no eos appended)."""
         return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a prompt to a HuggingFace model, with the special tokens its tokenizer.json's
+        post-processor adds (Llama's beginning-of-text token): the form the model was trained on, as
+        ``tokenizer(text)`` in transformers gives it."""
+        return list(self._tok.encode(text, add_special_tokens=True).ids)
 
     def encode_array(self, text: str) -> np.ndarray:
         """Like :meth:`encode` but as an int64 numpy array."""
