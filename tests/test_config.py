@@ -11,6 +11,13 @@ def test_presets_load_and_overrides_apply():
     cfg = load_config("tiny", ["train.steps=7", "train.lr=1e-4", "model.tie_embeddings=true"])
     assert cfg.train.steps == 7 and cfg.train.lr == 1e-4 and cfg.model.tie_embeddings is True
     assert load_config("llama3-70b").model.d_model == 8192
+    # Llama 3.2's published shapes (tied, RoPE scaled by 32) against their parameter counts: 1.24B and 3.21B
+    from meshtrain.plan.flops import param_count
+
+    for name, billions in (("llama3.2-1b", 1.236), ("llama3.2-3b", 3.213)):
+        m = load_config(name).model
+        assert m.rope_scaling == "llama3" and m.rope_factor == 32 and m.tie_embeddings
+        assert param_count(m).total / 1e9 == pytest.approx(billions, abs=0.001), name
 
 
 def test_yaml_file_with_preset(tmp_path):
