@@ -519,6 +519,20 @@ def _fine_tune(rank: int, world_size: int, out: str, overrides: list[str]) -> li
     return [r["loss"] for r in Trainer(cfg, out).train()]
 
 
+def _one_process_starts_at_transformers_loss(hf: torch.nn.Module, init: list[str],
+                                             tmp_path: Path) -> tuple[list[float], torch.Tensor]:
+    """``_fine_tune`` on one process from the HF folder: its losses, after checking the first is transformers'
+    loss on the same batch (1e-5 relative); and that batch's inputs."""
+    from meshtrain.train.data import SyntheticDataset
+
+    one = _fine_tune(0, 1, str(tmp_path / "one"), init)
+    x, y = SyntheticDataset(257, "train").batch(0, 0, 8, 32)
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
+    assert one[0] == pytest.approx(want, rel=1e-5)
+    return one, x
+
+
 @pytest.mark.slow
 def test_import_fine_tune_in_parallel_and_export(tmp_path):
     """An HF folder (sharded) -> ``train.init_from`` on one process: its first loss is transformers' loss on the
@@ -526,7 +540,6 @@ def test_import_fine_tune_in_parallel_and_export(tmp_path):
     258 for tp) the same losses (1e-5 relative); ``meshtrain convert`` of that run -> transformers loads it (257
     rows: no padding leaks) and gives the checkpoint's logits (1e-5)."""
     from meshtrain.testing.spawn import spawn
-    from meshtrain.train.data import SyntheticDataset
 
     folder = tmp_path / "hf"
     cfg = LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -536,12 +549,7 @@ def test_import_fine_tune_in_parallel_and_export(tmp_path):
     hf.save_pretrained(folder, max_shard_size="40KB")
     assert (folder / "model.safetensors.index.json").is_file()
     init = [f"train.init_from={folder}"]
-
-    one = _fine_tune(0, 1, str(tmp_path / "one"), init)
-    x, y = SyntheticDataset(257, "train").batch(0, 0, 8, 32)
-    with torch.no_grad():
-        want = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
-    assert one[0] == pytest.approx(want, rel=1e-5)
+    one, x = _one_process_starts_at_transformers_loss(hf, init, tmp_path)
     layout = ["parallel.tp=2", "parallel.zero=1"]
     for losses in spawn(_fine_tune, 4, args=(str(tmp_path / "tp2dp2"), [*init, *layout]), timeout=300):
         assert losses == pytest.approx(one, rel=1e-5)
@@ -563,7 +571,6 @@ def test_a_mixtral_fine_tunes_with_expert_parallelism_and_exports(tmp_path):
     at ep=2 over dp=2 (each rank reading only its two experts) the same losses (1e-5 relative); ``meshtrain
     convert`` of that run -> transformers loads a MixtralForCausalLM with the checkpoint's logits (1e-5)."""
     from meshtrain.testing.spawn import spawn
-    from meshtrain.train.data import SyntheticDataset
 
     folder = tmp_path / "hf"
     cfg = MixtralConfig(vocab_size=257, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -573,12 +580,7 @@ def test_a_mixtral_fine_tunes_with_expert_parallelism_and_exports(tmp_path):
     _randomise(hf, 0)
     hf.save_pretrained(folder)
     init = [f"train.init_from={folder}"]
-
-    one = _fine_tune(0, 1, str(tmp_path / "one"), init)
-    x, y = SyntheticDataset(257, "train").batch(0, 0, 8, 32)
-    with torch.no_grad():
-        want = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
-    assert one[0] == pytest.approx(want, rel=1e-5)
+    one, x = _one_process_starts_at_transformers_loss(hf, init, tmp_path)
     for losses in spawn(_fine_tune, 2, args=(str(tmp_path / "ep2"), [*init, "parallel.ep=2"]), timeout=300):
         assert losses == pytest.approx(one, rel=1e-5)
 
