@@ -205,6 +205,7 @@ def test_mixtral_imports_and_exports_with_transformers_logits(tmp_path):
     assert hf_model_config(out) == c
 
 
+@pytest.mark.slow  # CLI subprocess runs
 def test_the_layout_is_checked_against_the_init_from_model_not_the_presets(tmp_path):
     """``train.init_from``'s config.json replaces the model section, so ``parallel.ep=2`` is checked against the
     Mixtral's 4 experts (the tiny preset has none, which was refused before any process started); a layout that
@@ -628,6 +629,7 @@ def _greedy_case(tmp_path: Path) -> tuple[Path, str, str]:
     return folder, prompt, prompt + tok.decode(new) + "\n"
 
 
+@pytest.mark.slow  # CLI subprocess runs
 def test_generate_reads_a_huggingface_folder_with_transformers_greedy_tokens(tmp_path):
     """``meshtrain generate --ckpt HF_DIR``: the folder's config.json is the model, its weights are read through
     HFSource and its tokenizer.json encodes the prompt; greedy decoding gives transformers' tokens; a folder
