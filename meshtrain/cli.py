@@ -228,16 +228,17 @@ def _find_checkpoint(arg: str) -> tuple[Path, dict, Config]:
     return path, meta, update_from_dict(Config(), meta["config"], str(path / "meta.json"))
 
 
-def _generation_source(arg: str) -> tuple[Path, TensorSource | None, Config, Any]:
+def _generation_source(arg: str) -> tuple[Path, TensorSource | None, Config, Any, tuple[int, ...]]:
     """What ``generate --ckpt`` names: a meshtrain checkpoint (its folder, config and tokenizer; None: read with
     ``CheckpointReader``), or a HuggingFace model folder (``config.json`` and safetensors, with its
-    ``tokenizer.json``), read through ``HFSource`` a rank's pieces at a time."""
+    ``tokenizer.json``), read through ``HFSource`` a rank's pieces at a time; and the ids that end a row (the
+    tokenizer's end of text, or the HF folder's ``eos_token_id`` as transformers reads it)."""
     from meshtrain.config import TrainConfig
     from meshtrain.train.tokenizer import load_tokenizer
 
     path = Path(arg)
     if (path / "config.json").is_file() and not (path / "meta.json").exists():
-        from meshtrain.model.hf import HFSource
+        from meshtrain.model.hf import HFSource, hf_stop_ids
 
         source = HFSource(path)
         if not (path / "tokenizer.json").is_file():
@@ -248,11 +249,13 @@ def _generation_source(arg: str) -> tuple[Path, TensorSource | None, Config, Any
             raise ConfigError(f"{path / 'tokenizer.json'} has {tok.vocab_size} tokens but the model's vocabulary is "
                               f"{source.cfg.vocab_size}: the tokenizer is not this model's.")
         m = source.cfg
-        return path, source, Config(model=m, train=TrainConfig(seq_len=min(TrainConfig.seq_len, m.max_seq_len))), tok
+        cfg = Config(model=m, train=TrainConfig(seq_len=min(TrainConfig.seq_len, m.max_seq_len)))
+        return path, source, cfg, tok, hf_stop_ids(path, m.vocab_size) or (tok.eos_id,)
     path, meta, saved = _find_checkpoint(arg)
     if not meta.get("tokenizer"):
         raise CheckpointError(f"{path} was trained on synthetic data: there is no tokenizer to decode with.")
-    return path, None, saved, load_tokenizer("hf" if meta["tokenizer"] == "hf" else meta["tokenizer"], path)
+    tok = load_tokenizer("hf" if meta["tokenizer"] == "hf" else meta["tokenizer"], path)
+    return path, None, saved, tok, (tok.eos_id,)
 
 
 def _generate(argv: list[str]) -> int:
@@ -281,7 +284,7 @@ def _generate(argv: list[str]) -> int:
                           f"{args.temperature}.")
     if args.top_k < 0:
         raise ConfigError(f"--top-k must be >= 0 (0: sample from every token), got {args.top_k}.")
-    path, source, saved, tok = _generation_source(args.ckpt)
+    path, source, saved, tok, stop_ids = _generation_source(args.ckpt)
     cfg = generation_config(saved, args.overrides)
     prompts = args.prompt or ["def "]
     # a HuggingFace model's prompts as transformers tokenizes them (Llama's beginning-of-text first); a meshtrain
@@ -295,7 +298,7 @@ def _generate(argv: list[str]) -> int:
         return _run_torchrun(cmd, None)
     gm = load_for_generation(cfg, path, source)
     run = run_generation(gm, ids, args.tokens, 0.0 if args.greedy else args.temperature, args.top_k, args.seed,
-                         tok.eos_id)
+                         stop_ids)
     from meshtrain import comm
 
     kv = comm.gather_objects(run.out.kv_bytes, gm.mesh.group("world")) if gm.mesh.world_size > 1 else [run.out.kv_bytes]

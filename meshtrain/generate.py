@@ -12,6 +12,7 @@ and benchmarked against (benchmarks/generate_kv.py).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,8 @@ from meshtrain.parallel.next_token import sample as sample_next
 
 @dataclass
 class Generated:
-    """What ``generate`` returns: each prompt's new tokens (stopping before ``stop_id``), the bytes of the KV
+    """What ``generate`` returns: each prompt's new tokens (stopping before any of ``stop_ids``), the bytes of the
+    KV
     cache this process held, and how many forward passes ran (one prefill + decode steps)."""
 
     tokens: list[list[int]]
@@ -43,7 +45,7 @@ def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, t
 
 @torch.no_grad()
 def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, vocab: VocabSlice,
-             temperature: float = 0.0, top_k: int = 40, seed: int = 0, stop_id: int | None = None) -> Generated:
+             temperature: float = 0.0, top_k: int = 40, seed: int = 0, stop_ids: Collection[int] = ()) -> Generated:
     """Continue every prompt by up to ``max_new_tokens`` tokens with a KV cache: one forward over the left-padded
     prompts (prefill), then one position per step (decode).
 
@@ -54,7 +56,8 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, vo
     The context is at most the model's ``max_seq_len`` positions (its RoPE tables): a longer prompt keeps its
     last ``max_seq_len`` tokens, and when the cache is full the context restarts from each row's last
     ``max_seq_len // 2`` tokens (a new prefill), since cached keys carry their positions' rotation and cannot
-    slide. Within ``max_seq_len`` the tokens are those of ``sample``'s recompute loop.
+    slide. Within ``max_seq_len`` the tokens are those of ``sample``'s recompute loop. A row ends before the first
+    of ``stop_ids`` it produces (a model may have several end tokens: Llama 3.1's instruct models have three).
     """
     was_training = model.training
     model.eval()
@@ -82,7 +85,7 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, vo
         nxt = greedy(logits, vocab) if temperature <= 0 else sample_next(logits, vocab, temperature, top_k, gen)
         for i, token in enumerate(nxt.tolist()):
             history[i].append(token)
-            if done[i] or (stop_id is not None and token == stop_id):
+            if done[i] or token in stop_ids:
                 done[i] = True
                 continue
             out[i].append(token)

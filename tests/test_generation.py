@@ -82,7 +82,7 @@ def test_stop_token_ends_a_row_only():
     m = _model()
     full = generate(m, PROMPTS, 8, VocabSlice.whole(MODEL["vocab_size"])).tokens
     stop = full[0][3]
-    got = generate(m, PROMPTS, 8, VocabSlice.whole(MODEL["vocab_size"]), stop_id=stop).tokens
+    got = generate(m, PROMPTS, 8, VocabSlice.whole(MODEL["vocab_size"]), stop_ids=(stop,)).tokens
     for want, have in zip(full, got, strict=True):
         cut = want.index(stop) if stop in want else len(want)
         assert have == want[:cut]

@@ -597,8 +597,9 @@ def test_a_mixtral_fine_tunes_with_expert_parallelism_and_exports(tmp_path):
 
 def _greedy_case(tmp_path: Path) -> tuple[Path, str, str]:
     """An HF Llama folder with its tokenizer.json, a prompt, and what ``meshtrain generate --greedy --tokens 12``
-    must print: the prompt and the tokens transformers' own greedy ``generate`` gives, decoded (ours stops
-    before the eos, theirs with it)."""
+    must print: the prompt and the tokens transformers' own greedy ``generate`` gives, decoded. The folder's
+    config.json lists two end tokens, as Llama 3.1's instruct models do: an id greedy decoding never makes, and
+    the one it makes fourth or later (first time), so the row must end just before it (theirs ends with it)."""
     from tokenizers import Tokenizer, processors
 
     from meshtrain.train.tokenizer import HFTokenizer
@@ -616,27 +617,37 @@ def _greedy_case(tmp_path: Path) -> tuple[Path, str, str]:
                       rms_norm_eps=1e-5)
     hf = LlamaForCausalLM(cfg).eval()
     _randomise(hf, 0)
-    hf.save_pretrained(folder)
     prompt = "the quick brown fox"
     ids = tok.encode_prompt(prompt)
     assert ids[0] == 0 and ids[1:] == tok.encode(prompt)  # as transformers' tokenizer(prompt) gives them
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=tok.eos_id,
-                          pad_token_id=tok.eos_id)
-    new = out[0, len(ids):].tolist()
-    new = new[:new.index(tok.eos_id)] if tok.eos_id in new else new
-    assert new  # something to compare
-    return folder, prompt, prompt + tok.decode(new) + "\n"
+    x = torch.tensor([ids])
+    run = {"max_new_tokens": 12, "do_sample": False, "attention_mask": torch.ones_like(x),  # no padding to infer
+           "pad_token_id": tok.eos_id}
+    with torch.no_grad():  # no end token: the whole greedy path
+        path = hf.generate(x, eos_token_id=None, **run)[0, len(ids):].tolist()
+    cut = next(i for i in range(3, len(path)) if path[i] not in path[:i])
+    unused = next(t for t in range(2, tok.vocab_size) if t not in path)  # not <unk> (the BOS here) nor </s>
+    hf.config.eos_token_id = hf.generation_config.eos_token_id = [unused, path[cut]]
+    hf.save_pretrained(folder)
+    with torch.no_grad():  # transformers, reading the folder's end tokens, stops there too
+        again = hf.generate(x, **run)[0, len(ids):].tolist()
+    assert again == path[:cut + 1], (again, path)
+    return folder, prompt, prompt + tok.decode(path[:cut]) + "\n"
 
 
 @pytest.mark.slow  # CLI subprocess runs
 def test_generate_reads_a_huggingface_folder_with_transformers_greedy_tokens(tmp_path):
     """``meshtrain generate --ckpt HF_DIR``: the folder's config.json is the model, its weights are read through
-    HFSource and its tokenizer.json encodes the prompt; greedy decoding gives transformers' tokens; a folder
-    without a tokenizer.json is refused in one line."""
+    HFSource and its tokenizer.json encodes the prompt; greedy decoding gives transformers' tokens and ends where
+    transformers' does, at the folder's end tokens; a malformed end token and a folder without a tokenizer.json
+    are each refused in one line."""
     folder, prompt, want = _greedy_case(tmp_path)
     r = _meshtrain("generate", "--ckpt", str(folder), "--prompt", prompt, "--tokens", "12", "--greedy")
     assert r.returncode == 0 and r.stdout == want, (r.stdout, want, r.stderr)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, "x"]}))
+    bad = _meshtrain("generate", "--ckpt", str(folder), "--prompt", prompt)
+    lines = bad.stderr.strip().splitlines()
+    assert bad.returncode == 2 and len(lines) == 1 and "generation_config.json: eos_token_id is [3, 'x']" in lines[0]
     (folder / "tokenizer.json").unlink()
     bad = _meshtrain("generate", "--ckpt", str(folder), "--prompt", prompt)
     lines = bad.stderr.strip().splitlines()

@@ -228,6 +228,27 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
     )
 
 
+def hf_stop_ids(folder: str | Path, vocab_size: int) -> tuple[int, ...] | None:
+    """The token ids that end a generation, as transformers' ``generate`` reads them: ``eos_token_id`` (one id or
+    a list) of ``generation_config.json``, else of ``config.json``; None where neither has one."""
+    for name in ("generation_config.json", CONFIG):
+        file = Path(folder) / name
+        if not file.is_file():
+            continue
+        try:
+            value = json.loads(file.read_text()).get("eos_token_id")
+        except (json.JSONDecodeError, AttributeError):
+            raise ValueError(f"{file} is not a JSON object of generation settings.") from None
+        if value is None:
+            continue
+        ids = value if isinstance(value, list) else [value]
+        if not ids or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size for i in ids):
+            raise _config_error(file, "eos_token_id", value, f"a token id, or a list of them, below the "
+                                                             f"vocabulary size {vocab_size}")
+        return tuple(ids)
+    return None
+
+
 # ----------------------------------------------------------------------------- names
 
 

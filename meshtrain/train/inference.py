@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,12 +126,12 @@ class GenerationRun:
 
 
 def run_generation(gm: GenerationModel, prompts: list[list[int]], new_tokens: int, temperature: float,
-                   top_k: int, seed: int, stop_id: int | None = None) -> GenerationRun:
+                   top_k: int, seed: int, stop_ids: Collection[int] = ()) -> GenerationRun:
     """``generate`` on this rank (every tp rank calls it with the same prompts and gets the same tokens)."""
     if gm.mesh.device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    out = generate(gm.model, prompts, new_tokens, gm.vocab, temperature, top_k, seed, stop_id)
+    out = generate(gm.model, prompts, new_tokens, gm.vocab, temperature, top_k, seed, stop_ids)
     if gm.mesh.device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
