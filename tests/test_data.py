@@ -66,6 +66,7 @@ def test_byte_tokenizer_round_trip_non_ascii() -> None:
     assert tok.decode(ids) == text
     assert tok.decode(ids + [tok.eos_id]) == text  # special ids are dropped
     assert np.array_equal(tok.encode_array(text), np.array(ids, dtype=np.uint8))
+    assert tok.encode_prompt(text) == ids  # no special tokens to add
     assert (tok.vocab_size, tok.eos_id, tok.name) == (257, 256, "byte")
     assert tok.decode([0xFF, 0x41]) == "\ufffdA"  # broken utf-8 is replaced, not an error
 

@@ -28,11 +28,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def encode_prompt(self, text: str) -> list[int]:
-        """Token ids of a prompt to a HuggingFace model, with the special tokens its tokenizer.json's
-        post-processor adds (Llama's beginning-of-text token): the form the model was trained on, as
-        ``tokenizer(text)`` in transformers gives it."""
-        return list(self._tok.encode(text, add_special_tokens=True).ids)
+    def encode_prompt(self, text: str) -> list[int]: ...
 
     def encode_array(self, text: str) -> np.ndarray: ...
 
@@ -51,10 +47,8 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def encode_prompt(self, text: str) -> list[int]:
-        """Token ids of a prompt to a HuggingFace model, with the special tokens its tokenizer.json's
-        post-processor adds (Llama's beginning-of-text token): the form the model was trained on, as
-        ``tokenizer(text)`` in transformers gives it."""
-        return list(self._tok.encode(text, add_special_tokens=True).ids)
+        """A prompt's ids: its bytes (the byte tokenizer has no special tokens)."""
+        return self.encode(text)
 
     def encode_array(self, text: str) -> np.ndarray:
         """Like :meth:`encode` but as a uint8 numpy array; avoids a Python int per byte on big corpora."""
