@@ -137,3 +137,27 @@ def test_a_split_too_short_for_train_seq_len_is_refused_before_launch(folders, t
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"the train split of {b if blend else a} has only" in err[0], err
     assert "fewer than train.seq_len + 2 = 8194" in err[0] and not out.exists()
+
+
+@pytest.mark.parametrize("blend", [False, True])
+def test_miscounted_token_counts_are_refused_before_launch(folders, tmp_path, capsys, blend):
+    """Rank 0 reads ``train.counts.npy`` for the unigram baseline: one that does not add up to the split used to
+    stop the launched ranks after the run folder was written; it is refused before launch, naming the file."""
+    import shutil
+
+    import numpy as np
+
+    from meshtrain import cli
+
+    a = folders[0]
+    b = shutil.copytree(folders[1], tmp_path / "b")  # the module's folders stay as they are
+    counts = np.load(b / "train.counts.npy")
+    counts[0] += 1
+    np.save(b / "train.counts.npy", counts)
+    data = f"0.5 {a} 0.5 {b}" if blend else str(b)
+    out = tmp_path / "run"
+    assert cli.main(["train", "--config", "tiny", "--nproc", "2", "--out", str(out), "train.steps=1",
+                     f"data.path={data}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{b / 'train.counts.npy'} is corrupt" in err[0] and "prepare-data --force" in err[0], err
+    assert not out.exists()

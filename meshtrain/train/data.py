@@ -138,6 +138,24 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     return meta
 
 
+def read_counts(path: str | Path, split: str, meta: dict[str, Any]) -> np.ndarray:
+    """``<split>.counts.npy`` of a format 3 folder (``meta``: its meta.json), read with ``allow_pickle=False`` and
+    checked against the split's token count: ``vocab_size`` numbers, so the trainer checks it before launch."""
+    file = counts_path(Path(path), split)
+    fix = "re-run `meshtrain prepare-data --force`"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} is missing; {fix}")
+    try:
+        counts = np.load(file, allow_pickle=False)
+    except ValueError as e:
+        raise ValueError(f"{file} is corrupt ({e}); {fix}") from None
+    vocab, tokens = int(meta["vocab_size"]), int(meta[f"{split}_tokens"])
+    if counts.dtype != np.dtype("<i8") or counts.shape != (vocab,) or (counts < 0).any() or int(counts.sum()) != tokens:
+        raise ValueError(f"{file} is corrupt (not {vocab} int64 counts adding up to the split's {tokens} tokens); "
+                         f"{fix}")
+    return counts
+
+
 def count_tokens(tokens: np.ndarray, vocab_size: int, limit: int | None = None,
                  blocks: int = COUNT_SAMPLE_BLOCKS) -> np.ndarray:
     """Each token id's count (int64 ``[vocab_size]``) in ``tokens`` (a memory map): exact when it holds at most
@@ -236,19 +254,7 @@ class TokenDataset:
         for an older folder, counted over at most ``COUNT_SAMPLE_TOKENS`` of it (``count_tokens``)."""
         if self.meta["format"] < 3:
             return count_tokens(self._tokens, self.vocab_size)
-        path = counts_path(self.path, self.split)
-        fix = "re-run `meshtrain prepare-data --force`"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing; {fix}")
-        try:
-            counts = np.load(path, allow_pickle=False)
-        except ValueError as e:
-            raise ValueError(f"{path} is corrupt ({e}); {fix}") from None
-        if counts.dtype != np.dtype("<i8") or counts.shape != (self.vocab_size,) or (counts < 0).any() \
-                or int(counts.sum()) != self.num_tokens:
-            raise ValueError(f"{path} is corrupt (not {self.vocab_size} int64 counts adding up to the split's "
-                             f"{self.num_tokens} tokens); {fix}")
-        return counts
+        return read_counts(self.path, self.split, self.meta)
 
     def token_probs(self) -> np.ndarray:
         """The split's unigram distribution over the vocabulary (float64, sums to 1; ``token_counts``)."""

@@ -36,7 +36,15 @@ from meshtrain.plan.hardware import peak_flops
 from meshtrain.plan.validate import validate_layout
 from meshtrain.train.blend import BlendedDataset
 from meshtrain.train.checkpoint import Checkpointer, CheckpointError, CheckpointReader, latest_checkpoint, restore_rng
-from meshtrain.train.data import BatchAhead, SyntheticDataset, TokenDataset, check_fits, read_meta, to_device
+from meshtrain.train.data import (
+    BatchAhead,
+    SyntheticDataset,
+    TokenDataset,
+    check_fits,
+    read_counts,
+    read_meta,
+    to_device,
+)
 from meshtrain.train.gc_schedule import GcClock, GcSchedule
 from meshtrain.train.metrics import MetricsLogger, alloc_retries, import_wandb, peak_memory_bytes, retries_line
 from meshtrain.train.optim import build_optimizer, clip_divisor, non_finite, optimizer_step, set_lr
@@ -155,6 +163,9 @@ def check_data(cfg: Config) -> None:
         load_tokenizer(data.meta["tokenizer"], data.path)
         _check_vocab(cfg, data.vocab_size)
         data.check_fits(cfg.train.seq_len)
+        for part in data.parts:  # rank 0 reads them for the unigram baseline
+            if part.meta["format"] >= 3:
+                read_counts(part.path, "train", part.meta)
         return
     path = ensure_prepared(d.path or None, d.tokenizer, d.val_fraction, check_only=True)
     if not (path / "meta.json").is_file():  # the default corpus, not prepared yet
@@ -164,6 +175,8 @@ def check_data(cfg: Config) -> None:
     load_tokenizer(meta["tokenizer"], path)
     _check_vocab(cfg, int(meta["vocab_size"]))
     check_fits(path, "train", int(meta["train_tokens"]), cfg.train.seq_len)
+    if meta["format"] >= 3:  # rank 0 reads them for the unigram baseline: a bad file is refused before launch
+        read_counts(path, "train", meta)
 
 
 # Options that decide a tensor's name or shape: what a checkpoint and the config must agree on to resume.
