@@ -9,11 +9,12 @@
 # On an H200 (the plan below for >= 100 GiB), the open question first (issue 14's MFU, read at the largest batch):
 # 1. batch 32, the compiled rows, --profile 2 (b32: ours needs ~2.1 GiB more per sequence, ~78 GiB at 32, which an
 #    H200 has beside the other row's weights and AdamW state): AdamW and the clip are a fixed cost per step, so MFU
-#    rises with the tokens it is spread over; then ours compiled alone at 32 again with Python's automatic garbage
-#    collection (b32b, --gc-every 0; b32 collects as the trainer does), and the kernel forms.
-# 2. batch 8, all four rows, --profile 2: the ratios to HF (eager and compiled) and each row's kernel time by kind
-#    against its wall time (the idle gap read off directly); ~2.5 minutes on an H200. Then batch 16, the compiled
-#    rows. Each run has its own timeout so a slow one cannot take the rest.
+#    rises with the tokens it is spread over; then batch 16, the compiled rows (the planner's fit needs two batches),
+#    and the kernel forms.
+# 2. ours compiled alone at 32 again with Python's automatic garbage collection (b32b, --gc-every 0; b32 collects
+#    as the trainer does); batch 8, all four rows, --profile 2: the ratios to HF (eager and compiled) and each row's
+#    kernel time by kind against its wall time (the idle gap read off directly); ~2.5 minutes on an H200. Each run
+#    has its own timeout so a slow one cannot take the rest.
 # On an H100 (80 GB) four rows do not fit at batch 8, so pairs, the open question first: ours compiled alone at batch
 # 24 (b24: the largest batch that fits, where MFU is highest; the issue's goal is read there: batch 28 fits too,
 # at a lower MFU), benchmarks/kernel_forms.py (forms.txt: RoPE, the norm backward, attention's backends and fused
@@ -92,10 +93,12 @@ if [ "$mem" -eq 0 ] || [ "$mem" -ge 100 ]; then  # an H200 (141 GiB): four rows 
     # ~4x batch 8's step for each of two rows, 50 timed steps each, plus two compilations and the profile: the
     # longest run of the session, so the widest timeout (with b32b's and the forms', 520 s of the call's 570)
     run b32 240 --batch 32 --profile 2 --rows "ours compiled,HF compiled" "$@"
-    run b32b 130 --batch 32 --profile 2 --rows "ours compiled" --gc-every 0 "$@"
-    forms "$@"
-    run b8 230 --batch 8 --profile 2 "$@"
+    # batch 16 second: with b32 it is the two profiled batches the planner's fit needs (the H100 found the collector
+    # no cause of idle time, so b32b, automatic collection, moved behind it)
     run b16 190 --batch 16 --profile 2 --rows "ours compiled,HF compiled" "$@"
+    forms "$@"
+    run b32b 130 --batch 32 --profile 2 --rows "ours compiled" --gc-every 0 "$@"
+    run b8 230 --batch 8 --profile 2 "$@"
     fitted="b8 b16 b32"
 else  # an H100 (80 GB): ours eager at batch 8 (~47 GiB) and three other rows' ~39 do not fit, so pairs; first
     # ours compiled alone at the largest batch it fits (24: 61.6 GiB at b13d967), where the goal's MFU is read, then
