@@ -66,6 +66,7 @@ class ModelConfig:
     rope_original_max_len: int = 8192
     max_seq_len: int = 256
     tie_embeddings: bool = False
+    qkv_bias: bool = False  # True: wq, wk and wv add a bias (Qwen2's attention; the biases start at zero)
     init_std: float = 0.02
     # Mixture of experts (every block's MLP becomes an MoE layer when moe_experts > 0).
     moe_experts: int = 0  # routed experts per layer; 0: dense SwiGLU MLP

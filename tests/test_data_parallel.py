@@ -170,8 +170,8 @@ def test_unit_numels_match_the_runtime_units():
     from meshtrain.model.llama import build_model
     from meshtrain.parallel.units import model_units
 
-    for tie in (False, True):
-        cfg = load_config("tiny", [f"model.tie_embeddings={tie}"]).model
+    for tie, bias in ((False, False), (True, False), (False, True)):
+        cfg = load_config("tiny", [f"model.tie_embeddings={tie}", f"model.qkv_bias={bias}"]).model
         cfg.vocab_size = 257
         assert [u.numel for u in model_units(build_model(cfg, 0))] == unit_numels(cfg)
 

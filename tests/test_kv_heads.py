@@ -6,8 +6,10 @@ On real gloo processes against the single-device run of the same model (tiny: 4 
 tensor and every final parameter within 1e-5 relative (Frobenius), on every rank; each layout built its mesh and
 moved bytes on tp, and every rank's comm meter equals the planner's prediction exactly, the "tp_kv" all-reduce of
 the shared heads' gradients included (and it is there: a layout that skipped it would fail the gradients first).
-A checkpoint written at tp4 with one kv head resumes on one process (and one written on one process resumes at
-tp4), giving the uninterrupted run's losses and final state.
+The same holds with Qwen2's q, k and v biases (``model.qkv_bias``: split as their weights' rows, a shared head's
+summed over "tp_kv"), at tp4, under SP with ZeRO-3, and in a zero-bubble pipeline (where a biased projection's
+bias gradient comes with the input gradient). A checkpoint written at tp4 with one kv head resumes on one process
+(and one written on one process resumes at tp4), giving the uninterrupted run's losses and final state.
 """
 
 from pathlib import Path
@@ -36,6 +38,14 @@ pytestmark = pytest.mark.slow
 STEPS = 5
 BASE = run_overrides(STEPS)
 KV1, KV2 = ["model.n_kv_heads=1"], ["model.n_kv_heads=2"]
+# Qwen2's biases, on a run where a change in the order of the sums alone stays far under the check's 1e-5. A key bias
+# reaches the scores only through RoPE: the part of it a pair of dimensions does not rotate adds the same to every
+# score of a query, which the softmax ignores, so with slow pairs (theta 10,000 against 32 positions) its gradient is
+# a cancellation whose rounding AdamW amplifies. Measured in one process, train.grad_accum=2 and 4 against 1 (only
+# the order of the sums differs), kv1 and kv2, the largest final parameter difference of the four: 2.5e-5 (wk.bias)
+# at theta 10,000, 8.2e-6 at 1,000, 4.7e-6 at 300, 8.7e-7 at 100, 2.3e-5 at 50 (wo.weight, kv1 accum 4: as without
+# biases at 50). So theta 100, where all four are under 1e-6.
+QKV_BIAS = ["model.qkv_bias=true", "model.rope_theta=100"]
 
 LAYOUTS_4 = [
     ("tp4 kv2", ["parallel.tp=4", *KV2]),  # two heads, each on two ranks
@@ -44,6 +54,11 @@ LAYOUTS_4 = [
     ("tp2 x dp2 zero1 kv1", ["parallel.tp=2", "parallel.zero=1", *KV1]),
     ("tp2 sp x dp2 zero3 kv1", ["parallel.tp=2", "parallel.sp=true", "parallel.zero=3", *KV1]),
     ("tp2 x cp2 kv1", ["parallel.tp=2", "parallel.cp=2", *KV1]),
+    # Qwen2's q, k, v biases (model.qkv_bias): split as their weights' rows, a shared kv head's summed over "tp_kv"
+    ("tp4 kv2 qkv bias", ["parallel.tp=4", *KV2, *QKV_BIAS]),
+    ("tp2 sp x dp2 zero3 kv1 qkv bias", ["parallel.tp=2", "parallel.sp=true", "parallel.zero=3", *KV1, *QKV_BIAS]),
+    ("pp2 zb-h1 x tp2 kv1 qkv bias", ["parallel.pp=2", "parallel.tp=2", "parallel.microbatches=2",
+                                      "parallel.schedule=zb-h1", *KV1, *QKV_BIAS]),
 ]
 # Resharding: one process writes steps 1-2, tp4 resumes for 3-4, one process resumes for step 5.
 CKPT = [*BASE, *KV1, "train.ckpt_every=1", "train.ckpt_keep=2"]

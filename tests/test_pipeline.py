@@ -98,7 +98,11 @@ def test_every_schedule_in_nccl_order_equals_one_device(data, reference):
 
 def test_pp_with_dp_and_zero1_on_4_ranks(data, reference):
     layouts = [("pp2 x dp2 zero1 1f1b", ["parallel.pp=2", "parallel.microbatches=2", "parallel.zero=1"]),
-               ("pp2 x dp2 dp zb-h1", ["parallel.pp=2", "parallel.microbatches=2", "parallel.schedule=zb-h1"])]
+               ("pp2 x dp2 dp zb-h1", ["parallel.pp=2", "parallel.microbatches=2", "parallel.schedule=zb-h1"]),
+               # Qwen2's q, k, v biases: their Linears are not deferred, so I computes all their gradients
+               # (rope_theta 100: see QKV_BIAS in test_kv_heads.py)
+               ("pp2 x dp2 dp zb-h1 qkv bias", ["parallel.pp=2", "parallel.microbatches=2", "parallel.schedule=zb-h1",
+                                                "model.qkv_bias=true", "model.rope_theta=100"])]
     results = spawn(layouts_worker, 4, args=(data, BASE, layouts), timeout=900)
     check_layouts(data, 4, layouts, results, reference)
 

@@ -16,6 +16,9 @@ _PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention.wq.weight", ("heads", "embed")),  # [heads x head_dim, embed]
     ("attention.wk.weight", ("kv_heads", "embed")),
     ("attention.wv.weight", ("kv_heads", "embed")),
+    ("attention.wq.bias", ("heads",)),  # model.qkv_bias: [heads x head_dim], split as the weight's rows
+    ("attention.wk.bias", ("kv_heads",)),
+    ("attention.wv.bias", ("kv_heads",)),
     ("attention.wo.weight", ("embed", "heads")),
     ("feed_forward.router.weight", ("experts", "embed")),
     ("w1.weight", ("mlp", "embed")),  # dense SwiGLU gate and up: [hidden, embed]

@@ -37,9 +37,9 @@ class Attention(nn.Module):
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.kv_heads
         self.head_dim = cfg.head_dim
-        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=False)
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=False)
         self.core = CausalAttention()
 
@@ -183,8 +183,10 @@ def init_rows(cfg: ModelConfig, seed: int, name: str, shape: tuple[int, ...], st
 
     Every row has its own generator seeded by (seed, name, row), so any rank can initialise exactly the rows
     it holds, in any order, and get the single-device values: init never materialises a whole tensor. A 1-D
-    tensor is one row.
+    tensor is one row. Biases start at zero (as in transformers and Megatron).
     """
+    if name.endswith(".bias"):
+        return torch.zeros(stop - start)
     std = init_std(cfg, name)
     if std == 0.0:
         return torch.ones((stop - start, *shape[1:]) if len(shape) > 1 else (stop - start,))

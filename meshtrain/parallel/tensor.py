@@ -237,12 +237,15 @@ class Sharder:
 class ColumnParallelLinear(nn.Module, Deferrable):
     """y[..., out/tp] = enter(x) @ W[rows of this rank]^T. ``enter`` is f (or the SP all-gather); with SP and
     ``regather`` (``parallel.sp_regather``) backward gathers the sequence shard again instead of keeping the
-    gathered input (``_GatherLinear``). In a zero-bubble pipeline (``wgrad`` set) W computes the weight gradient."""
+    gathered input (``_GatherLinear``). In a zero-bubble pipeline (``wgrad`` set) W computes the weight gradient
+    (a bias's, a sum over tokens, comes with the input gradient). ``bias``: this rank's rows of it, or None."""
 
-    def __init__(self, weight: torch.Tensor, group: AxisGroup, sp: bool, regather: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, group: AxisGroup, sp: bool, regather: bool = False,
+                 bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.group, self.sp, self.regather = group, sp, sp and regather
         self.weight = nn.Parameter(weight)
+        self.bias = None if bias is None else nn.Parameter(bias)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         return gather_seq(x, self.group) if self.sp else copy_to_tp(x, self.group)
@@ -258,7 +261,8 @@ class ColumnParallelLinear(nn.Module, Deferrable):
         return F.linear(self.enter(x), weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.weight)
+        y = self.matmul(x, self.weight)
+        return y if self.bias is None else y + self.bias
 
 
 class RowParallelLinear(nn.Module, Deferrable):
@@ -278,12 +282,15 @@ class RowParallelLinear(nn.Module, Deferrable):
 def _linear(sharder: Sharder, name: str, lin: nn.Linear, sp: bool, units: int | None = None, *,
             regather: bool = False) -> nn.Module:
     """The sharded twin of ``lin`` the rules ask for: column-parallel (dim 0 split) or row-parallel (dim 1);
-    ``units`` as in ``Sharder.shard``."""
+    ``units`` as in ``Sharder.shard``. A column-parallel layer's bias is split as its weight's rows."""
     local, tp = sharder.shard(name, lin.weight, units)
     if tp is None or tp.dim not in (0, 1):
         raise ValueError(f"{name}: the rules must split a linear weight along dim 0 or 1 over tp.")
+    if lin.bias is not None and tp.dim != 0:
+        raise ValueError(f"{name}: a row-parallel layer with a bias is not supported (it would be added tp times).")
     if tp.dim == 0:
-        return ColumnParallelLinear(local, sharder.group, sp, regather)
+        bias = None if lin.bias is None else sharder.shard(name.removesuffix("weight") + "bias", lin.bias, units)[0]
+        return ColumnParallelLinear(local, sharder.group, sp, regather, bias)
     return RowParallelLinear(local, sharder.group, sp)
 
 
@@ -306,12 +313,15 @@ class ParallelAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LayerKV | None = None) -> torch.Tensor:
+        projections = (self.wq, self.wk, self.wv)
         if torch.is_grad_enabled():  # one entry collective and one matmul serve q, k and v
-            qkv = self.wq.matmul(x, torch.cat([self.wq.weight, self.wk.weight, self.wv.weight]))
+            qkv = self.wq.matmul(x, torch.cat([m.weight for m in projections]))
+            if self.wq.bias is not None:  # model.qkv_bias (Qwen2)
+                qkv = qkv + torch.cat([m.bias for m in projections])
             q, k, v = qkv.split([self.q_rows, self.kv_rows, self.kv_rows], dim=-1)
         else:  # evaluation, generation: no fused copy of the weights per call (a decode step's few rows make the
             h = self.wq.enter(x)  # copy cost more than the matmuls); still one entry collective
-            q, k, v = (F.linear(h, w) for w in (self.wq.weight, self.wk.weight, self.wv.weight))
+            q, k, v = (F.linear(h, m.weight, m.bias) for m in projections)
         b, t = q.shape[:2]
         q, k, v = heads_with_rope(q, k, v, self.head_dim, cos, sin)
         y = attend(self.core, q, k, v, cache)  # with a cache: this rank's kv heads only (kv_cache.py)
@@ -367,6 +377,7 @@ class VocabParallelHead(ColumnParallelLinear):
         self.group, self.sp, self.regather, self.vocab = group, sp, sp and regather, vocab
         self.start, self.end = tp.start, tp.start + tp.length
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
+        self.bias = None
 
 
 def gather_vocab(logits: torch.Tensor, head: VocabParallelHead) -> torch.Tensor:

@@ -29,10 +29,11 @@ class ParamCount:
     norms: int
     head: int
     mlp_active: int = -1  # -1: the same as mlp (dense)
+    biases: int = 0  # model.qkv_bias: added per token, in no matmul
 
     @property
     def total(self) -> int:
-        return self.embedding + self.attention + self.mlp + self.norms + self.head
+        return self.embedding + self.attention + self.mlp + self.norms + self.head + self.biases
 
     @property
     def active_mlp(self) -> int:
@@ -62,6 +63,7 @@ def param_count(cfg: ModelConfig) -> ParamCount:
         norms=(2 * layers + 1) * d,
         head=0 if cfg.tie_embeddings else head,
         mlp_active=layers * active,
+        biases=layers * (cfg.n_heads + 2 * cfg.kv_heads) * hd if cfg.qkv_bias else 0,
     )
 
 

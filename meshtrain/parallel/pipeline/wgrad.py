@@ -5,7 +5,7 @@ stage) and the weight gradient (needed only by the optimizer). ``defer_weight_gr
 makes the stage's linear layers, while the store is armed, compute only the input gradient
 in backward and stash (input, output gradient) instead; the W action then does the weight matmuls
 and hands each gradient to autograd's accumulation (``weight.backward(grad)``), so gradient hooks
-(data-parallel bucket sync) fire as usual. Every other parameter (norms, embedding) is cheap and
+(data-parallel bucket sync) fire as usual. Every other parameter (norms, embedding, biases) is cheap and
 gets its gradient in I.
 
 Which layers: the plain model's bias-free ``nn.Linear`` (swapped for ``DeferredLinear``) and, under tensor
@@ -125,7 +125,8 @@ def _defers(m: nn.Module) -> bool:
 
 
 def immediate_params(module: nn.Module) -> list[nn.Parameter]:
-    """The parameters whose gradients the I action computes: all but the weights of deferring layers."""
-    params = {id(p): p for m in module.modules() if not _defers(m)
-              for p in m.parameters(recurse=False) if p.requires_grad}
+    """The parameters whose gradients the I action computes: all but the weights of deferring layers (a deferring
+    layer's bias, ``model.qkv_bias``, is a sum over tokens of the output gradient I already has)."""
+    params = {id(p): p for m in module.modules() for name, p in m.named_parameters(recurse=False)
+              if p.requires_grad and not (_defers(m) and name == "weight")}
     return list(params.values())
