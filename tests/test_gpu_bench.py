@@ -99,8 +99,9 @@ def test_the_gpu_session_script_refuses_a_gpu_mem_that_is_no_number_in_one_line(
 def test_the_gpu_session_script_runs_its_measurements(tmp_path, mem, runs):
     """benchmarks/gpu_session.sh, the next GPU session's one command, on the CPU dry run: its runs (the H200 plan:
     the compiled pair at 32 and 16 with the profile, the kernel forms, 32 again with Python's automatic garbage
-    collection, all four rows at 8 with the profile; the H100 plan: ours compiled alone at 24, the kernel forms, 24 again with Python's automatic garbage
-    collection, the compiled pair at 8 with the profile, a wider model's pair, the eager pair at 8)
+    collection, all four rows at 8 with the profile; the H100 plan: ours compiled alone at 24, the kernel forms, 24
+    again with Python's automatic garbage collection, the compiled pair at 8 with the profile, a wider model's pair,
+    the eager pair at 8)
     each leave their output and JSON in $OUT, beside the machine's facts; the extra arguments reach every run and
     win over the script's own (here --rows, as the dry run needs ours eager)."""
     import json
