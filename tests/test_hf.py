@@ -24,6 +24,8 @@ from transformers import (
     MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
 )
 
 from meshtrain.config import Config, ModelConfig, update_from_dict
@@ -203,6 +205,56 @@ def test_mixtral_imports_and_exports_with_transformers_logits(tmp_path):
     assert again.config.router_aux_loss_coef == pytest.approx(0.02)
     assert logit_diff(model, again, tokens()) <= LOGIT_ATOL
     assert hf_model_config(out) == c
+
+
+def hf_qwen2(folder: Path, seed: int = 0, **fields) -> Qwen2ForCausalLM:
+    """A tiny random Qwen2ForCausalLM (tied, as Qwen2.5's smaller models; its q, k, v biases random too) saved to
+    ``folder``, its config as the hub's: a sliding window set and switched off."""
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, rope_theta=5000.0,
+                      rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False, sliding_window=16,
+                      **fields)
+    model = Qwen2ForCausalLM(cfg).eval()
+    _randomise(model, seed)
+    model.save_pretrained(folder)
+    return model
+
+
+def test_qwen2_imports_and_exports_with_transformers_logits(tmp_path):
+    """A Qwen2 folder imports as our model with ``model.qkv_bias``: our logits are transformers' within LOGIT_ATOL.
+    The q and k biases are permuted as their weights' rows (RoPE's layouts): left in HF's order, or dropped, the
+    logits differ. Exported again it is a Qwen2ForCausalLM that transformers loads with the same logits."""
+    hf = hf_qwen2(tmp_path / "in")
+    src = HFSource(tmp_path / "in")
+    c = src.cfg
+    assert (c.qkv_bias, c.tie_embeddings, c.n_kv_heads, c.norm_eps) == (True, True, 2, 1e-6)
+    model = Llama(c).eval()
+    load_full(model, src)
+    assert logit_diff(model, hf, tokens()) <= LOGIT_ATOL
+    with torch.no_grad():  # the controls: each must move the logits
+        attn = model.layers["1"].attention
+        q_bias = attn.wq.bias.clone()
+        attn.wq.bias.copy_(interleaved_to_halves(q_bias, c.n_heads))  # HF's row order, not ours
+        assert logit_diff(model, hf, tokens()) > 1e-2
+        attn.wq.bias.zero_()
+        assert logit_diff(model, hf, tokens()) > 1e-2
+        attn.wq.bias.copy_(q_bias)
+    assert logit_diff(model, hf, tokens()) <= LOGIT_ATOL
+
+    out = export_hf(state_source(model), c, tmp_path / "out")
+    again = Qwen2ForCausalLM.from_pretrained(out).eval()
+    assert again.config.model_type == "qwen2" and again.config.use_sliding_window is False
+    assert logit_diff(model, again, tokens()) <= LOGIT_ATOL
+    assert hf_model_config(out) == c
+    assert torch.equal(hf_tensors(out)["model.layers.0.self_attn.k_proj.bias"],
+                       hf.model.layers[0].self_attn.k_proj.bias.detach())
+
+
+def test_a_model_with_qkv_biases_and_experts_has_no_hf_form(tmp_path):
+    cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_heads=4, qkv_bias=True, moe_experts=4, moe_renormalize=True)
+    with pytest.raises(ValueError, match="model.qkv_bias=true with model.moe_experts: this model has no HuggingFace"):
+        export_hf(state_source(build_model(cfg, 0)), cfg, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow  # CLI subprocess runs
@@ -397,8 +449,19 @@ def _mixtral(folder: Path, **fields) -> None:
 
 
 BAD = {  # name: (shard, how to break the folder, error type, what the one line must say)
-    "architecture": (None, lambda f: _edit_config(f, architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
-                     ValueError, ["config.json: architectures is ['Qwen2ForCausalLM']", "LlamaForCausalLM"]),
+    "architecture": (None, lambda f: _edit_config(f, architectures=["GemmaForCausalLM"], model_type="gemma"),
+                     ValueError, ["config.json: architectures is ['GemmaForCausalLM']", "LlamaForCausalLM",
+                                  "Qwen2ForCausalLM"]),
+    "qwen2-without-biases": (None, lambda f: _edit_config(f, architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
+                             ValueError, ["model.safetensors: tensor model.layers.0.self_attn.q_proj.bias",
+                                          "(meshtrain layers.0.attention.wq.bias) is absent"]),
+    "qwen2-window": (None, lambda f: _edit_config(f, architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                                                  use_sliding_window=True, sliding_window=32),
+                     ValueError, ["config.json: sliding_window is 32", "at least max_position_embeddings=64"]),
+    "layer-types": (None, lambda f: _edit_config(f, architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                                                 layer_types=["full_attention", "sliding_attention"]),
+                    ValueError, ["config.json: layer_types is ['full_attention', 'sliding_attention']",
+                                 "full_attention layers only"]),
     "mistral-window": (None, lambda f: _edit_config(f, architectures=["MistralForCausalLM"], model_type="mistral",
                                                     sliding_window=32),
                        ValueError, ["config.json: sliding_window is 32", "at least max_position_embeddings=64"]),

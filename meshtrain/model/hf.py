@@ -56,9 +56,12 @@ CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 SUPPORTED = ("LlamaForCausalLM (model_type llama), MistralForCausalLM (model_type mistral, without a sliding "
-             "window) or MixtralForCausalLM (model_type mixtral)")
-# architecture -> model_type. A Mistral without a sliding window (v0.2 and later) is a Llama by other names.
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral"}
+             "window), MixtralForCausalLM (model_type mixtral) or Qwen2ForCausalLM (model_type qwen2, without a "
+             "sliding window)")
+# architecture -> model_type. A Mistral without a sliding window (v0.2 and later) is a Llama by other names; a Qwen2
+# is a Llama whose q, k and v projections have biases (model.qkv_bias).
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
+                 "Qwen2ForCausalLM": "qwen2"}
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
 
 
@@ -145,12 +148,23 @@ def _rope(file: Path, data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _full_attention(file: Path, c: dict[str, Any], max_len: int) -> None:
-    """Mistral and Mixtral configs may set a sliding window; one shorter than the context would change attention
-    (meshtrain's is full causal), so it is refused."""
+    """Mistral, Mixtral and Qwen2 configs may set a sliding window; one shorter than the context would change
+    attention (meshtrain's is full causal), so it is refused. Qwen2's ``sliding_window`` applies only where
+    ``use_sliding_window`` is true (its released models set a window and leave it off); transformers 5 also lists
+    each layer's kind in ``layer_types``."""
     window = c.get("sliding_window")
+    if c.get("model_type") == "qwen2":
+        use = c.get("use_sliding_window", False)
+        if not isinstance(use, bool):
+            raise _config_error(file, "use_sliding_window", use, "true or false")
+        window = window if use else None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < max_len):
         raise _config_error(file, "sliding_window", window,
                             f"null or at least max_position_embeddings={max_len} (full causal attention only)")
+    kinds = c.get("layer_types")
+    if window is None and kinds is not None and (
+            not isinstance(kinds, list) or any(k != "full_attention" for k in kinds)):
+        raise _config_error(file, "layer_types", kinds, "full_attention layers only")
 
 
 def _mixtral(file: Path, c: dict[str, Any]) -> dict[str, Any]:
@@ -174,8 +188,9 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
     """Our ``ModelConfig`` for the HF folder's config.json (a LlamaForCausalLM).
 
     Raises a one-line ``ValueError`` naming the file, the field and what is supported for anything our model
-    does not compute the same way: another architecture (Mixtral included: see the module docstring), RoPE
-    scaling, attention or MLP biases, an activation other than SiLU, head_dim other than hidden/heads.
+    does not compute the same way: another architecture, RoPE scaling other than Llama 3.1's, a sliding window,
+    Llama's attention or MLP biases (an o_proj bias; Qwen2's q, k, v biases are ``model.qkv_bias``), an activation
+    other than SiLU, head_dim other than hidden/heads.
     """
     file, c = _read_config(Path(folder))
     arch = c.get("architectures")
@@ -186,7 +201,8 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
         raise _config_error(file, "model_type", model_type, SUPPORTED)
     for key in ("attention_bias", "mlp_bias"):
         if c.get(key, False):
-            raise _config_error(file, key, c[key], "false only (meshtrain's Llama has no biases)")
+            raise _config_error(file, key, c[key], "false only (meshtrain's attention has biases on q, k and v "
+                                                 "alone, as Qwen2's)")
     if c.get("hidden_act", "silu") != "silu":
         raise _config_error(file, "hidden_act", c["hidden_act"], "silu only (SwiGLU)")
     d_model = _positive_int(file, c, "hidden_size")
@@ -224,6 +240,7 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
         **_rope(file, c),
         max_seq_len=max_len,
         tie_embeddings=tie,
+        qkv_bias=model_type == "qwen2",
         init_std=float(init_std) if isinstance(init_std, int | float) and init_std > 0 else 0.02,
     )
 
@@ -258,7 +275,7 @@ class HFTensor:
 
     hf_name: str
     shape: tuple[int, ...]  # the logical shape (the same in both layouts)
-    rope_heads: int | None  # wq/wk: heads whose rows are permuted between the RoPE layouts; else None
+    rope_heads: int | None  # wq/wk (and their biases): heads whose rows are permuted between the RoPE layouts
 
 
 def check_mixtral(cfg: ModelConfig) -> None:
@@ -275,6 +292,9 @@ def check_mixtral(cfg: ModelConfig) -> None:
              "Mixtral selects experts by probability alone, so the aux-loss-free bias would be lost")):
         if bad:
             raise ValueError(f"{option}: this mixture of experts has no HuggingFace form ({why}).")
+    if cfg.qkv_bias:
+        raise ValueError("model.qkv_bias=true with model.moe_experts: this model has no HuggingFace form (Mixtral's "
+                         "attention has no biases; Qwen2-MoE's experts are gated otherwise).")
 
 
 def hf_names(cfg: ModelConfig) -> dict[str, HFTensor]:
@@ -292,6 +312,12 @@ def hf_names(cfg: ModelConfig) -> dict[str, HFTensor]:
             f"{ours}.attention.wo.weight": HFTensor(f"{a}.o_proj.weight", (d, cfg.n_heads * hd), None),
             f"{ours}.ffn_norm.weight": HFTensor(f"model.layers.{i}.post_attention_layernorm.weight", (d,), None),
         })
+        if cfg.qkv_bias:  # Qwen2's: each bias permuted as its weight's rows
+            out.update({
+                f"{ours}.attention.wq.bias": HFTensor(f"{a}.q_proj.bias", (cfg.n_heads * hd,), cfg.n_heads),
+                f"{ours}.attention.wk.bias": HFTensor(f"{a}.k_proj.bias", (cfg.kv_heads * hd,), cfg.kv_heads),
+                f"{ours}.attention.wv.bias": HFTensor(f"{a}.v_proj.bias", (cfg.kv_heads * hd,), None),
+            })
         if cfg.moe_experts:  # Mixtral's names (its experts' w1/w3/w2 are ours: gate, up, down)
             moe, eh = f"model.layers.{i}.block_sparse_moe", cfg.expert_hidden
             out[f"{ours}.feed_forward.router.weight"] = HFTensor(f"{moe}.gate.weight", (cfg.moe_experts, d), None)
@@ -404,17 +430,21 @@ class HFSource:
 
 
 def hf_config_dict(cfg: ModelConfig, eos_token_id: int | None = None) -> dict[str, Any]:
-    """The config.json of a LlamaForCausalLM (a MixtralForCausalLM for an MoE model) equal to our model ``cfg``,
-    readable by transformers 4 (rope_theta) and 5 (rope_parameters)."""
+    """The config.json of a LlamaForCausalLM (a MixtralForCausalLM for an MoE model, a Qwen2ForCausalLM with
+    ``model.qkv_bias``) equal to our model ``cfg``, readable by transformers 4 (rope_theta) and 5 (rope_parameters)."""
     scaling = {} if cfg.rope_scaling == "none" else {hf: getattr(cfg, ours) for hf, ours in LLAMA3_ROPE.items()}
     check_mixtral(cfg)
-    moe = {"num_local_experts": cfg.moe_experts, "num_experts_per_tok": cfg.moe_top_k, "sliding_window": None,
-           "router_aux_loss_coef": cfg.moe_aux_loss_coef / cfg.moe_top_k, "router_jitter_noise": 0.0,
-           "output_router_logits": False} if cfg.moe_experts else {}
-    return {
-        "architectures": ["MixtralForCausalLM" if cfg.moe_experts else "LlamaForCausalLM"],
-        "model_type": "mixtral" if cfg.moe_experts else "llama",
-        **moe,
+    model_type = "mixtral" if cfg.moe_experts else "qwen2" if cfg.qkv_bias else "llama"
+    arch = {v: k for k, v in ARCHITECTURES.items() if k != "MistralForCausalLM"}[model_type]
+    extra = {"num_local_experts": cfg.moe_experts, "num_experts_per_tok": cfg.moe_top_k, "sliding_window": None,
+             "router_aux_loss_coef": cfg.moe_aux_loss_coef / cfg.moe_top_k, "router_jitter_noise": 0.0,
+             "output_router_logits": False} if cfg.moe_experts else {}
+    if cfg.qkv_bias:  # Qwen2's biases are fixed on q, k, v; its window off
+        extra = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers}
+    config = {
+        "architectures": [arch],
+        "model_type": model_type,
+        **extra,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.expert_hidden if cfg.moe_experts else cfg.hidden_dim,
@@ -441,6 +471,9 @@ def hf_config_dict(cfg: ModelConfig, eos_token_id: int | None = None) -> dict[st
         "eos_token_id": eos_token_id,
         "pad_token_id": None,
     }
+    if cfg.qkv_bias:  # Qwen2's projections have their biases by architecture, not by these keys
+        del config["attention_bias"], config["mlp_bias"]
+    return config
 
 
 def _hf_tensor(source: TensorSource, t: HFTensor, ours: str, shape: tuple[int, ...]) -> torch.Tensor:
