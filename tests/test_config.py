@@ -18,6 +18,12 @@ def test_presets_load_and_overrides_apply():
         m = load_config(name).model
         assert m.rope_scaling == "llama3" and m.rope_factor == 32 and m.tie_embeddings
         assert param_count(m).total / 1e9 == pytest.approx(billions, abs=0.001), name
+    # Qwen2.5's (biases on q, k, v) against the Qwen2.5 report's totals and non-embedding counts: 0.49B / 0.36B and
+    # 7.61B / 6.53B
+    for name, billions, body in (("qwen2.5-0.5b", 0.494, 0.358), ("qwen2.5-7b", 7.616, 6.526)):
+        pc = param_count(load_config(name).model)
+        assert pc.biases > 0 and pc.total / 1e9 == pytest.approx(billions, abs=0.001), name
+        assert (pc.total - pc.embedding - pc.head) / 1e9 == pytest.approx(body, abs=0.001), name
 
 
 def test_yaml_file_with_preset(tmp_path):
