@@ -658,6 +658,38 @@ def test_a_mixtral_fine_tunes_with_expert_parallelism_and_exports(tmp_path):
     assert logit_diff(ours, hf, x) > 1e-3  # it did train
 
 
+@pytest.mark.slow
+def test_a_qwen2_fine_tunes_with_tensor_parallelism_and_exports(tmp_path):
+    """A Qwen2 folder (random q, k, v biases) -> ``train.init_from`` on one process: its first loss is transformers'
+    on the same batch; at tp=4 with its 2 kv heads (each rank reads its query heads' bias rows, and a kv head's bias
+    is shared by two ranks, its gradient summed over them) the same losses (1e-5 relative); ``meshtrain convert``
+    of that run -> transformers loads a Qwen2ForCausalLM with the checkpoint's logits (1e-5)."""
+    from meshtrain.testing.spawn import spawn
+
+    folder = tmp_path / "hf"
+    cfg = Qwen2Config(vocab_size=257, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, rope_theta=5000.0, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False, use_sliding_window=False, sliding_window=64)
+    hf = Qwen2ForCausalLM(cfg).eval()
+    _randomise(hf, 0)
+    hf.save_pretrained(folder)
+    init = [f"train.init_from={folder}"]
+    one, x = _one_process_starts_at_transformers_loss(hf, init, tmp_path)
+    for losses in spawn(_fine_tune, 4, args=(str(tmp_path / "tp4"), [*init, "parallel.tp=4"]), timeout=300):
+        assert losses == pytest.approx(one, rel=1e-5)
+
+    r = _meshtrain("convert", "--ckpt", str(tmp_path / "tp4"), "--out", str(tmp_path / "export"))
+    assert r.returncode == 0, r.stderr
+    tuned = Qwen2ForCausalLM.from_pretrained(tmp_path / "export").eval()
+    ckpt = latest_checkpoint(tmp_path / "tp4" / "checkpoints")
+    ours = Llama(update_from_dict(Config(), read_checkpoint_meta(ckpt)["config"]).model).eval()
+    load_full(ours, CheckpointReader(ckpt))
+    assert ours.cfg.qkv_bias and logit_diff(ours, tuned, x) <= LOGIT_ATOL
+    assert logit_diff(ours, hf, x) > 1e-3  # it did train
+    biases = (ours.layers["0"].attention.wv.bias, hf.model.layers[0].self_attn.v_proj.bias)  # v: not permuted
+    assert (biases[0] - biases[1]).abs().max() > 1e-4  # the biases trained too
+
+
 def _greedy_case(tmp_path: Path) -> tuple[Path, str, str]:
     """An HF Llama folder with its tokenizer.json, a prompt, and what ``meshtrain generate --greedy --tokens 12``
     must print: the prompt and the tokens transformers' own greedy ``generate`` gives, decoded. The folder's
