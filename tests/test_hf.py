@@ -690,9 +690,10 @@ def test_a_qwen2_fine_tunes_with_tensor_parallelism_and_exports(tmp_path):
     assert (biases[0] - biases[1]).abs().max() > 1e-4  # the biases trained too
 
 
-def _greedy_case(tmp_path: Path) -> tuple[Path, str, str]:
-    """An HF Llama folder with its tokenizer.json, a prompt, and what ``meshtrain generate --greedy --tokens 12``
-    must print: the prompt and the tokens transformers' own greedy ``generate`` gives, decoded. The folder's
+def _greedy_case(tmp_path: Path, arch: str = "llama") -> tuple[Path, str, str]:
+    """An HF Llama folder (a Qwen2 one, q, k, v biases and all, for ``arch="qwen2"``) with its tokenizer.json, a
+    prompt, and what ``meshtrain generate --greedy --tokens 12`` must print: the prompt and the tokens transformers'
+    own greedy ``generate`` gives, decoded. The folder's
     config.json lists two end tokens, as Llama 3.1's instruct models do: an id greedy decoding never makes, and
     the one it makes fourth or later (first time), so the row must end just before it (theirs ends with it)."""
     from tokenizers import Tokenizer, processors
@@ -707,10 +708,11 @@ def _greedy_case(tmp_path: Path) -> tuple[Path, str, str]:
     raw.post_processor = processors.TemplateProcessing(single="<unk> $A", special_tokens=[("<unk>", 0)])
     raw.save(str(folder / "tokenizer.json"))
     tok = HFTokenizer(folder / "tokenizer.json")
-    cfg = LlamaConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, rope_theta=5000.0,
-                      rms_norm_eps=1e-5)
-    hf = LlamaForCausalLM(cfg).eval()
+    config, model = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    cfg = config(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, rope_theta=5000.0,
+                 rms_norm_eps=1e-5)
+    hf = model(cfg).eval()
     _randomise(hf, 0)
     prompt = "the quick brown fox"
     ids = tok.encode_prompt(prompt)
@@ -731,12 +733,13 @@ def _greedy_case(tmp_path: Path) -> tuple[Path, str, str]:
 
 
 @pytest.mark.slow  # CLI subprocess runs
-def test_generate_reads_a_huggingface_folder_with_transformers_greedy_tokens(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_generate_reads_a_huggingface_folder_with_transformers_greedy_tokens(tmp_path, arch):
     """``meshtrain generate --ckpt HF_DIR``: the folder's config.json is the model, its weights are read through
     HFSource and its tokenizer.json encodes the prompt; greedy decoding gives transformers' tokens and ends where
     transformers' does, at the folder's end tokens; a malformed end token and a folder without a tokenizer.json
     are each refused in one line."""
-    folder, prompt, want = _greedy_case(tmp_path)
+    folder, prompt, want = _greedy_case(tmp_path, arch)
     r = _meshtrain("generate", "--ckpt", str(folder), "--prompt", prompt, "--tokens", "12", "--greedy")
     assert r.returncode == 0 and r.stdout == want, (r.stdout, want, r.stderr)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, "x"]}))
@@ -750,9 +753,11 @@ def test_generate_reads_a_huggingface_folder_with_transformers_greedy_tokens(tmp
 
 
 @pytest.mark.slow
-def test_generate_from_a_huggingface_folder_on_two_tensor_parallel_ranks(tmp_path):
-    """The same on tp=2: each rank reads only its slices of the HF folder, and the tokens are transformers'."""
-    folder, prompt, want = _greedy_case(tmp_path)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_generate_from_a_huggingface_folder_on_two_tensor_parallel_ranks(tmp_path, arch):
+    """The same on tp=2: each rank reads only its slices of the HF folder (a Qwen2's biases too: each rank adds its
+    heads' rows), and the tokens are transformers'."""
+    folder, prompt, want = _greedy_case(tmp_path, arch)
     r = _meshtrain("generate", "--ckpt", str(folder), "--prompt", prompt, "--tokens", "12", "--greedy",
                    "--nproc", "2", "parallel.tp=2")
     assert r.returncode == 0 and r.stdout == want, (r.stdout, want, r.stderr)
