@@ -52,6 +52,7 @@ class ModelConfig:
     n_layers: int = 2
     n_heads: int = 4
     n_kv_heads: int = 0  # 0: same as n_heads (multi-head attention)
+    head_size: int = 0  # width of each q, k, v head; 0: d_model / n_heads (Qwen3 0.6B and 4B set 128 apart from it)
     ffn_hidden: int = 0  # 0: Llama's rule, 2/3 * 4 * d_model rounded up to multiple_of
     multiple_of: int = 32
     norm_eps: float = 1e-5
@@ -88,7 +89,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_size or self.d_model // self.n_heads
 
     @property
     def hidden_dim(self) -> int:
@@ -424,14 +425,19 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     for name in ("d_model", "n_layers", "n_heads", "max_seq_len", "multiple_of"):
         _need(getattr(m, name) > 0, f"model.{name} must be positive, got {getattr(m, name)}.")
     _need(m.vocab_size >= 0, "model.vocab_size must be >= 0 (0 takes it from the tokenizer).")
-    heads = _head_counts(m.d_model)
-    _need(
-        m.d_model % m.n_heads == 0,
-        f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}: pick n_heads from {heads}." if heads
-        else f"model.d_model={m.d_model} has no head count with an even head dimension (RoPE rotates pairs): "
-             f"pick an even model.d_model, e.g. {m.d_model + 1}.",
-    )
-    _need(m.head_dim % 2 == 0, f"head dimension d_model/n_heads = {m.head_dim} must be even for RoPE.")
+    _need(m.head_size >= 0, f"model.head_size must be >= 0 (0: d_model / n_heads), got {m.head_size}.")
+    if m.head_size:
+        _need(m.head_size % 2 == 0, f"model.head_size={m.head_size} must be even (RoPE rotates pairs).")
+    else:
+        heads = _head_counts(m.d_model)
+        _need(
+            m.d_model % m.n_heads == 0,
+            f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}: pick n_heads from {heads} (or set "
+            f"model.head_size)." if heads
+            else f"model.d_model={m.d_model} has no head count with an even head dimension (RoPE rotates pairs): "
+                 f"pick an even model.d_model, e.g. {m.d_model + 1}.",
+        )
+        _need(m.head_dim % 2 == 0, f"head dimension d_model/n_heads = {m.head_dim} must be even for RoPE.")
     _need(m.n_kv_heads >= 0, "model.n_kv_heads must be >= 0 (0 means n_heads).")
     _need(
         m.n_heads % m.kv_heads == 0,

@@ -26,6 +26,13 @@ def test_presets_load_and_overrides_apply():
         assert (pc.total - pc.embedding - pc.head) / 1e9 == pytest.approx(body, abs=0.001), name
 
 
+def test_heads_wider_than_d_model_over_n_heads():
+    """model.head_size sets each head's width apart from d_model / n_heads: n_heads need not divide d_model."""
+    m = load_config("tiny", ["model.n_heads=3", "model.n_kv_heads=1", "model.head_size=16"]).model
+    assert (m.head_dim, m.d_model) == (16, 32)
+    assert load_config("tiny").model.head_dim == 8  # d_model / n_heads
+
+
 def test_yaml_file_with_preset(tmp_path):
     f = tmp_path / "run.yaml"
     f.write_text("preset: tiny\ntrain:\n  steps: 3\n")
@@ -127,6 +134,9 @@ def test_a_bool_takes_1_and_0_as_yaml_reads_them(value, want):
     ("model.rope_scaling=llama3 model.rope_low_freq_factor=4",
      "model.rope_low_freq_factor=4.0 and model.rope_high_freq_factor=4.0 must be positive with low < high"),
     ("model.rope_scaling=llama3 model.rope_original_max_len=0", "model.rope_original_max_len must be positive"),
+    ("model.head_size=7", "model.head_size=7 must be even (RoPE rotates pairs)."),
+    ("model.head_size=-2", "model.head_size must be >= 0 (0: d_model / n_heads), got -2."),
+    ("model.n_heads=3", "model.n_heads=3 must divide model.d_model=32: pick n_heads from"),
     ("model.init_std=.inf", "model.init_std must be a positive number, got inf."),
     ("model.vocab_size=1", "model.vocab_size must be 0 (from the tokenizer) or at least 2, got 1."),
     ("train.lr=.inf", "train.lr must be a positive number, got inf."),

@@ -123,6 +123,27 @@ def test_import_gives_transformers_logits(tmp_path, layout):
     assert logit_diff(model, hf, tokens()) <= LOGIT_ATOL
 
 
+def test_heads_wider_than_hidden_over_heads_import_and_export_with_transformers_logits(tmp_path):
+    """A config.json whose ``head_dim`` is not hidden_size / num_attention_heads (16 against 32 / 4, as Qwen3-0.6B's
+    128 against 1024 / 16): imported as ``model.head_size``, our logits are transformers' within LOGIT_ATOL, and
+    exported, transformers reads the same heads back."""
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=SEQ,
+                      rope_theta=5000.0, rms_norm_eps=1e-5)
+    hf = LlamaForCausalLM(cfg).eval()
+    _randomise(hf, 0)
+    hf.save_pretrained(tmp_path / "in")
+    src = HFSource(tmp_path / "in")
+    assert (src.cfg.head_size, src.cfg.head_dim, src.cfg.d_model) == (16, 16, 32)
+    model = Llama(src.cfg).eval()
+    load_full(model, src)
+    assert logit_diff(model, hf, tokens()) <= LOGIT_ATOL
+    out = export_hf(state_source(model), src.cfg, tmp_path / "out")
+    again = LlamaForCausalLM.from_pretrained(out).eval()
+    assert again.config.head_dim == 16 and logit_diff(model, again, tokens()) <= LOGIT_ATOL
+    assert hf_model_config(out) == src.cfg
+
+
 def test_llama3_rope_scaling_imports_and_exports_with_transformers_logits(tmp_path):
     """Llama 3.1+'s ``rope_type: llama3`` (every Llama 3.1, 3.2 and 3.3 checkpoint): imported, our logits are
     transformers' within LOGIT_ATOL; without the scaling (the same weights, rope_scaling none) they are not, so the
@@ -482,8 +503,10 @@ BAD = {  # name: (shard, how to break the folder, error type, what the one line 
                         ValueError, ["config.json: rope_scaling.rope_type is 'linear'"]),
     "attention-bias": (None, lambda f: _edit_config(f, attention_bias=True),
                        ValueError, ["config.json: attention_bias is True", "false only"]),
-    "head-dim": (None, lambda f: _edit_config(f, head_dim=16),
-                 ValueError, ["config.json: head_dim is 16", "hidden_size / num_attention_heads = 8"]),
+    "head-dim": (None, lambda f: _edit_config(f, head_dim=16),  # accepted (model.head_size), but not these weights
+                 ValueError, ["q_proj.weight has shape (32, 32) but", "config.json implies (64, 32)"]),
+    "odd-head-dim": (None, lambda f: _edit_config(f, head_dim=7),
+                     ValueError, ["config.json: head_dim is 7", "a positive even head_dim"]),
     "missing-shard": ("20KB", lambda f: sorted(f.glob("model-*.safetensors"))[1].unlink(),
                       FileNotFoundError, ["model.safetensors.index.json names shard model-00002-of-", "missing"]),
     "absent-tensor": (None, _drop_tensor, ValueError, ["model.safetensors: tensor model.norm.weight",

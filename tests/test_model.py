@@ -36,7 +36,8 @@ def test_init_depends_only_on_seed_and_names():
 
 def test_param_count_matches_the_module():
     for cfg in (CFG, ModelConfig(vocab_size=257, d_model=64, n_layers=3, n_heads=8, tie_embeddings=True),
-                ModelConfig(vocab_size=257, d_model=64, n_layers=3, n_heads=8, n_kv_heads=2, qkv_bias=True)):
+                ModelConfig(vocab_size=257, d_model=64, n_layers=3, n_heads=8, n_kv_heads=2, qkv_bias=True),
+                ModelConfig(vocab_size=257, d_model=64, n_layers=2, n_heads=3, n_kv_heads=1, head_size=32)):
         model = Llama(cfg)
         assert param_count(cfg).total == sum(p.numel() for p in model.parameters())
 

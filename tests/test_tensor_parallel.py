@@ -39,6 +39,11 @@ pytestmark = pytest.mark.slow
 STEPS = 5
 BASE = run_overrides(STEPS)
 MHA = ["model.n_kv_heads=4"]  # whole kv heads at tp=4 (fewer, replicated over tp: tests/test_kv_heads.py)
+# Heads twice d_model / n_heads wide (model.head_size): q, k, v and wo's input are 64 wide, d_model 32. At RoPE theta
+# 100: at 10,000 the slow pairs leave the run ill-conditioned, a change of summation order alone (one process,
+# train.grad_accum=4 against 1) moving wv.weight by 2.0e-5 after 5 steps; at theta 100 that control stays at 1.6e-7
+# (as QKV_BIAS in test_kv_heads.py).
+WIDE = ["model.head_size=16", "model.rope_theta=100"]
 
 LAYOUTS_4 = [
     ("tp4", ["parallel.tp=4", *MHA]),
@@ -53,6 +58,8 @@ LAYOUTS_4 = [
     ("tp4 no clipping", ["parallel.tp=4", "train.grad_clip=0", *MHA]),
     ("tp4 sp no clipping", ["parallel.tp=4", "parallel.sp=true", "train.grad_clip=0", *MHA]),
     ("tp4 sp kept inputs", ["parallel.tp=4", "parallel.sp=true", "parallel.sp_regather=false", *MHA]),
+    ("tp4 sp wide heads", ["parallel.tp=4", "parallel.sp=true", *MHA, *WIDE]),
+    ("tp2 x dp2 zero3 wide heads", ["parallel.tp=2", "parallel.zero=3", *WIDE]),
 ]
 LAYOUTS_2 = [
     ("tp2 gqa", ["parallel.tp=2"]),
@@ -63,6 +70,7 @@ LAYOUTS_2 = [
 # (tp, sp, sp_regather) of the byte and activation-memory measurements on 4 ranks (tp=2: dp=2, half the rows;
 # a rank holds two heads there, one at tp=4).
 MEASURED = [(4, False, True), (4, True, True), (4, True, False), (2, False, True), (2, True, True)]
+MEASURED_WIDE = [(4, True, True), (2, False, True)]  # the same with model.head_size apart from d_model / n_heads
 
 
 def _tokens(tp: int) -> int:
@@ -70,11 +78,11 @@ def _tokens(tp: int) -> int:
     return 4 * 64 * tp // 4
 
 
-def _measure(data, tp, sp, regather):
+def _measure(data, tp, sp, regather, extra=()):
     """tp-axis bytes of one steady-state step, and activation bytes saved for backward by one forward."""
     cfg = load_config("tiny", [f"data.path={data}", *BASE, f"parallel.tp={tp}", f"parallel.sp={sp}",
                                f"parallel.sp_regather={regather}",
-                               "train.global_batch=4", "train.seq_len=64", "model.max_seq_len=64", *MHA])
+                               "train.global_batch=4", "train.seq_len=64", "model.max_seq_len=64", *MHA, *extra])
     trainer = Trainer(cfg)
     trainer.train_step(0)
     comm.METER.reset()
@@ -88,6 +96,7 @@ def _worker(rank, world_size, data, layouts, measure):
     out = {name: run_layout(data, [*BASE, *overrides], run_dir(data, world_size, name))
            for name, overrides in layouts}
     meas = {key: _measure(data, *key) for key in measure}
+    meas.update({("wide", *key): _measure(data, *key, WIDE) for key in (MEASURED_WIDE if measure else [])})
     return out, meas
 
 
@@ -142,6 +151,15 @@ def test_sequence_parallel_cuts_activation_memory(world4):
         # (2 per block and the head's: 5 x 3/4 of 4 x 64 x 32 fp32).
         assert saved[(4, True, False)] - saved[(4, True, True)] == 5 * 4 * 64 * 32 * 4 * 3 // 4, saved
         assert saved[(4, True, True)] < saved[(4, True, False)] < saved[(4, False, True)], saved
+    # Heads wider than d_model / n_heads (model.head_size): attention's tensors are n_heads x head_size wide, the
+    # residual stream d_model; the planner's model holds exactly, and the wider heads keep more.
+    wide = load_config("tiny", [*MHA, *WIDE]).model
+    wide.vocab_size, wide.max_seq_len = 257, 64
+    for rank, (_, meas) in enumerate(world4):
+        for tp, sp, regather in MEASURED_WIDE:
+            got = meas[("wide", tp, sp, regather)][1]
+            assert got == tp_forward_saved_bytes(wide, _tokens(tp), tp, sp, regather), (rank, tp, sp, got)
+            assert got > meas[(tp, sp, regather)][1]
 
 
 def _gather_linear_worker(rank, world_size):

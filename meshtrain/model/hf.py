@@ -190,7 +190,7 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
     Raises a one-line ``ValueError`` naming the file, the field and what is supported for anything our model
     does not compute the same way: another architecture, RoPE scaling other than Llama 3.1's, a sliding window,
     Llama's attention or MLP biases (an o_proj bias; Qwen2's q, k, v biases are ``model.qkv_bias``), an activation
-    other than SiLU, head_dim other than hidden/heads.
+    other than SiLU, an odd head_dim. A head_dim other than hidden/heads is ``model.head_size``.
     """
     file, c = _read_config(Path(folder))
     arch = c.get("architectures")
@@ -207,14 +207,15 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
         raise _config_error(file, "hidden_act", c["hidden_act"], "silu only (SwiGLU)")
     d_model = _positive_int(file, c, "hidden_size")
     n_heads = _positive_int(file, c, "num_attention_heads")
-    if d_model % n_heads:
-        raise _config_error(file, "num_attention_heads", n_heads, f"a divisor of hidden_size={d_model}")
     head_dim = c.get("head_dim")
-    if head_dim is not None and head_dim != d_model // n_heads:
-        raise _config_error(file, "head_dim", head_dim, f"head_dim = hidden_size / num_attention_heads = "
-                                                        f"{d_model // n_heads} only")
-    if head_dim is not None and head_dim % 2:
-        raise _config_error(file, "head_dim", head_dim, "an even head_dim (RoPE rotates pairs)")
+    if head_dim is None and d_model % n_heads:
+        raise _config_error(file, "num_attention_heads", n_heads, f"a divisor of hidden_size={d_model} (or a "
+                                                                  f"head_dim)")
+    if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0
+                                 or head_dim % 2):
+        raise _config_error(file, "head_dim", head_dim, "a positive even head_dim (RoPE rotates pairs)")
+    # model.head_size: 0 where the heads are hidden_size / num_attention_heads wide, as our default computes
+    head_size = 0 if head_dim is None or (d_model % n_heads == 0 and head_dim == d_model // n_heads) else head_dim
     kv_heads = _positive_int(file, c, "num_key_value_heads", n_heads)
     if n_heads % kv_heads:
         raise _config_error(file, "num_key_value_heads", kv_heads, f"a divisor of num_attention_heads={n_heads}")
@@ -235,6 +236,7 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
         n_layers=_positive_int(file, c, "num_hidden_layers"),
         n_heads=n_heads,
         n_kv_heads=kv_heads,
+        head_size=head_size,
         ffn_hidden=_positive_int(file, c, "intermediate_size"),
         norm_eps=float(eps),
         **_rope(file, c),

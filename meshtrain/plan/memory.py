@@ -94,7 +94,8 @@ def activation_elems_per_token(cfg: ModelConfig, recompute: str = "none", tp: in
                                sp_regather: bool = True) -> float:
     """Elements one block keeps for backward per token on one rank (activation memory = this x tokens x
     layers x bytes). Counted from meshtrain's block (RMSNorm, fused QKV, SDPA, wo, SwiGLU) with
-    D = d_model, F = MLP hidden, H = n_heads, kv = max(n_kv_heads, tp) x head_dim (a rank holds whole kv heads):
+    D = d_model, F = MLP hidden, H = n_heads, Q = H x head_dim (D unless ``model.head_size`` sets the heads' width
+    apart), kv = max(n_kv_heads, tp) x head_dim (a rank holds whole kv heads); below, the attention's D is Q:
 
     - ``none`` (exact for fp32, ``tests/test_tensor_parallel.py`` measures it): each RMSNorm keeps its input
       and one rsqrt per token (D + 1, twice; model/layers._RMSNormFn); each column-parallel layer (fused QKV,
@@ -111,18 +112,18 @@ def activation_elems_per_token(cfg: ModelConfig, recompute: str = "none", tp: in
     Flash attention keeps no T x T scores, so there is no quadratic term. Under bf16 autocast this is an
     estimate: the norms' rsqrt and RoPE compute in fp32, and the matmuls keep compute-dtype copies of their inputs.
     """
-    d, f = cfg.d_model, cfg.hidden_dim
+    d, f, q = cfg.d_model, cfg.hidden_dim, cfg.n_heads * cfg.head_dim
     kv = max(cfg.kv_heads, tp) * cfg.head_dim  # kv/tp per rank: whole heads (tp > kv heads: one, replicated)
     seq = tp if sp else 1  # what sequence parallelism divides
     if recompute == "full":
         return d / seq
     if recompute == "selective":
-        return d / seq + 2 * d + (d + 2 * kv + d + 2 * f) / tp
+        return d / seq + 2 * d + (q + 2 * kv + q + 2 * f) / tp
     if recompute == "none":
         column = d / seq if sp and sp_regather else d
         # as many kv heads as query heads on a rank: no repeat (MHA); else k and v are repeated (GQA)
-        attn_in = (d + 2 * kv) + (d + kv) if kv == d else 3 * d
-        return 2 * (d + 1) / seq + 2 * column + (attn_in + d + cfg.n_heads + 4 * f) / tp
+        attn_in = (q + 2 * kv) + (q + kv) if kv == q else 3 * q
+        return 2 * (d + 1) / seq + 2 * column + (attn_in + q + cfg.n_heads + 4 * f) / tp
     raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
 
 
@@ -140,7 +141,7 @@ def tp_forward_saved_bytes(cfg: ModelConfig, tokens: int, tp: int, sp: bool = Fa
     blocks = activation_elems_per_token(cfg, "none", tp, sp, sp_regather) * tokens * cfg.n_layers
     column = d / seq if sp and sp_regather else d
     outside = (1 + (d + 1) / seq + column) * tokens
-    fused = cfg.n_layers * (d + 2 * kv + 2 * cfg.hidden_dim) * d / tp
+    fused = cfg.n_layers * (cfg.n_heads * cfg.head_dim + 2 * kv + 2 * cfg.hidden_dim) * d / tp
     return 8 * tokens + act_bytes * (blocks + outside + fused)
 
 
