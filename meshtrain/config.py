@@ -68,6 +68,8 @@ class ModelConfig:
     max_seq_len: int = 256
     tie_embeddings: bool = False
     qkv_bias: bool = False  # True: wq, wk and wv add a bias (Qwen2's attention; the biases start at zero)
+    qk_norm: bool = False  # True: each q and k head passes an RMSNorm over head_dim (one scale for all heads) before
+    # RoPE (Qwen3's attention)
     init_std: float = 0.02
     # Mixture of experts (every block's MLP becomes an MoE layer when moe_experts > 0).
     moe_experts: int = 0  # routed experts per layer; 0: dense SwiGLU MLP

@@ -46,6 +46,8 @@ KV1, KV2 = ["model.n_kv_heads=1"], ["model.n_kv_heads=2"]
 # at theta 10,000, 8.2e-6 at 1,000, 4.7e-6 at 300, 8.7e-7 at 100, 2.3e-5 at 50 (wo.weight, kv1 accum 4: as without
 # biases at 50). So theta 100, where all four are under 1e-6.
 QKV_BIAS = ["model.qkv_bias=true", "model.rope_theta=100"]
+# At theta 10,000 the same control with q and k normalised stays at 3.1e-6 or less (kv1 and kv2, accum 2 and 4).
+QK_NORM = ["model.qk_norm=true"]
 
 LAYOUTS_4 = [
     ("tp4 kv2", ["parallel.tp=4", *KV2]),  # two heads, each on two ranks
@@ -59,6 +61,10 @@ LAYOUTS_4 = [
     ("tp2 sp x dp2 zero3 kv1 qkv bias", ["parallel.tp=2", "parallel.sp=true", "parallel.zero=3", *KV1, *QKV_BIAS]),
     ("pp2 zb-h1 x tp2 kv1 qkv bias", ["parallel.pp=2", "parallel.tp=2", "parallel.microbatches=2",
                                       "parallel.schedule=zb-h1", *KV1, *QKV_BIAS]),
+    # Qwen3's per-head q and k norms (model.qk_norm): whole on every rank, their gradients summed over tp with SP or
+    # without (each rank's covers its heads; a shared kv head's k norm part from each rank sharing it)
+    ("tp4 kv2 qk norm", ["parallel.tp=4", *KV2, *QK_NORM]),
+    ("tp2 sp x dp2 zero3 kv1 qk norm", ["parallel.tp=2", "parallel.sp=true", "parallel.zero=3", *KV1, *QK_NORM]),
 ]
 # Resharding: one process writes steps 1-2, tp4 resumes for 3-4, one process resumes for step 5.
 CKPT = [*BASE, *KV1, "train.ckpt_every=1", "train.ckpt_keep=2"]

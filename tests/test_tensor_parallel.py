@@ -60,6 +60,7 @@ LAYOUTS_4 = [
     ("tp4 sp kept inputs", ["parallel.tp=4", "parallel.sp=true", "parallel.sp_regather=false", *MHA]),
     ("tp4 sp wide heads", ["parallel.tp=4", "parallel.sp=true", *MHA, *WIDE]),
     ("tp2 x dp2 zero3 wide heads", ["parallel.tp=2", "parallel.zero=3", *WIDE]),
+    ("tp4 qk norm wide heads", ["parallel.tp=4", "model.qk_norm=true", *MHA, *WIDE]),  # Qwen3's attention
 ]
 LAYOUTS_2 = [
     ("tp2 gqa", ["parallel.tp=2"]),
@@ -70,7 +71,12 @@ LAYOUTS_2 = [
 # (tp, sp, sp_regather) of the byte and activation-memory measurements on 4 ranks (tp=2: dp=2, half the rows;
 # a rank holds two heads there, one at tp=4).
 MEASURED = [(4, False, True), (4, True, True), (4, True, False), (2, False, True), (2, True, True)]
-MEASURED_WIDE = [(4, True, True), (2, False, True)]  # the same with model.head_size apart from d_model / n_heads
+# The same for other attentions: (overrides, the measurements) by name. Heads wider than d_model / n_heads; Qwen3's
+# q and k norms, with as many kv heads as query heads (MHA) and with fewer (GQA: k, v repeated for the core).
+MEASURED_OTHER = {"wide": (WIDE, [(4, True, True), (2, False, True)]),
+                  "qk norm": (["model.qk_norm=true"], [(4, False, True)]),
+                  "gqa": (["model.n_kv_heads=2"], [(2, True, True)]),
+                  "qk norm gqa": (["model.qk_norm=true", "model.n_kv_heads=2"], [(2, True, True)])}
 
 
 def _tokens(tp: int) -> int:
@@ -96,7 +102,8 @@ def _worker(rank, world_size, data, layouts, measure):
     out = {name: run_layout(data, [*BASE, *overrides], run_dir(data, world_size, name))
            for name, overrides in layouts}
     meas = {key: _measure(data, *key) for key in measure}
-    meas.update({("wide", *key): _measure(data, *key, WIDE) for key in (MEASURED_WIDE if measure else [])})
+    for name, (extra, keys) in MEASURED_OTHER.items() if measure else ():
+        meas.update({(name, *key): _measure(data, *key, extra) for key in keys})
     return out, meas
 
 
@@ -152,14 +159,17 @@ def test_sequence_parallel_cuts_activation_memory(world4):
         assert saved[(4, True, False)] - saved[(4, True, True)] == 5 * 4 * 64 * 32 * 4 * 3 // 4, saved
         assert saved[(4, True, True)] < saved[(4, True, False)] < saved[(4, False, True)], saved
     # Heads wider than d_model / n_heads (model.head_size): attention's tensors are n_heads x head_size wide, the
-    # residual stream d_model; the planner's model holds exactly, and the wider heads keep more.
-    wide = load_config("tiny", [*MHA, *WIDE]).model
-    wide.vocab_size, wide.max_seq_len = 257, 64
-    for rank, (_, meas) in enumerate(world4):
-        for tp, sp, regather in MEASURED_WIDE:
-            got = meas[("wide", tp, sp, regather)][1]
-            assert got == tp_forward_saved_bytes(wide, _tokens(tp), tp, sp, regather), (rank, tp, sp, got)
-            assert got > meas[(tp, sp, regather)][1]
+    # residual stream d_model. Qwen3's q and k norms keep their inputs (views of the QKV output) and one rsqrt per
+    # head. The planner's model holds exactly for each, and each keeps more than the plain block.
+    for name, (extra, keys) in MEASURED_OTHER.items():
+        other = load_config("tiny", [*MHA, *extra]).model
+        other.vocab_size, other.max_seq_len = 257, 64
+        for rank, (_, meas) in enumerate(world4):
+            for tp, sp, regather in keys:
+                got = meas[(name, tp, sp, regather)][1]
+                assert got == tp_forward_saved_bytes(other, _tokens(tp), tp, sp, regather), (name, rank, tp, sp, got)
+                if "gqa" not in name:  # the plain block above is measured with MHA only
+                    assert got > meas[(tp, sp, regather)][1], (name, rank)
 
 
 def _gather_linear_worker(rank, world_size):

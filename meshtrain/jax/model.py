@@ -32,8 +32,9 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The dense model's parameters by their single-device names (tied output: stored once, as the embedding)."""
     if cfg.moe_experts:
         raise ValueError("the JAX executor runs dense models only (model.moe_experts must be 0).")
-    if cfg.qkv_bias:
-        raise ValueError("the JAX executor runs bias-free attention only (model.qkv_bias must be false).")
+    if cfg.qkv_bias or cfg.qk_norm:
+        raise ValueError("the JAX executor runs Llama's attention only (model.qkv_bias and model.qk_norm must be "
+                         "false).")
     d, hd, f = cfg.d_model, cfg.head_dim, cfg.hidden_dim
     shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (cfg.vocab_size, d)}
     for i in range(cfg.n_layers):

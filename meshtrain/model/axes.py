@@ -10,6 +10,8 @@ LOGITS_AXES = ("batch", "seq", "vocab")
 
 # Matched against the end of a parameter's name, first match wins (more specific first).
 _PARAM_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention.q_norm.weight", ("head_dim",)),  # model.qk_norm: one scale over a head, shared by all heads
+    ("attention.k_norm.weight", ("head_dim",)),
     ("norm.weight", ("embed",)),
     ("tok_embeddings.weight", ("vocab", "embed")),
     ("output.weight", ("vocab", "embed")),

@@ -41,25 +41,34 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=False)
+        # model.qk_norm (Qwen3): one RMSNorm scale over head_dim for every q head, one for every k head
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.core = CausalAttention()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LayerKV | None = None) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = heads_with_rope(self.wq(x), self.wk(x), self.wv(x), self.head_dim, cos, sin)
+        q, k, v = heads_with_rope(self.wq(x), self.wk(x), self.wv(x), self.head_dim, cos, sin,
+                                  self.q_norm, self.k_norm)
         y = attend(self.core, q, k, v, cache)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
 def heads_with_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, cos: torch.Tensor,
-                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The projections [B, T, H * D] as the attention core's [B, H, T, D], q and k rotated (shared by the plain and
-    the tensor-parallel attention). Head counts come from the widths, so a tensor-parallel shard (fewer heads) runs
-    unchanged. RoPE rotates q and k in their own [B, T, H, D] order and the core gets [B, H, T, D] views of them, as
-    of v: no copy changes the layout on the way in (torchtitan's order too)."""
+                    sin: torch.Tensor, q_norm: nn.Module | None = None,
+                    k_norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The projections [B, T, H * D] as the attention core's [B, H, T, D], q and k normalised per head (``q_norm``,
+    ``k_norm``: model.qk_norm) and rotated (shared by the plain and the tensor-parallel attention). Head counts come
+    from the widths, so a tensor-parallel shard (fewer heads) runs unchanged. RoPE rotates q and k in their own
+    [B, T, H, D] order and the core gets [B, H, T, D] views of them, as of v: no copy changes the layout on the way
+    in (torchtitan's order too)."""
     b, t = q.shape[:2]
-    q = apply_rope(q.view(b, t, -1, head_dim), cos, sin).transpose(1, 2)
-    k = apply_rope(k.view(b, t, -1, head_dim), cos, sin).transpose(1, 2)
+    q, k = q.view(b, t, -1, head_dim), k.view(b, t, -1, head_dim)
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    q = apply_rope(q, cos, sin).transpose(1, 2)
+    k = apply_rope(k, cos, sin).transpose(1, 2)
     return q, k, v.view(b, t, -1, head_dim).transpose(1, 2)
 
 

@@ -55,7 +55,7 @@ from meshtrain.parallel.pipeline.engine import PipelineEngine, split
 from meshtrain.parallel.pipeline.wgrad import WeightGradStore
 from meshtrain.parallel.recompute import apply_recompute, recomputed_forward
 from meshtrain.parallel.state import Held, check_shapes, gather_full, load_state, local_state, regions
-from meshtrain.parallel.tensor import TensorParallel, apply_tensor_parallel
+from meshtrain.parallel.tensor import TensorParallel, apply_tensor_parallel, head_partial
 from meshtrain.parallel.units import Unit
 from meshtrain.parallel.zero import ZeroGradSync
 from meshtrain.plan.partition import Partition, partition_model
@@ -176,11 +176,13 @@ class Parallel:
 
     def sync_grads(self) -> None:
         """Wait for the gradient communication; then the pieces' ``.grad`` are the global gradients
-        (tensor-parallel replicas added under SP, averaged without; shared kv heads added)."""
+        (tensor-parallel replicas added under SP, averaged without; per-head norms and shared kv heads added)."""
         self.sync.finish_grads()
         if self.tp is not None:
             held = [op for op in self.sync.optim_params() if op.tensor.grad is not None and op.replicas > 1]
-            self.tp.sync_replicated_grads([op.tensor.grad for op in held if op.tp is None])
+            whole = [op for op in held if op.tp is None]
+            self.tp.sync_replicated_grads([op.tensor.grad for op in whole if not head_partial(op.name)])
+            self.tp.sync_head_partial_grads([op.tensor.grad for op in whole if head_partial(op.name)])
             self.tp.sync_shared_kv_grads([op.tensor.grad for op in held if op.tp is not None])
 
     def grad_norm(self) -> torch.Tensor:

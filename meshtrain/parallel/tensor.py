@@ -309,6 +309,11 @@ class ParallelAttention(nn.Module):
                 not isinstance(self.wo, RowParallelLinear):
             raise ValueError("the rules must split attention by heads (wq, wk, wv by rows, wo by columns).")
         self.q_rows, self.kv_rows = self.wq.weight.shape[0], self.wk.weight.shape[0]
+        # model.qk_norm: the scales are whole on every rank, each rank's gradient a partial sum over its heads
+        self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
+        for n in ("q_norm", "k_norm"):
+            if getattr(attn, n) is not None:
+                sharder.replicate(f"{prefix}.{n}.weight", getattr(attn, n).weight)
         self.core = attn.core  # causal SDPA, or context parallelism's ring
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -323,7 +328,7 @@ class ParallelAttention(nn.Module):
             h = self.wq.enter(x)  # copy cost more than the matmuls); still one entry collective
             q, k, v = (F.linear(h, m.weight, m.bias) for m in projections)
         b, t = q.shape[:2]
-        q, k, v = heads_with_rope(q, k, v, self.head_dim, cos, sin)
+        q, k, v = heads_with_rope(q, k, v, self.head_dim, cos, sin, self.q_norm, self.k_norm)
         y = attend(self.core, q, k, v, cache)  # with a cache: this rank's kv heads only (kv_cache.py)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
@@ -405,6 +410,12 @@ class VocabParallelLoss:
 # ----------------------------------------------------------------------------- the transformation
 
 
+def head_partial(name: str) -> bool:
+    """Whether parameter ``name`` is applied to each head apart (its logical axes are ``head_dim`` alone: the
+    per-head norms of model.qk_norm): whole on every tp rank, but each rank's gradient covers its heads only."""
+    return param_axes(name) == ("head_dim",)
+
+
 class TensorParallel:
     """What ``apply_tensor_parallel`` returns: the loss to use, where each local parameter sits in its
     logical tensor, and the replicated-gradient sync (``kv_group``: the ranks sharing a kv head, or None)."""
@@ -421,6 +432,12 @@ class TensorParallel:
         nondeterministic kernels would otherwise let them drift apart (seed 001)."""
         if self.group.size > 1 and grads:
             _all_reduce_flat(grads, self.group, "sum" if self.sp else "avg")
+
+    def sync_head_partial_grads(self, grads: list[torch.Tensor]) -> None:
+        """The per-head norms' scales (model.qk_norm) are replicated, but each rank applied them to its own heads
+        only, so its gradient is its heads' part: summed over tp, with or without SP."""
+        if self.group.size > 1 and grads:
+            _all_reduce_flat(grads, self.group, "sum")
 
     def sync_shared_kv_grads(self, grads: list[torch.Tensor]) -> None:
         """A kv head shared by several tp ranks (fewer kv heads than tp) got from each rank only its own query

@@ -60,7 +60,7 @@ def param_count(cfg: ModelConfig) -> ParamCount:
         embedding=embedding,
         attention=layers * attn,
         mlp=layers * mlp,
-        norms=(2 * layers + 1) * d,
+        norms=(2 * layers + 1) * d + (2 * layers * hd if cfg.qk_norm else 0),
         head=0 if cfg.tie_embeddings else head,
         mlp_active=layers * active,
         biases=layers * (cfg.n_heads + 2 * cfg.kv_heads) * hd if cfg.qkv_bias else 0,

@@ -101,10 +101,11 @@ def activation_elems_per_token(cfg: ModelConfig, recompute: str = "none", tp: in
       and one rsqrt per token (D + 1, twice; model/layers._RMSNormFn); each column-parallel layer (fused QKV,
       fused gate/up) its input, D. With SP the norms' tensors are sequence-sharded (1/tp), and so are the
       column inputs with ``sp_regather`` (backward gathers them again, parallel.sp_regather); without it they
-      are the gathered whole sequence. Split tp ways: attention's inputs (MHA: the QKV output, which the value
-      view keeps alive, D + 2kv, and rotated q and k, D + kv; GQA: rotated q and the repeated k and v, 3D), its
+      are the gathered whole sequence. Split tp ways: attention's inputs (the QKV output, which the value view
+      keeps alive, D + 2kv, and rotated q and k, D + kv; GQA included: SDPA's ``enable_gqa`` repeats no k or v), its
       output D and log-sum-exp H (wo's input is a view of that output: SDPA's flash kernels lay it out
       [B, T, heads, head_dim], so the transpose back needs no copy), and gate/up 2F, SiLU F, their product F.
+      With ``model.qk_norm`` the q and k norms keep their inputs, views of the QKV output, and one rsqrt per head.
     - ``selective`` (meshtrain's policy: keep matmul and attention outputs, recompute norms, RoPE, SiLU and
       products): block input D, QKV D + 2kv, attention output D, wo and w2 outputs (whole partial sums, 2D),
       gate/up 2F. The column inputs are recomputed, so ``sp_regather`` does not change it.
@@ -121,8 +122,10 @@ def activation_elems_per_token(cfg: ModelConfig, recompute: str = "none", tp: in
         return d / seq + 2 * d + (q + 2 * kv + q + 2 * f) / tp
     if recompute == "none":
         column = d / seq if sp and sp_regather else d
-        # as many kv heads as query heads on a rank: no repeat (MHA); else k and v are repeated (GQA)
-        attn_in = (q + 2 * kv) + (q + kv) if kv == q else 3 * q
+        # the QKV output (v, a view of it, keeps it alive) and the rotated q and k: SDPA's own GQA repeats no k, v
+        attn_in = (q + 2 * kv) + (q + kv)
+        if cfg.qk_norm:  # q and k heads' norms: their inputs are views of the QKV output; one rsqrt per head
+            attn_in += (q + kv) / cfg.head_dim
         return 2 * (d + 1) / seq + 2 * column + (attn_in + q + cfg.n_heads + 4 * f) / tp
     raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
 

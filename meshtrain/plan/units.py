@@ -27,14 +27,15 @@ def block_layout(cfg: ModelConfig, tp: int = 1, ep: int = 1) -> list[Param]:
     under expert parallelism, ep > 1, the routed experts belong to no unit: they are synchronised over edp on
     their own) and the shared experts. With fewer kv heads than tp, wk and wv hold one kv head, shared by the
     tp / n_kv_heads ranks of a "tp_kv" group. With ``model.qkv_bias`` each of wq, wk and wv is followed by its bias,
-    split (or shared) as its rows."""
+    split (or shared) as its rows; with ``model.qk_norm`` wo is followed by the q and k norms' scales."""
     d, hd = cfg.d_model, cfg.head_dim
     q, kv, hidden = cfg.n_heads * hd // tp, max(cfg.kv_heads // tp, 1) * hd, cfg.hidden_dim // tp
     kv_copies = "tp_kv" if cfg.kv_heads < tp else ""
     projections = [(q * d, ""), (kv * d, kv_copies), (kv * d, kv_copies)]
     if cfg.qkv_bias:
         projections = [(q * d, ""), (q, ""), (kv * d, kv_copies), (kv, kv_copies), (kv * d, kv_copies), (kv, kv_copies)]
-    block = [(d, "tp"), *projections, (d * q, ""), (d, "tp")]
+    norms = [(hd, "tp"), (hd, "tp")] if cfg.qk_norm else []  # q and k heads' scales, whole on every tp rank
+    block = [(d, "tp"), *projections, (d * q, ""), *norms, (d, "tp")]
     if cfg.moe_experts:
         expert = [(cfg.expert_hidden * d, "tp")] * 3
         block += [(cfg.moe_experts * d, "tp")] + (expert * cfg.moe_experts if ep == 1 else [])
