@@ -26,6 +26,8 @@ from transformers import (
     MixtralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from meshtrain.config import Config, ModelConfig, update_from_dict
@@ -271,9 +273,56 @@ def test_qwen2_imports_and_exports_with_transformers_logits(tmp_path):
                        hf.model.layers[0].self_attn.k_proj.bias.detach())
 
 
-def test_a_model_with_qkv_biases_and_experts_has_no_hf_form(tmp_path):
-    cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_heads=4, qkv_bias=True, moe_experts=4, moe_renormalize=True)
-    with pytest.raises(ValueError, match="model.qkv_bias=true with model.moe_experts: this model has no HuggingFace"):
+def hf_qwen3(folder: Path, seed: int = 0, **fields) -> Qwen3ForCausalLM:
+    """A tiny random Qwen3ForCausalLM saved to ``folder``: tied, heads 16 wide over hidden 32 / 4 heads (as
+    Qwen3-0.6B's 128 over 1024 / 16), its q and k norms' scales random too; the hub's window set and off."""
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=SEQ,
+                      rope_theta=5000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
+                      sliding_window=16, **fields)
+    model = Qwen3ForCausalLM(cfg).eval()
+    _randomise(model, seed)
+    model.save_pretrained(folder)
+    return model
+
+
+def test_qwen3_imports_and_exports_with_transformers_logits(tmp_path):
+    """A Qwen3 folder imports as our model with ``model.qk_norm`` and ``model.head_size``: our logits are
+    transformers' within LOGIT_ATOL. The q and k norms' scales are permuted as a head's rows (RoPE's layouts): left in
+    HF's order, or reset to one, the logits differ. Exported again it is a Qwen3ForCausalLM that transformers loads
+    with the same logits."""
+    hf = hf_qwen3(tmp_path / "in")
+    src = HFSource(tmp_path / "in")
+    c = src.cfg
+    assert (c.qk_norm, c.qkv_bias, c.head_size, c.tie_embeddings, c.norm_eps) == (True, False, 16, True, 1e-6)
+    model = Llama(c).eval()
+    load_full(model, src)
+    assert logit_diff(model, hf, tokens()) <= LOGIT_ATOL
+    with torch.no_grad():  # the controls: each must move the logits
+        norm = model.layers["0"].attention.k_norm.weight
+        scale = norm.clone()
+        norm.copy_(interleaved_to_halves(scale, 1))  # HF's order, not ours
+        assert logit_diff(model, hf, tokens()) > 1e-2
+        norm.fill_(1.0)
+        assert logit_diff(model, hf, tokens()) > 1e-2
+        norm.copy_(scale)
+    assert logit_diff(model, hf, tokens()) <= LOGIT_ATOL
+
+    out = export_hf(state_source(model), c, tmp_path / "out")
+    again = Qwen3ForCausalLM.from_pretrained(out).eval()
+    assert (again.config.model_type, again.config.head_dim, again.config.attention_bias) == ("qwen3", 16, False)
+    assert logit_diff(model, again, tokens()) <= LOGIT_ATOL
+    assert hf_model_config(out) == c
+
+
+@pytest.mark.parametrize("options, says", [
+    (dict(qkv_bias=True, moe_experts=4, moe_renormalize=True), "model.qkv_bias=true with model.moe_experts"),
+    (dict(qk_norm=True, moe_experts=4, moe_renormalize=True), "model.qk_norm=true with model.moe_experts"),
+    (dict(qkv_bias=True, qk_norm=True), "model.qkv_bias=true with model.qk_norm=true"),
+])
+def test_attention_options_no_hf_architecture_computes_are_refused_on_export(tmp_path, options, says):
+    cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_heads=4, **options)
+    with pytest.raises(ValueError, match=f"{says}: this model has no HuggingFace form"):
         export_hf(state_source(build_model(cfg, 0)), cfg, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -479,6 +528,12 @@ BAD = {  # name: (shard, how to break the folder, error type, what the one line 
     "qwen2-window": (None, lambda f: _edit_config(f, architectures=["Qwen2ForCausalLM"], model_type="qwen2",
                                                   use_sliding_window=True, sliding_window=32),
                      ValueError, ["config.json: sliding_window is 32", "at least max_position_embeddings=64"]),
+    "qwen3-window": (None, lambda f: _edit_config(f, architectures=["Qwen3ForCausalLM"], model_type="qwen3",
+                                                  use_sliding_window=True, sliding_window=48),
+                     ValueError, ["config.json: sliding_window is 48", "at least max_position_embeddings=64"]),
+    "qwen3-without-norms": (None, lambda f: _edit_config(f, architectures=["Qwen3ForCausalLM"], model_type="qwen3"),
+                            ValueError, ["model.safetensors: tensor model.layers.0.self_attn.q_norm.weight",
+                                         "(meshtrain layers.0.attention.q_norm.weight) is absent"]),
     "layer-types": (None, lambda f: _edit_config(f, architectures=["Qwen2ForCausalLM"], model_type="qwen2",
                                                  layer_types=["full_attention", "sliding_attention"]),
                     ValueError, ["config.json: layer_types is ['full_attention', 'sliding_attention']",
@@ -678,6 +733,37 @@ def test_a_mixtral_fine_tunes_with_expert_parallelism_and_exports(tmp_path):
     ours = Llama(update_from_dict(Config(), read_checkpoint_meta(ckpt)["config"]).model).eval()
     load_full(ours, CheckpointReader(ckpt))
     assert ours.cfg.moe_renormalize and logit_diff(ours, tuned, x) <= LOGIT_ATOL
+    assert logit_diff(ours, hf, x) > 1e-3  # it did train
+
+
+@pytest.mark.slow
+def test_a_qwen3_fine_tunes_with_tensor_parallelism_and_exports(tmp_path):
+    """A Qwen3 folder (q and k norms, heads 16 wide over hidden 32 / 4) -> ``train.init_from`` on one process: its
+    first loss is transformers' on the same batch; at tp=2 x dp=2 with SP and ZeRO-1 (each rank holding the norms'
+    scales whole, their gradients summed over tp) the same losses (1e-5 relative); ``meshtrain convert`` of that run
+    -> transformers loads a Qwen3ForCausalLM with the checkpoint's logits (1e-5)."""
+    from meshtrain.testing.spawn import spawn
+
+    folder = tmp_path / "hf"
+    cfg = Qwen3Config(vocab_size=257, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rope_theta=5000.0,
+                      rms_norm_eps=1e-6, tie_word_embeddings=True)
+    hf = Qwen3ForCausalLM(cfg).eval()
+    _randomise(hf, 0)
+    hf.save_pretrained(folder)
+    init = [f"train.init_from={folder}"]
+    one, x = _one_process_starts_at_transformers_loss(hf, init, tmp_path)
+    layout = ["parallel.tp=2", "parallel.sp=true", "parallel.zero=1"]
+    for losses in spawn(_fine_tune, 4, args=(str(tmp_path / "tp2dp2"), [*init, *layout]), timeout=300):
+        assert losses == pytest.approx(one, rel=1e-5)
+
+    r = _meshtrain("convert", "--ckpt", str(tmp_path / "tp2dp2"), "--out", str(tmp_path / "export"))
+    assert r.returncode == 0, r.stderr
+    tuned = Qwen3ForCausalLM.from_pretrained(tmp_path / "export").eval()
+    ckpt = latest_checkpoint(tmp_path / "tp2dp2" / "checkpoints")
+    ours = Llama(update_from_dict(Config(), read_checkpoint_meta(ckpt)["config"]).model).eval()
+    load_full(ours, CheckpointReader(ckpt))
+    assert ours.cfg.qk_norm and ours.cfg.head_size == 16 and logit_diff(ours, tuned, x) <= LOGIT_ATOL
     assert logit_diff(ours, hf, x) > 1e-3  # it did train
 
 

@@ -56,12 +56,14 @@ CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 SUPPORTED = ("LlamaForCausalLM (model_type llama), MistralForCausalLM (model_type mistral, without a sliding "
-             "window), MixtralForCausalLM (model_type mixtral) or Qwen2ForCausalLM (model_type qwen2, without a "
-             "sliding window)")
+             "window), MixtralForCausalLM (model_type mixtral), Qwen2ForCausalLM (model_type qwen2) or "
+             "Qwen3ForCausalLM (model_type qwen3), the Qwens without a sliding window")
 # architecture -> model_type. A Mistral without a sliding window (v0.2 and later) is a Llama by other names; a Qwen2
-# is a Llama whose q, k and v projections have biases (model.qkv_bias).
+# is a Llama whose q, k and v projections have biases (model.qkv_bias); a Qwen3 one whose q and k heads pass an
+# RMSNorm before RoPE (model.qk_norm).
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
-                 "Qwen2ForCausalLM": "qwen2"}
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+QWENS = ("qwen2", "qwen3")
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
 
 
@@ -153,7 +155,7 @@ def _full_attention(file: Path, c: dict[str, Any], max_len: int) -> None:
     ``use_sliding_window`` is true (its released models set a window and leave it off); transformers 5 also lists
     each layer's kind in ``layer_types``."""
     window = c.get("sliding_window")
-    if c.get("model_type") == "qwen2":
+    if c.get("model_type") in QWENS:
         use = c.get("use_sliding_window", False)
         if not isinstance(use, bool):
             raise _config_error(file, "use_sliding_window", use, "true or false")
@@ -243,6 +245,7 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
         max_seq_len=max_len,
         tie_embeddings=tie,
         qkv_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3",
         init_std=float(init_std) if isinstance(init_std, int | float) and init_std > 0 else 0.02,
     )
 
@@ -294,15 +297,26 @@ def check_mixtral(cfg: ModelConfig) -> None:
              "Mixtral selects experts by probability alone, so the aux-loss-free bias would be lost")):
         if bad:
             raise ValueError(f"{option}: this mixture of experts has no HuggingFace form ({why}).")
-    if cfg.qkv_bias:
-        raise ValueError("model.qkv_bias=true with model.moe_experts: this model has no HuggingFace form (Mixtral's "
-                         "attention has no biases; Qwen2-MoE's experts are gated otherwise).")
+
+
+def hf_model_type(cfg: ModelConfig) -> str:
+    """The HF model_type our model ``cfg`` is (llama, mixtral, qwen2 or qwen3); raises, naming the options, for
+    combinations no HF architecture computes."""
+    check_mixtral(cfg)
+    attention = [o for o, on in (("model.qkv_bias=true", cfg.qkv_bias), ("model.qk_norm=true", cfg.qk_norm)) if on]
+    if cfg.moe_experts and attention:
+        raise ValueError(f"{attention[0]} with model.moe_experts: this model has no HuggingFace form (Mixtral's "
+                         f"attention is Llama's).")
+    if len(attention) == 2:
+        raise ValueError("model.qkv_bias=true with model.qk_norm=true: this model has no HuggingFace form (Qwen2 has "
+                         "the biases without the norms; Qwen3's attention_bias would bias o_proj too).")
+    return "mixtral" if cfg.moe_experts else "qwen2" if cfg.qkv_bias else "qwen3" if cfg.qk_norm else "llama"
 
 
 def hf_names(cfg: ModelConfig) -> dict[str, HFTensor]:
     """Our parameter names -> their HF tensors, in HF's order. Tied: ``output.weight`` is the embedding."""
     d, hd, hidden = cfg.d_model, cfg.head_dim, cfg.hidden_dim
-    check_mixtral(cfg)
+    hf_model_type(cfg)
     out = {"tok_embeddings.weight": HFTensor("model.embed_tokens.weight", (cfg.vocab_size, d), None)}
     for i in range(cfg.n_layers):
         a, m, ours = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp", f"layers.{i}"
@@ -320,6 +334,9 @@ def hf_names(cfg: ModelConfig) -> dict[str, HFTensor]:
                 f"{ours}.attention.wk.bias": HFTensor(f"{a}.k_proj.bias", (cfg.kv_heads * hd,), cfg.kv_heads),
                 f"{ours}.attention.wv.bias": HFTensor(f"{a}.v_proj.bias", (cfg.kv_heads * hd,), None),
             })
+        if cfg.qk_norm:  # Qwen3's: a scale over one head's dimensions, permuted as a head's rows
+            out.update({f"{ours}.attention.{n}.weight": HFTensor(f"{a}.{n}.weight", (hd,), 1)
+                        for n in ("q_norm", "k_norm")})
         if cfg.moe_experts:  # Mixtral's names (its experts' w1/w3/w2 are ours: gate, up, down)
             moe, eh = f"model.layers.{i}.block_sparse_moe", cfg.expert_hidden
             out[f"{ours}.feed_forward.router.weight"] = HFTensor(f"{moe}.gate.weight", (cfg.moe_experts, d), None)
@@ -435,13 +452,12 @@ def hf_config_dict(cfg: ModelConfig, eos_token_id: int | None = None) -> dict[st
     """The config.json of a LlamaForCausalLM (a MixtralForCausalLM for an MoE model, a Qwen2ForCausalLM with
     ``model.qkv_bias``) equal to our model ``cfg``, readable by transformers 4 (rope_theta) and 5 (rope_parameters)."""
     scaling = {} if cfg.rope_scaling == "none" else {hf: getattr(cfg, ours) for hf, ours in LLAMA3_ROPE.items()}
-    check_mixtral(cfg)
-    model_type = "mixtral" if cfg.moe_experts else "qwen2" if cfg.qkv_bias else "llama"
+    model_type = hf_model_type(cfg)
     arch = {v: k for k, v in ARCHITECTURES.items() if k != "MistralForCausalLM"}[model_type]
     extra = {"num_local_experts": cfg.moe_experts, "num_experts_per_tok": cfg.moe_top_k, "sliding_window": None,
              "router_aux_loss_coef": cfg.moe_aux_loss_coef / cfg.moe_top_k, "router_jitter_noise": 0.0,
              "output_router_logits": False} if cfg.moe_experts else {}
-    if cfg.qkv_bias:  # Qwen2's biases are fixed on q, k, v; its window off
+    if model_type in QWENS:  # Qwen2's biases on q, k, v and Qwen3's norms are the architecture's; the window off
         extra = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers}
     config = {
         "architectures": [arch],
@@ -475,6 +491,8 @@ def hf_config_dict(cfg: ModelConfig, eos_token_id: int | None = None) -> dict[st
     }
     if cfg.qkv_bias:  # Qwen2's projections have their biases by architecture, not by these keys
         del config["attention_bias"], config["mlp_bias"]
+    elif cfg.qk_norm:  # Qwen3 reads attention_bias (false here) and has no mlp_bias
+        del config["mlp_bias"]
     return config
 
 
