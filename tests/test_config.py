@@ -24,6 +24,13 @@ def test_presets_load_and_overrides_apply():
         pc = param_count(load_config(name).model)
         assert pc.biases > 0 and pc.total / 1e9 == pytest.approx(billions, abs=0.001), name
         assert (pc.total - pc.embedding - pc.head) / 1e9 == pytest.approx(body, abs=0.001), name
+    # Qwen3's (per-head q and k norms; 0.6B's heads 128 wide over 1024 / 16) against the Qwen3 report's totals and
+    # non-embedding counts: 0.6B / 0.44B and 8.2B / 6.95B
+    for name, billions, body in (("qwen3-0.6b", 0.596, 0.440), ("qwen3-8b", 8.191, 6.946)):
+        m = load_config(name).model
+        pc = param_count(m)
+        assert m.qk_norm and m.head_dim == 128 and pc.total / 1e9 == pytest.approx(billions, abs=0.001), name
+        assert (pc.total - pc.embedding - pc.head) / 1e9 == pytest.approx(body, abs=0.001), name
 
 
 def test_heads_wider_than_d_model_over_n_heads():
