@@ -53,6 +53,12 @@ LAYOUTS_2 = [
     ("cp2+full", ["parallel.cp=2", "train.recompute=full"]),
     ("pp2 zb-h1", ["parallel.pp=2", "parallel.microbatches=2", "parallel.schedule=zb-h1"]),
     ("ep2+full (MoE)", ["parallel.ep=2", "model.moe_experts=4", "model.moe_top_k=2", "train.recompute=full"]),
+    # Qwen3's and Qwen2's attention: per-head q and k norms with wide heads, and q, k, v biases (rope_theta 100: the
+    # conditioning measured for these layouts in test_tensor_parallel.py's WIDE and test_kv_heads.py's QKV_BIAS)
+    ("tp2+sp qk norm wide heads", ["parallel.tp=2", "parallel.sp=true", "model.qk_norm=true", "model.head_size=16",
+                                   "model.rope_theta=100"]),
+    ("dp+selective qkv bias", ["parallel.zero=0", "train.recompute=selective", "model.qkv_bias=true",
+                               "model.rope_theta=100"]),
 ]
 
 

@@ -800,7 +800,8 @@ def test_a_qwen2_fine_tunes_with_tensor_parallelism_and_exports(tmp_path):
 
 
 def _greedy_case(tmp_path: Path, arch: str = "llama") -> tuple[Path, str, str]:
-    """An HF Llama folder (a Qwen2 one, q, k, v biases and all, for ``arch="qwen2"``) with its tokenizer.json, a
+    """An HF Llama folder (a Qwen2 one with its q, k, v biases, or a Qwen3 one with its q and k norms and heads 16
+    wide over hidden 32 / 4, for ``arch``) with its tokenizer.json, a
     prompt, and what ``meshtrain generate --greedy --tokens 12`` must print: the prompt and the tokens transformers'
     own greedy ``generate`` gives, decoded. The folder's
     config.json lists two end tokens, as Llama 3.1's instruct models do: an id greedy decoding never makes, and
@@ -817,10 +818,11 @@ def _greedy_case(tmp_path: Path, arch: str = "llama") -> tuple[Path, str, str]:
     raw.post_processor = processors.TemplateProcessing(single="<unk> $A", special_tokens=[("<unk>", 0)])
     raw.save(str(folder / "tokenizer.json"))
     tok = HFTokenizer(folder / "tokenizer.json")
-    config, model = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    config, model = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                     "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
     cfg = config(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, rope_theta=5000.0,
-                 rms_norm_eps=1e-5)
+                 rms_norm_eps=1e-5, **({"head_dim": 16} if arch == "qwen3" else {}))
     hf = model(cfg).eval()
     _randomise(hf, 0)
     prompt = "the quick brown fox"
@@ -842,7 +844,7 @@ def _greedy_case(tmp_path: Path, arch: str = "llama") -> tuple[Path, str, str]:
 
 
 @pytest.mark.slow  # CLI subprocess runs
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_generate_reads_a_huggingface_folder_with_transformers_greedy_tokens(tmp_path, arch):
     """``meshtrain generate --ckpt HF_DIR``: the folder's config.json is the model, its weights are read through
     HFSource and its tokenizer.json encodes the prompt; greedy decoding gives transformers' tokens and ends where
@@ -862,10 +864,10 @@ def test_generate_reads_a_huggingface_folder_with_transformers_greedy_tokens(tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_generate_from_a_huggingface_folder_on_two_tensor_parallel_ranks(tmp_path, arch):
     """The same on tp=2: each rank reads only its slices of the HF folder (a Qwen2's biases too: each rank adds its
-    heads' rows), and the tokens are transformers'."""
+    heads' rows; a Qwen3's norms whole), and the tokens are transformers'."""
     folder, prompt, want = _greedy_case(tmp_path, arch)
     r = _meshtrain("generate", "--ckpt", str(folder), "--prompt", prompt, "--tokens", "12", "--greedy",
                    "--nproc", "2", "parallel.tp=2")
