@@ -31,6 +31,10 @@ def test_presets_load_and_overrides_apply():
         pc = param_count(m)
         assert m.qk_norm and m.head_dim == 128 and pc.total / 1e9 == pytest.approx(billions, abs=0.001), name
         assert (pc.total - pc.embedding - pc.head) / 1e9 == pytest.approx(body, abs=0.001), name
+    # Qwen3-30B-A3B: 30.5B parameters, 3.3B of them active per token (128 experts, 8 per token)
+    pc = param_count(load_config("qwen3-30b-a3b").model)
+    assert pc.total / 1e9 == pytest.approx(30.532, abs=0.001)
+    assert (pc.total - pc.mlp + pc.active_mlp) / 1e9 == pytest.approx(3.353, abs=0.001)
 
 
 def test_heads_wider_than_d_model_over_n_heads():

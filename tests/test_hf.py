@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from meshtrain.config import Config, ModelConfig, update_from_dict
@@ -315,14 +318,52 @@ def test_qwen3_imports_and_exports_with_transformers_logits(tmp_path):
     assert hf_model_config(out) == c
 
 
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_qwen3_moe_imports_and_exports_with_transformers_logits(tmp_path, renormalize):
+    """A Qwen3-MoE folder imports as our mixture of experts with Qwen3's attention: the top-k gates renormalised
+    where its ``norm_topk_prob`` says (the released models; transformers' default does not), the experts' hidden
+    size its ``moe_intermediate_size``. Our logits are transformers' within LOGIT_ATOL; with the other gating (the
+    same weights) they are not. Exported again it is a Qwen3MoeForCausalLM with the same logits and config."""
+    import dataclasses
+
+    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         num_experts=4, num_experts_per_tok=2, norm_topk_prob=renormalize, max_position_embeddings=SEQ,
+                         rope_theta=5000.0, rms_norm_eps=1e-6, router_aux_loss_coef=0.02)
+    hf = Qwen3MoeForCausalLM(cfg).eval()
+    _randomise(hf, 0)
+    hf.save_pretrained(tmp_path / "in")
+    src = HFSource(tmp_path / "in")
+    c = src.cfg
+    assert (c.moe_experts, c.moe_top_k, c.moe_renormalize, c.expert_hidden, c.qk_norm, c.head_size) == \
+           (4, 2, renormalize, 24, True, 16)
+    assert c.moe_aux_loss_coef == pytest.approx(0.04)  # 0.02 over the k = 2 choices, as Mixtral's
+    assert "layers.1.feed_forward.experts.3.w2.weight" in src.tensors
+    model = Llama(c).eval()
+    load_full(model, src)
+    assert logit_diff(model, hf, tokens()) <= LOGIT_ATOL
+    other = Llama(dataclasses.replace(c, moe_renormalize=not renormalize)).eval()
+    load_full(other, src)
+    assert logit_diff(other, hf, tokens()) > 1e-2
+
+    out = export_hf(state_source(model), c, tmp_path / "out")
+    again = Qwen3MoeForCausalLM.from_pretrained(out).eval()
+    assert (again.config.num_experts, again.config.norm_topk_prob) == (4, renormalize)
+    assert again.config.router_aux_loss_coef == pytest.approx(0.02)
+    assert logit_diff(model, again, tokens()) <= LOGIT_ATOL
+    assert hf_model_config(out) == c
+
+
 @pytest.mark.parametrize("options, says", [
-    (dict(qkv_bias=True, moe_experts=4, moe_renormalize=True), "model.qkv_bias=true with model.moe_experts"),
-    (dict(qk_norm=True, moe_experts=4, moe_renormalize=True), "model.qk_norm=true with model.moe_experts"),
-    (dict(qkv_bias=True, qk_norm=True), "model.qkv_bias=true with model.qk_norm=true"),
+    (dict(qkv_bias=True, moe_experts=4, moe_renormalize=True),
+     "model.qkv_bias=true with model.moe_experts: this model has no HuggingFace form"),
+    (dict(qk_norm=True, moe_experts=4, moe_shared_experts=1),
+     "model.moe_shared_experts=1: this mixture of experts has no HuggingFace form (Qwen3-MoE"),
+    (dict(qkv_bias=True, qk_norm=True), "model.qkv_bias=true with model.qk_norm=true: this model has no HuggingFace"),
 ])
 def test_attention_options_no_hf_architecture_computes_are_refused_on_export(tmp_path, options, says):
     cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_heads=4, **options)
-    with pytest.raises(ValueError, match=f"{says}: this model has no HuggingFace form"):
+    with pytest.raises(ValueError, match=re.escape(says)):
         export_hf(state_source(build_model(cfg, 0)), cfg, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -764,6 +805,38 @@ def test_a_qwen3_fine_tunes_with_tensor_parallelism_and_exports(tmp_path):
     ours = Llama(update_from_dict(Config(), read_checkpoint_meta(ckpt)["config"]).model).eval()
     load_full(ours, CheckpointReader(ckpt))
     assert ours.cfg.qk_norm and ours.cfg.head_size == 16 and logit_diff(ours, tuned, x) <= LOGIT_ATOL
+    assert logit_diff(ours, hf, x) > 1e-3  # it did train
+
+
+@pytest.mark.slow
+def test_a_qwen3_moe_fine_tunes_with_tensor_and_expert_parallelism_and_exports(tmp_path):
+    """A Qwen3-MoE folder (q and k norms, 4 experts, top-2 renormalised) -> ``train.init_from`` on one process: its
+    first loss is transformers' on the same batch; at tp2 x ep2 (4 ranks: the attention split over tp, each ep rank
+    reading its two experts) the same losses (1e-5 relative); ``meshtrain convert`` of that run -> transformers
+    loads a Qwen3MoeForCausalLM with the checkpoint's logits (1e-5)."""
+    from meshtrain.testing.spawn import spawn
+
+    folder = tmp_path / "hf"
+    cfg = Qwen3MoeConfig(vocab_size=257, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                         num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=64, rope_theta=5000.0,
+                         rms_norm_eps=1e-6)
+    hf = Qwen3MoeForCausalLM(cfg).eval()
+    _randomise(hf, 0)
+    hf.save_pretrained(folder)
+    init = [f"train.init_from={folder}"]
+    one, x = _one_process_starts_at_transformers_loss(hf, init, tmp_path)
+    for losses in spawn(_fine_tune, 4, args=(str(tmp_path / "tp2ep2"), [*init, "parallel.tp=2", "parallel.ep=2"]),
+                        timeout=300):
+        assert losses == pytest.approx(one, rel=1e-5)
+
+    r = _meshtrain("convert", "--ckpt", str(tmp_path / "tp2ep2"), "--out", str(tmp_path / "export"))
+    assert r.returncode == 0, r.stderr
+    tuned = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "export").eval()
+    ckpt = latest_checkpoint(tmp_path / "tp2ep2" / "checkpoints")
+    ours = Llama(update_from_dict(Config(), read_checkpoint_meta(ckpt)["config"]).model).eval()
+    load_full(ours, CheckpointReader(ckpt))
+    assert ours.cfg.qk_norm and ours.cfg.moe_renormalize and logit_diff(ours, tuned, x) <= LOGIT_ATOL
     assert logit_diff(ours, hf, x) > 1e-3  # it did train
 
 

@@ -56,14 +56,15 @@ CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 SUPPORTED = ("LlamaForCausalLM (model_type llama), MistralForCausalLM (model_type mistral, without a sliding "
-             "window), MixtralForCausalLM (model_type mixtral), Qwen2ForCausalLM (model_type qwen2) or "
-             "Qwen3ForCausalLM (model_type qwen3), the Qwens without a sliding window")
+             "window), MixtralForCausalLM (model_type mixtral), Qwen2ForCausalLM (model_type qwen2), "
+             "Qwen3ForCausalLM (model_type qwen3) or Qwen3MoeForCausalLM (model_type qwen3_moe), the Qwens without "
+             "a sliding window")
 # architecture -> model_type. A Mistral without a sliding window (v0.2 and later) is a Llama by other names; a Qwen2
 # is a Llama whose q, k and v projections have biases (model.qkv_bias); a Qwen3 one whose q and k heads pass an
-# RMSNorm before RoPE (model.qk_norm).
+# RMSNorm before RoPE (model.qk_norm); a Qwen3-MoE a Qwen3 whose every MLP is a mixture of experts.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
-                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
-QWENS = ("qwen2", "qwen3")
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+QWENS = ("qwen2", "qwen3", "qwen3_moe")
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
 
 
@@ -186,6 +187,31 @@ def _mixtral(file: Path, c: dict[str, Any]) -> dict[str, Any]:
             "moe_aux_loss_coef": float(coef) * top_k}
 
 
+def _qwen3_moe(file: Path, c: dict[str, Any]) -> dict[str, Any]:
+    """Our ``moe_*`` fields for a Qwen3-MoE config.json: ``num_experts`` experts of hidden ``moe_intermediate_size``,
+    ``num_experts_per_tok`` per token, the top-k gates renormalised where ``norm_topk_prob`` says (the released
+    models do; transformers' default does not: Switch's gates, ours), dropless; every layer sparse. The
+    load-balancing coefficient is scaled as Mixtral's (``_mixtral``)."""
+    key = "num_experts" if "num_experts" in c else "num_local_experts"  # the hub's name; transformers 5 saves the other
+    experts = _positive_int(file, c, key)
+    top_k = _positive_int(file, c, "num_experts_per_tok")
+    if top_k > experts:
+        raise _config_error(file, "num_experts_per_tok", top_k, f"at most {key}={experts}")
+    if c.get("decoder_sparse_step", 1) != 1:
+        raise _config_error(file, "decoder_sparse_step", c["decoder_sparse_step"], "1 (every layer a mixture of "
+                                                                                   "experts)")
+    if c.get("mlp_only_layers") not in (None, []):
+        raise _config_error(file, "mlp_only_layers", c["mlp_only_layers"], "[] (every layer a mixture of experts)")
+    renormalize = c.get("norm_topk_prob", False)  # Qwen3MoeConfig's default
+    if not isinstance(renormalize, bool):
+        raise _config_error(file, "norm_topk_prob", renormalize, "true or false")
+    coef = c.get("router_aux_loss_coef", 0.001)  # Qwen3MoeConfig's default
+    if isinstance(coef, bool) or not isinstance(coef, int | float) or not 0 <= coef < math.inf:
+        raise _config_error(file, "router_aux_loss_coef", coef, "a number >= 0")
+    return {"moe_experts": experts, "moe_top_k": top_k, "moe_renormalize": renormalize,
+            "moe_hidden": _positive_int(file, c, "moe_intermediate_size"), "moe_aux_loss_coef": float(coef) * top_k}
+
+
 def hf_model_config(folder: str | Path) -> ModelConfig:
     """Our ``ModelConfig`` for the HF folder's config.json (a LlamaForCausalLM).
 
@@ -231,8 +257,9 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
     max_len = _positive_int(file, c, "max_position_embeddings", 2048)
     if model_type != "llama":
         _full_attention(file, c, max_len)
+    moe = _mixtral(file, c) if model_type == "mixtral" else _qwen3_moe(file, c) if model_type == "qwen3_moe" else {}
     return ModelConfig(
-        **(_mixtral(file, c) if model_type == "mixtral" else {}),
+        **moe,
         vocab_size=_positive_int(file, c, "vocab_size"),
         d_model=d_model,
         n_layers=_positive_int(file, c, "num_hidden_layers"),
@@ -245,7 +272,7 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
         max_seq_len=max_len,
         tie_embeddings=tie,
         qkv_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         init_std=float(init_std) if isinstance(init_std, int | float) and init_std > 0 else 0.02,
     )
 
@@ -300,23 +327,29 @@ def check_mixtral(cfg: ModelConfig) -> None:
 
 
 def hf_model_type(cfg: ModelConfig) -> str:
-    """The HF model_type our model ``cfg`` is (llama, mixtral, qwen2 or qwen3); raises, naming the options, for
-    combinations no HF architecture computes."""
-    check_mixtral(cfg)
-    attention = [o for o, on in (("model.qkv_bias=true", cfg.qkv_bias), ("model.qk_norm=true", cfg.qk_norm)) if on]
-    if cfg.moe_experts and attention:
-        raise ValueError(f"{attention[0]} with model.moe_experts: this model has no HuggingFace form (Mixtral's "
-                         f"attention is Llama's).")
-    if len(attention) == 2:
+    """The HF model_type our model ``cfg`` is (llama, mixtral, qwen2, qwen3 or qwen3_moe); raises, naming the
+    options, for combinations no HF architecture computes."""
+    if cfg.qkv_bias and cfg.qk_norm:
         raise ValueError("model.qkv_bias=true with model.qk_norm=true: this model has no HuggingFace form (Qwen2 has "
                          "the biases without the norms; Qwen3's attention_bias would bias o_proj too).")
+    if cfg.moe_experts and cfg.qkv_bias:
+        raise ValueError("model.qkv_bias=true with model.moe_experts: this model has no HuggingFace form (Mixtral's "
+                         "attention is Llama's, Qwen3-MoE's has q and k norms instead).")
+    if cfg.moe_experts and cfg.qk_norm:  # Qwen3-MoE: either gate (norm_topk_prob), no shared experts, no bias
+        for bad, option in ((cfg.moe_shared_experts > 0, f"model.moe_shared_experts={cfg.moe_shared_experts}"),
+                            (cfg.moe_bias_update_rate > 0, f"model.moe_bias_update_rate={cfg.moe_bias_update_rate}")):
+            if bad:
+                raise ValueError(f"{option}: this mixture of experts has no HuggingFace form (Qwen3-MoE has no "
+                                 f"shared experts and selects experts by probability alone).")
+        return "qwen3_moe"
+    check_mixtral(cfg)
     return "mixtral" if cfg.moe_experts else "qwen2" if cfg.qkv_bias else "qwen3" if cfg.qk_norm else "llama"
 
 
 def hf_names(cfg: ModelConfig) -> dict[str, HFTensor]:
     """Our parameter names -> their HF tensors, in HF's order. Tied: ``output.weight`` is the embedding."""
     d, hd, hidden = cfg.d_model, cfg.head_dim, cfg.hidden_dim
-    hf_model_type(cfg)
+    model_type = hf_model_type(cfg)
     out = {"tok_embeddings.weight": HFTensor("model.embed_tokens.weight", (cfg.vocab_size, d), None)}
     for i in range(cfg.n_layers):
         a, m, ours = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp", f"layers.{i}"
@@ -337,13 +370,15 @@ def hf_names(cfg: ModelConfig) -> dict[str, HFTensor]:
         if cfg.qk_norm:  # Qwen3's: a scale over one head's dimensions, permuted as a head's rows
             out.update({f"{ours}.attention.{n}.weight": HFTensor(f"{a}.{n}.weight", (hd,), 1)
                         for n in ("q_norm", "k_norm")})
-        if cfg.moe_experts:  # Mixtral's names (its experts' w1/w3/w2 are ours: gate, up, down)
-            moe, eh = f"model.layers.{i}.block_sparse_moe", cfg.expert_hidden
+        if cfg.moe_experts:  # Mixtral's names (its experts' w1/w3/w2 are ours: gate, up, down), or Qwen3-MoE's
+            qwen, eh = model_type == "qwen3_moe", cfg.expert_hidden
+            moe = m if qwen else f"model.layers.{i}.block_sparse_moe"
+            names = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"} if qwen else {}
             out[f"{ours}.feed_forward.router.weight"] = HFTensor(f"{moe}.gate.weight", (cfg.moe_experts, d), None)
             for e in range(cfg.moe_experts):
                 for w, shape in (("w1", (eh, d)), ("w3", (eh, d)), ("w2", (d, eh))):
                     out[f"{ours}.feed_forward.experts.{e}.{w}.weight"] = \
-                        HFTensor(f"{moe}.experts.{e}.{w}.weight", shape, None)
+                        HFTensor(f"{moe}.experts.{e}.{names.get(w, w)}.weight", shape, None)
             continue
         out.update({
             f"{ours}.feed_forward.w1.weight": HFTensor(f"{m}.gate_proj.weight", (hidden, d), None),
@@ -459,13 +494,18 @@ def hf_config_dict(cfg: ModelConfig, eos_token_id: int | None = None) -> dict[st
              "output_router_logits": False} if cfg.moe_experts else {}
     if model_type in QWENS:  # Qwen2's biases on q, k, v and Qwen3's norms are the architecture's; the window off
         extra = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers}
+    if model_type == "qwen3_moe":  # every layer sparse
+        extra |= {"num_experts": cfg.moe_experts, "num_experts_per_tok": cfg.moe_top_k,
+                  "norm_topk_prob": cfg.moe_renormalize, "moe_intermediate_size": cfg.expert_hidden,
+                  "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": False,
+                  "router_aux_loss_coef": cfg.moe_aux_loss_coef / cfg.moe_top_k}
     config = {
         "architectures": [arch],
         "model_type": model_type,
         **extra,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.expert_hidden if cfg.moe_experts else cfg.hidden_dim,
+        "intermediate_size": cfg.expert_hidden if model_type == "mixtral" else cfg.hidden_dim,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.kv_heads,
