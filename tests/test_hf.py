@@ -716,160 +716,101 @@ def _one_process_starts_at_transformers_loss(hf: torch.nn.Module, init: list[str
     return one, x
 
 
-@pytest.mark.slow
-def test_import_fine_tune_in_parallel_and_export(tmp_path):
-    """An HF folder (sharded) -> ``train.init_from`` on one process: its first loss is transformers' loss on the
-    same batch; on tp2 x dp2 ZeRO-1 (4 ranks, each reading only its pieces; the 257-token vocabulary padded to
-    258 for tp) the same losses (1e-5 relative); ``meshtrain convert`` of that run -> transformers loads it (257
-    rows: no padding leaks) and gives the checkpoint's logits (1e-5)."""
+def _fine_tune_and_export(tmp_path: Path, hf: torch.nn.Module, world: int, layout: list[str],
+                          shard: str | None = None) -> tuple[Llama, torch.nn.Module, torch.Tensor]:
+    """The HF model ``hf`` saved (sharded into files of at most ``shard``) -> ``train.init_from`` on one process,
+    whose first loss must be transformers' on the same batch (``_one_process_starts_at_transformers_loss``); then
+    ``layout`` on ``world`` ranks, whose every rank's losses must be that process's (1e-5 relative); then ``meshtrain
+    convert`` of that run, loaded by transformers as ``hf``'s class, whose logits must be the checkpoint's
+    (LOGIT_ATOL), and differ from ``hf``'s (it trained). Returns (ours from the checkpoint, the export, the batch)."""
     from meshtrain.testing.spawn import spawn
 
     folder = tmp_path / "hf"
-    cfg = LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, rope_theta=5000.0, rms_norm_eps=1e-5)
-    hf = LlamaForCausalLM(cfg).eval()
-    _randomise(hf, 0)
-    hf.save_pretrained(folder, max_shard_size="40KB")
-    assert (folder / "model.safetensors.index.json").is_file()
+    hf.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
     init = [f"train.init_from={folder}"]
     one, x = _one_process_starts_at_transformers_loss(hf, init, tmp_path)
-    layout = ["parallel.tp=2", "parallel.zero=1"]
-    for losses in spawn(_fine_tune, 4, args=(str(tmp_path / "tp2dp2"), [*init, *layout]), timeout=300):
+    for losses in spawn(_fine_tune, world, args=(str(tmp_path / "run"), [*init, *layout]), timeout=300):
         assert losses == pytest.approx(one, rel=1e-5)
 
-    r = _meshtrain("convert", "--ckpt", str(tmp_path / "tp2dp2"), "--out", str(tmp_path / "export"))
+    r = _meshtrain("convert", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "export"))
     assert r.returncode == 0, r.stderr
-    tuned = LlamaForCausalLM.from_pretrained(tmp_path / "export").eval()
-    assert tuned.model.embed_tokens.weight.shape[0] == 257 and tuned.lm_head.weight.shape[0] == 257
-    ckpt = latest_checkpoint(tmp_path / "tp2dp2" / "checkpoints")
+    tuned = type(hf).from_pretrained(tmp_path / "export").eval()
+    ckpt = latest_checkpoint(tmp_path / "run" / "checkpoints")
     ours = Llama(update_from_dict(Config(), read_checkpoint_meta(ckpt)["config"]).model).eval()
     load_full(ours, CheckpointReader(ckpt))
     assert logit_diff(ours, tuned, x) <= LOGIT_ATOL
     assert logit_diff(ours, hf, x) > 1e-3  # it did train
+    return ours, tuned, x
+
+
+def _random(model: torch.nn.Module) -> torch.nn.Module:
+    _randomise(model, 0)
+    return model.eval()
+
+
+@pytest.mark.slow
+def test_import_fine_tune_in_parallel_and_export(tmp_path):
+    """An HF Llama folder (sharded) fine-tuned on tp2 x dp2 ZeRO-1 (4 ranks, each reading only its pieces; the
+    257-token vocabulary padded to 258 for tp) and exported (``_fine_tune_and_export``): transformers loads 257 rows
+    (no padding leaks)."""
+    cfg = LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, rope_theta=5000.0, rms_norm_eps=1e-5)
+    _, tuned, _ = _fine_tune_and_export(tmp_path, _random(LlamaForCausalLM(cfg)), 4,
+                                        ["parallel.tp=2", "parallel.zero=1"], shard="40KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    assert tuned.model.embed_tokens.weight.shape[0] == 257 and tuned.lm_head.weight.shape[0] == 257
 
 
 @pytest.mark.slow
 def test_a_mixtral_fine_tunes_with_expert_parallelism_and_exports(tmp_path):
-    """A Mixtral folder -> ``train.init_from`` on one process: its first loss is transformers' on the same batch;
-    at ep=2 over dp=2 (each rank reading only its two experts) the same losses (1e-5 relative); ``meshtrain
-    convert`` of that run -> transformers loads a MixtralForCausalLM with the checkpoint's logits (1e-5)."""
-    from meshtrain.testing.spawn import spawn
-
-    folder = tmp_path / "hf"
+    """A Mixtral folder fine-tuned at ep=2 over dp=2 (each rank reading only its two experts) and exported as a
+    MixtralForCausalLM (``_fine_tune_and_export``)."""
     cfg = MixtralConfig(vocab_size=257, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                         max_position_embeddings=64, rope_theta=5000.0, rms_norm_eps=1e-5)
-    hf = MixtralForCausalLM(cfg).eval()
-    _randomise(hf, 0)
-    hf.save_pretrained(folder)
-    init = [f"train.init_from={folder}"]
-    one, x = _one_process_starts_at_transformers_loss(hf, init, tmp_path)
-    for losses in spawn(_fine_tune, 2, args=(str(tmp_path / "ep2"), [*init, "parallel.ep=2"]), timeout=300):
-        assert losses == pytest.approx(one, rel=1e-5)
-
-    r = _meshtrain("convert", "--ckpt", str(tmp_path / "ep2"), "--out", str(tmp_path / "export"))
-    assert r.returncode == 0, r.stderr
-    tuned = MixtralForCausalLM.from_pretrained(tmp_path / "export").eval()
-    ckpt = latest_checkpoint(tmp_path / "ep2" / "checkpoints")
-    ours = Llama(update_from_dict(Config(), read_checkpoint_meta(ckpt)["config"]).model).eval()
-    load_full(ours, CheckpointReader(ckpt))
-    assert ours.cfg.moe_renormalize and logit_diff(ours, tuned, x) <= LOGIT_ATOL
-    assert logit_diff(ours, hf, x) > 1e-3  # it did train
+    ours, _, _ = _fine_tune_and_export(tmp_path, _random(MixtralForCausalLM(cfg)), 2, ["parallel.ep=2"])
+    assert ours.cfg.moe_renormalize
 
 
 @pytest.mark.slow
 def test_a_qwen3_fine_tunes_with_tensor_parallelism_and_exports(tmp_path):
-    """A Qwen3 folder (q and k norms, heads 16 wide over hidden 32 / 4) -> ``train.init_from`` on one process: its
-    first loss is transformers' on the same batch; at tp=2 x dp=2 with SP and ZeRO-1 (each rank holding the norms'
-    scales whole, their gradients summed over tp) the same losses (1e-5 relative); ``meshtrain convert`` of that run
-    -> transformers loads a Qwen3ForCausalLM with the checkpoint's logits (1e-5)."""
-    from meshtrain.testing.spawn import spawn
-
-    folder = tmp_path / "hf"
+    """A Qwen3 folder (q and k norms, heads 16 wide over hidden 32 / 4) fine-tuned at tp=2 x dp=2 with SP and ZeRO-1
+    (each rank holding the norms' scales whole, their gradients summed over tp) and exported as a Qwen3ForCausalLM
+    (``_fine_tune_and_export``)."""
     cfg = Qwen3Config(vocab_size=257, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rope_theta=5000.0,
                       rms_norm_eps=1e-6, tie_word_embeddings=True)
-    hf = Qwen3ForCausalLM(cfg).eval()
-    _randomise(hf, 0)
-    hf.save_pretrained(folder)
-    init = [f"train.init_from={folder}"]
-    one, x = _one_process_starts_at_transformers_loss(hf, init, tmp_path)
-    layout = ["parallel.tp=2", "parallel.sp=true", "parallel.zero=1"]
-    for losses in spawn(_fine_tune, 4, args=(str(tmp_path / "tp2dp2"), [*init, *layout]), timeout=300):
-        assert losses == pytest.approx(one, rel=1e-5)
-
-    r = _meshtrain("convert", "--ckpt", str(tmp_path / "tp2dp2"), "--out", str(tmp_path / "export"))
-    assert r.returncode == 0, r.stderr
-    tuned = Qwen3ForCausalLM.from_pretrained(tmp_path / "export").eval()
-    ckpt = latest_checkpoint(tmp_path / "tp2dp2" / "checkpoints")
-    ours = Llama(update_from_dict(Config(), read_checkpoint_meta(ckpt)["config"]).model).eval()
-    load_full(ours, CheckpointReader(ckpt))
-    assert ours.cfg.qk_norm and ours.cfg.head_size == 16 and logit_diff(ours, tuned, x) <= LOGIT_ATOL
-    assert logit_diff(ours, hf, x) > 1e-3  # it did train
+    ours, _, _ = _fine_tune_and_export(tmp_path, _random(Qwen3ForCausalLM(cfg)), 4,
+                                       ["parallel.tp=2", "parallel.sp=true", "parallel.zero=1"])
+    assert ours.cfg.qk_norm and ours.cfg.head_size == 16
 
 
 @pytest.mark.slow
 def test_a_qwen3_moe_fine_tunes_with_tensor_and_expert_parallelism_and_exports(tmp_path):
-    """A Qwen3-MoE folder (q and k norms, 4 experts, top-2 renormalised) -> ``train.init_from`` on one process: its
-    first loss is transformers' on the same batch; at tp2 x ep2 (4 ranks: the attention split over tp, each ep rank
-    reading its two experts) the same losses (1e-5 relative); ``meshtrain convert`` of that run -> transformers
-    loads a Qwen3MoeForCausalLM with the checkpoint's logits (1e-5)."""
-    from meshtrain.testing.spawn import spawn
-
-    folder = tmp_path / "hf"
+    """A Qwen3-MoE folder (q and k norms, 4 experts, top-2 renormalised) fine-tuned at tp2 x ep2 (4 ranks: the
+    attention split over tp, each ep rank reading its two experts) and exported as a Qwen3MoeForCausalLM
+    (``_fine_tune_and_export``)."""
     cfg = Qwen3MoeConfig(vocab_size=257, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
                          num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=64, rope_theta=5000.0,
                          rms_norm_eps=1e-6)
-    hf = Qwen3MoeForCausalLM(cfg).eval()
-    _randomise(hf, 0)
-    hf.save_pretrained(folder)
-    init = [f"train.init_from={folder}"]
-    one, x = _one_process_starts_at_transformers_loss(hf, init, tmp_path)
-    for losses in spawn(_fine_tune, 4, args=(str(tmp_path / "tp2ep2"), [*init, "parallel.tp=2", "parallel.ep=2"]),
-                        timeout=300):
-        assert losses == pytest.approx(one, rel=1e-5)
-
-    r = _meshtrain("convert", "--ckpt", str(tmp_path / "tp2ep2"), "--out", str(tmp_path / "export"))
-    assert r.returncode == 0, r.stderr
-    tuned = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "export").eval()
-    ckpt = latest_checkpoint(tmp_path / "tp2ep2" / "checkpoints")
-    ours = Llama(update_from_dict(Config(), read_checkpoint_meta(ckpt)["config"]).model).eval()
-    load_full(ours, CheckpointReader(ckpt))
-    assert ours.cfg.qk_norm and ours.cfg.moe_renormalize and logit_diff(ours, tuned, x) <= LOGIT_ATOL
-    assert logit_diff(ours, hf, x) > 1e-3  # it did train
+    ours, _, _ = _fine_tune_and_export(tmp_path, _random(Qwen3MoeForCausalLM(cfg)), 4,
+                                       ["parallel.tp=2", "parallel.ep=2"])
+    assert ours.cfg.qk_norm and ours.cfg.moe_renormalize
 
 
 @pytest.mark.slow
 def test_a_qwen2_fine_tunes_with_tensor_parallelism_and_exports(tmp_path):
-    """A Qwen2 folder (random q, k, v biases) -> ``train.init_from`` on one process: its first loss is transformers'
-    on the same batch; at tp=4 with its 2 kv heads (each rank reads its query heads' bias rows, and a kv head's bias
-    is shared by two ranks, its gradient summed over them) the same losses (1e-5 relative); ``meshtrain convert``
-    of that run -> transformers loads a Qwen2ForCausalLM with the checkpoint's logits (1e-5)."""
-    from meshtrain.testing.spawn import spawn
-
-    folder = tmp_path / "hf"
+    """A Qwen2 folder (random q, k, v biases) fine-tuned at tp=4 with its 2 kv heads (each rank reads its query
+    heads' bias rows, and a kv head's bias is shared by two ranks, its gradient summed over them) and exported as a
+    Qwen2ForCausalLM (``_fine_tune_and_export``); the biases trained too."""
     cfg = Qwen2Config(vocab_size=257, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=64, rope_theta=5000.0, rms_norm_eps=1e-6,
                       tie_word_embeddings=False, use_sliding_window=False, sliding_window=64)
-    hf = Qwen2ForCausalLM(cfg).eval()
-    _randomise(hf, 0)
-    hf.save_pretrained(folder)
-    init = [f"train.init_from={folder}"]
-    one, x = _one_process_starts_at_transformers_loss(hf, init, tmp_path)
-    for losses in spawn(_fine_tune, 4, args=(str(tmp_path / "tp4"), [*init, "parallel.tp=4"]), timeout=300):
-        assert losses == pytest.approx(one, rel=1e-5)
-
-    r = _meshtrain("convert", "--ckpt", str(tmp_path / "tp4"), "--out", str(tmp_path / "export"))
-    assert r.returncode == 0, r.stderr
-    tuned = Qwen2ForCausalLM.from_pretrained(tmp_path / "export").eval()
-    ckpt = latest_checkpoint(tmp_path / "tp4" / "checkpoints")
-    ours = Llama(update_from_dict(Config(), read_checkpoint_meta(ckpt)["config"]).model).eval()
-    load_full(ours, CheckpointReader(ckpt))
-    assert ours.cfg.qkv_bias and logit_diff(ours, tuned, x) <= LOGIT_ATOL
-    assert logit_diff(ours, hf, x) > 1e-3  # it did train
+    hf = _random(Qwen2ForCausalLM(cfg))
+    ours, _, _ = _fine_tune_and_export(tmp_path, hf, 4, ["parallel.tp=4"])
     biases = (ours.layers["0"].attention.wv.bias, hf.model.layers[0].self_attn.v_proj.bias)  # v: not permuted
-    assert (biases[0] - biases[1]).abs().max() > 1e-4  # the biases trained too
+    assert ours.cfg.qkv_bias and (biases[0] - biases[1]).abs().max() > 1e-4
 
 
 def _greedy_case(tmp_path: Path, arch: str = "llama") -> tuple[Path, str, str]:
