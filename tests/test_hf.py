@@ -128,14 +128,16 @@ def test_import_gives_transformers_logits(tmp_path, layout):
     assert logit_diff(model, hf, tokens()) <= LOGIT_ATOL
 
 
-def test_heads_wider_than_hidden_over_heads_import_and_export_with_transformers_logits(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_heads_wider_than_hidden_over_heads_import_and_export_with_transformers_logits(tmp_path, arch):
     """A config.json whose ``head_dim`` is not hidden_size / num_attention_heads (16 against 32 / 4, as Qwen3-0.6B's
-    128 against 1024 / 16): imported as ``model.head_size``, our logits are transformers' within LOGIT_ATOL, and
-    exported, transformers reads the same heads back."""
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=SEQ,
-                      rope_theta=5000.0, rms_norm_eps=1e-5)
-    hf = LlamaForCausalLM(cfg).eval()
+    128 against 1024 / 16, or Mistral-Nemo's 128 against 5120 / 32): imported as ``model.head_size``, our logits are
+    transformers' within LOGIT_ATOL, and exported (as a Llama), transformers reads the same heads back."""
+    config, model = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}[arch]
+    cfg = config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=SEQ, rope_theta=5000.0,
+                 rms_norm_eps=1e-5, **({"sliding_window": None} if arch == "mistral" else {}))
+    hf = model(cfg).eval()
     _randomise(hf, 0)
     hf.save_pretrained(tmp_path / "in")
     src = HFSource(tmp_path / "in")
