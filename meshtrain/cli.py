@@ -368,14 +368,15 @@ def _parse_size(text: str) -> int:
 
 def _convert(argv: list[str]) -> int:
     ap = ArgumentParser(prog="meshtrain convert",
-                                 description="Export a checkpoint as a HuggingFace LlamaForCausalLM folder "
+                                 description="Export a checkpoint as a HuggingFace folder: LlamaForCausalLM, or "
+                                             "Mixtral, Qwen2, Qwen3 or Qwen3-MoE where the model's options say "
                                              "(config.json + safetensors; docs/huggingface.md).")
     ap.add_argument("--ckpt", required=True, help="a checkpoint folder (step_NNNNNN) or a run folder (--out)")
     ap.add_argument("--out", required=True, help="the HF folder to write (must not exist, or be empty)")
     ap.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB, as HF)")
     args = ap.parse_args(argv)
 
-    from meshtrain.model.hf import export_hf
+    from meshtrain.model.hf import ARCHITECTURES, export_hf, hf_model_type
     from meshtrain.train.tokenizer import load_tokenizer
 
     max_bytes = _parse_size(args.max_shard_size)
@@ -387,7 +388,8 @@ def _convert(argv: list[str]) -> int:
     files = [tokenizer_json] if tokenizer_json.is_file() else []
     eos = load_tokenizer(meta["tokenizer"], path).eos_id if meta.get("tokenizer") else None
     out = export_hf(_checkpoint_source(path), cfg.model, args.out, max_bytes, files, eos_token_id=eos)
-    print(f"wrote {out} (LlamaForCausalLM, {sum(1 for _ in out.glob('*.safetensors'))} safetensors file(s)"
+    arch = next(a for a, t in ARCHITECTURES.items() if t == hf_model_type(cfg.model))
+    print(f"wrote {out} ({arch}, {sum(1 for _ in out.glob('*.safetensors'))} safetensors file(s)"
           f"{', tokenizer.json' if files else ''}) from {path}")
     return 0
 

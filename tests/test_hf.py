@@ -735,7 +735,7 @@ def _fine_tune_and_export(tmp_path: Path, hf: torch.nn.Module, world: int, layou
         assert losses == pytest.approx(one, rel=1e-5)
 
     r = _meshtrain("convert", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "export"))
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0 and f" ({type(hf).__name__}, " in r.stdout, (r.stdout, r.stderr)  # it says what it wrote
     tuned = type(hf).from_pretrained(tmp_path / "export").eval()
     ckpt = latest_checkpoint(tmp_path / "run" / "checkpoints")
     ours = Llama(update_from_dict(Config(), read_checkpoint_meta(ckpt)["config"]).model).eval()

@@ -1,11 +1,12 @@
-"""HuggingFace Llama weights in and out: a ``TensorSource`` over an HF folder, and an exporter to one.
+"""HuggingFace weights in and out (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE): a ``TensorSource`` over an HF
+folder, and an exporter to one.
 
 An HF folder is ``config.json`` plus ``model.safetensors`` (or shards listed in ``model.safetensors.index.json``).
 ``hf_model_config`` maps its config.json to our ``ModelConfig`` and refuses, in one line that names the file and
 the field, anything our model does not compute the same way. ``HFSource`` serves our logical tensors by our names,
 reading only the requested box from the safetensors files (``safe_open(...).get_slice``), so a training rank
 reads only its pieces. ``export_hf`` writes any ``TensorSource`` of our model as a folder that transformers'
-``LlamaForCausalLM.from_pretrained`` loads, one tensor at a time.
+``from_pretrained`` loads as the architecture ``hf_model_type`` names, one tensor at a time.
 
 Names (ours -> HF, ``{i}`` a layer index):
 
@@ -32,6 +33,12 @@ Mixtral: an MoE model (``model.moe_experts``) maps onto MixtralForCausalLM when 
 token's top-k gates as Mixtral's does (``model.moe_renormalize``; our default, Switch's, does not) and it has no
 shared experts or selection bias (``check_mixtral``): ``block_sparse_moe.gate`` is our ``feed_forward.router``
 and ``block_sparse_moe.experts.{e}.w1/w3/w2`` our ``feed_forward.experts.{e}.w1/w3/w2``.
+
+Qwen: Qwen2 is a Llama with biases on q, k and v (``model.qkv_bias``: ``q_proj.bias`` and ``k_proj.bias`` permuted
+as their weights' rows); Qwen3 one whose q and k heads pass an RMSNorm before RoPE (``model.qk_norm``: ``q_norm`` and
+``k_norm`` permuted as one head's rows), usually with heads of their own width (``model.head_size``); Qwen3-MoE a
+Qwen3 whose MLPs are our mixture of experts (``mlp.gate``, ``mlp.experts.{e}.gate_proj/up_proj/down_proj``), its
+gates renormalised or not (``norm_topk_prob``).
 """
 
 from __future__ import annotations
@@ -151,8 +158,8 @@ def _rope(file: Path, data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _full_attention(file: Path, c: dict[str, Any], max_len: int) -> None:
-    """Mistral, Mixtral and Qwen2 configs may set a sliding window; one shorter than the context would change
-    attention (meshtrain's is full causal), so it is refused. Qwen2's ``sliding_window`` applies only where
+    """Mistral, Mixtral and Qwen configs may set a sliding window; one shorter than the context would change
+    attention (meshtrain's is full causal), so it is refused. A Qwen's ``sliding_window`` applies only where
     ``use_sliding_window`` is true (its released models set a window and leave it off); transformers 5 also lists
     each layer's kind in ``layer_types``."""
     window = c.get("sliding_window")
@@ -395,7 +402,8 @@ def hf_names(cfg: ModelConfig) -> dict[str, HFTensor]:
 
 
 class HFSource:
-    """An HF Llama or Mixtral folder as a ``TensorSource`` of our logical tensors, read lazily a box at a time.
+    """An HF folder (of an architecture ``hf_model_config`` accepts) as a ``TensorSource`` of our logical tensors,
+    read lazily a box at a time.
 
     Construction reads config.json and the safetensors headers only, and checks up front (so a bad folder fails
     before any process starts) that every shard the index names exists and that every tensor config.json implies
@@ -484,8 +492,9 @@ class HFSource:
 
 
 def hf_config_dict(cfg: ModelConfig, eos_token_id: int | None = None) -> dict[str, Any]:
-    """The config.json of a LlamaForCausalLM (a MixtralForCausalLM for an MoE model, a Qwen2ForCausalLM with
-    ``model.qkv_bias``) equal to our model ``cfg``, readable by transformers 4 (rope_theta) and 5 (rope_parameters)."""
+    """The config.json of the HF architecture ``hf_model_type`` names (a LlamaForCausalLM, MixtralForCausalLM,
+    Qwen2ForCausalLM, Qwen3ForCausalLM or Qwen3MoeForCausalLM) equal to our model ``cfg``, readable by transformers 4
+    (rope_theta) and 5 (rope_parameters)."""
     scaling = {} if cfg.rope_scaling == "none" else {hf: getattr(cfg, ours) for hf, ours in LLAMA3_ROPE.items()}
     model_type = hf_model_type(cfg)
     arch = {v: k for k, v in ARCHITECTURES.items() if k != "MistralForCausalLM"}[model_type]
@@ -559,8 +568,8 @@ def _plan_shards(names: list[tuple[str, tuple[int, ...]]], max_bytes: int) -> li
 def export_hf(source: TensorSource, cfg: ModelConfig, out_dir: str | Path,
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, files: Iterable[str | Path] = (),
               eos_token_id: int | None = None) -> Path:
-    """Write our model (``cfg``, tensors from ``source`` by our names) as an HF LlamaForCausalLM folder (a
-    MixtralForCausalLM one for an MoE model).
+    """Write our model (``cfg``, tensors from ``source`` by our names) as an HF folder of the architecture
+    ``hf_model_type`` names (LlamaForCausalLM; Mixtral, Qwen2, Qwen3 or Qwen3-MoE where the options say).
 
     config.json, ``model.safetensors`` (or shards of at most ``max_shard_bytes`` plus
     ``model.safetensors.index.json``) in fp32, and ``files`` copied in (a tokenizer.json). One tensor is in memory
