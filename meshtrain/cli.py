@@ -254,7 +254,7 @@ def _generation_source(arg: str) -> tuple[Path, TensorSource | None, Config, Any
     path, meta, saved = _find_checkpoint(arg)
     if not meta.get("tokenizer"):
         raise CheckpointError(f"{path} was trained on synthetic data: there is no tokenizer to decode with.")
-    tok = load_tokenizer("hf" if meta["tokenizer"] == "hf" else meta["tokenizer"], path)
+    tok = load_tokenizer(meta["tokenizer"], path)
     return path, None, saved, tok, (tok.eos_id,)
 
 
@@ -332,7 +332,7 @@ def sample_checkpoint(ckpt: str | Path, prompt: str, tokens: int, temperature: f
     path, meta, cfg = _find_checkpoint(str(ckpt))
     if not meta.get("tokenizer"):
         raise CheckpointError(f"{path} was trained on synthetic data: there is no tokenizer to decode with.")
-    tok = load_tokenizer("hf" if meta["tokenizer"] == "hf" else meta["tokenizer"], path)
+    tok = load_tokenizer(meta["tokenizer"], path)
     model = Llama(cfg.model)
     load_full(model, CheckpointReader(path))
     ids = sample(model, tok.encode(prompt), tokens, cfg.train.seq_len, temperature, top_k, seed)
@@ -376,7 +376,7 @@ def _convert(argv: list[str]) -> int:
     ap.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB, as HF)")
     args = ap.parse_args(argv)
 
-    from meshtrain.model.hf import ARCHITECTURES, export_hf, hf_model_type
+    from meshtrain.model.hf import export_hf, hf_architecture, hf_model_type
     from meshtrain.train.tokenizer import load_tokenizer
 
     max_bytes = _parse_size(args.max_shard_size)
@@ -388,7 +388,7 @@ def _convert(argv: list[str]) -> int:
     files = [tokenizer_json] if tokenizer_json.is_file() else []
     eos = load_tokenizer(meta["tokenizer"], path).eos_id if meta.get("tokenizer") else None
     out = export_hf(_checkpoint_source(path), cfg.model, args.out, max_bytes, files, eos_token_id=eos)
-    arch = next(a for a, t in ARCHITECTURES.items() if t == hf_model_type(cfg.model))
+    arch = hf_architecture(hf_model_type(cfg.model))
     print(f"wrote {out} ({arch}, {sum(1 for _ in out.glob('*.safetensors'))} safetensors file(s)"
           f"{', tokenizer.json' if files else ''}) from {path}")
     return 0

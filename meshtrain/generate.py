@@ -26,8 +26,7 @@ from meshtrain.parallel.next_token import sample as sample_next
 @dataclass
 class Generated:
     """What ``generate`` returns: each prompt's new tokens (stopping before any of ``stop_ids``), the bytes of the
-    KV
-    cache this process held, and how many forward passes ran (one prefill + decode steps)."""
+    KV cache this process held, and how many forward passes ran (one prefill + decode steps)."""
 
     tokens: list[list[int]]
     kv_bytes: int

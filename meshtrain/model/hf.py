@@ -177,33 +177,36 @@ def _full_attention(file: Path, c: dict[str, Any], max_len: int) -> None:
         raise _config_error(file, "layer_types", kinds, "full_attention layers only")
 
 
+def _routing(file: Path, c: dict[str, Any], experts_key: str) -> dict[str, Any]:
+    """The routing fields Mixtral and Qwen3-MoE configs share: ``experts_key`` experts, ``num_experts_per_tok`` of
+    them per token, and the load-balancing coefficient. Their loss sums each expert's share of the k choices
+    (adding up to k) where ours takes the share of one (adding up to one), so ``router_aux_loss_coef`` becomes
+    ``moe_aux_loss_coef`` times k (both configs default it to 0.001)."""
+    experts = _positive_int(file, c, experts_key)
+    top_k = _positive_int(file, c, "num_experts_per_tok")
+    if top_k > experts:
+        raise _config_error(file, "num_experts_per_tok", top_k, f"at most {experts_key}={experts}")
+    coef = c.get("router_aux_loss_coef", 0.001)
+    if isinstance(coef, bool) or not isinstance(coef, int | float) or not 0 <= coef < math.inf:
+        raise _config_error(file, "router_aux_loss_coef", coef, "a number >= 0")
+    return {"moe_experts": experts, "moe_top_k": top_k, "moe_aux_loss_coef": float(coef) * top_k}
+
+
 def _mixtral(file: Path, c: dict[str, Any]) -> dict[str, Any]:
     """Our ``moe_*`` fields for a Mixtral config.json: ``num_local_experts`` experts of hidden
     ``intermediate_size``, ``num_experts_per_tok`` of them per token, gates renormalised over those (Mixtral's
-    router), dropless. Mixtral's load-balancing loss sums each expert's share of the k choices (adding up to k)
-    where ours takes the share of one (adding up to one), so ``router_aux_loss_coef`` becomes ``moe_aux_loss_coef``
-    times k. ``router_jitter_noise`` only perturbs training inputs and is not applied."""
-    experts = _positive_int(file, c, "num_local_experts")
-    top_k = _positive_int(file, c, "num_experts_per_tok")
-    if top_k > experts:
-        raise _config_error(file, "num_experts_per_tok", top_k, f"at most num_local_experts={experts}")
-    coef = c.get("router_aux_loss_coef", 0.001)  # MixtralConfig's default
-    if isinstance(coef, bool) or not isinstance(coef, int | float) or not 0 <= coef < math.inf:
-        raise _config_error(file, "router_aux_loss_coef", coef, "a number >= 0")
-    return {"moe_experts": experts, "moe_top_k": top_k, "moe_renormalize": True,
-            "moe_aux_loss_coef": float(coef) * top_k}
+    router), dropless; the load-balancing coefficient as ``_routing`` scales it. ``router_jitter_noise`` only
+    perturbs training inputs and is not applied."""
+    return {**_routing(file, c, "num_local_experts"), "moe_renormalize": True}
 
 
 def _qwen3_moe(file: Path, c: dict[str, Any]) -> dict[str, Any]:
     """Our ``moe_*`` fields for a Qwen3-MoE config.json: ``num_experts`` experts of hidden ``moe_intermediate_size``,
     ``num_experts_per_tok`` per token, the top-k gates renormalised where ``norm_topk_prob`` says (the released
     models do; transformers' default does not: Switch's gates, ours), dropless; every layer sparse. The
-    load-balancing coefficient is scaled as Mixtral's (``_mixtral``)."""
+    load-balancing coefficient is scaled as Mixtral's (``_routing``)."""
     key = "num_experts" if "num_experts" in c else "num_local_experts"  # the hub's name; transformers 5 saves the other
-    experts = _positive_int(file, c, key)
-    top_k = _positive_int(file, c, "num_experts_per_tok")
-    if top_k > experts:
-        raise _config_error(file, "num_experts_per_tok", top_k, f"at most {key}={experts}")
+    routing = _routing(file, c, key)
     if c.get("decoder_sparse_step", 1) != 1:
         raise _config_error(file, "decoder_sparse_step", c["decoder_sparse_step"], "1 (every layer a mixture of "
                                                                                    "experts)")
@@ -212,11 +215,7 @@ def _qwen3_moe(file: Path, c: dict[str, Any]) -> dict[str, Any]:
     renormalize = c.get("norm_topk_prob", False)  # Qwen3MoeConfig's default
     if not isinstance(renormalize, bool):
         raise _config_error(file, "norm_topk_prob", renormalize, "true or false")
-    coef = c.get("router_aux_loss_coef", 0.001)  # Qwen3MoeConfig's default
-    if isinstance(coef, bool) or not isinstance(coef, int | float) or not 0 <= coef < math.inf:
-        raise _config_error(file, "router_aux_loss_coef", coef, "a number >= 0")
-    return {"moe_experts": experts, "moe_top_k": top_k, "moe_renormalize": renormalize,
-            "moe_hidden": _positive_int(file, c, "moe_intermediate_size"), "moe_aux_loss_coef": float(coef) * top_k}
+    return {**routing, "moe_renormalize": renormalize, "moe_hidden": _positive_int(file, c, "moe_intermediate_size")}
 
 
 def hf_model_config(folder: str | Path) -> ModelConfig:
@@ -351,6 +350,11 @@ def hf_model_type(cfg: ModelConfig) -> str:
         return "qwen3_moe"
     check_mixtral(cfg)
     return "mixtral" if cfg.moe_experts else "qwen2" if cfg.qkv_bias else "qwen3" if cfg.qk_norm else "llama"
+
+
+def hf_architecture(model_type: str) -> str:
+    """The architecture an export of ``model_type`` (``hf_model_type``) names: a Mistral exports as a Llama."""
+    return next(arch for arch, t in ARCHITECTURES.items() if t == model_type)
 
 
 def hf_names(cfg: ModelConfig) -> dict[str, HFTensor]:
@@ -497,7 +501,7 @@ def hf_config_dict(cfg: ModelConfig, eos_token_id: int | None = None) -> dict[st
     (rope_theta) and 5 (rope_parameters)."""
     scaling = {} if cfg.rope_scaling == "none" else {hf: getattr(cfg, ours) for hf, ours in LLAMA3_ROPE.items()}
     model_type = hf_model_type(cfg)
-    arch = {v: k for k, v in ARCHITECTURES.items() if k != "MistralForCausalLM"}[model_type]
+    arch = hf_architecture(model_type)
     extra = {"num_local_experts": cfg.moe_experts, "num_experts_per_tok": cfg.moe_top_k, "sliding_window": None,
              "router_aux_loss_coef": cfg.moe_aux_loss_coef / cfg.moe_top_k, "router_jitter_noise": 0.0,
              "output_router_logits": False} if cfg.moe_experts else {}
