@@ -24,6 +24,7 @@ PRESET_DIR = Path(__file__).parent / "presets"
 
 # The choices of the string options, defined once here (the bottom layer) for everything that checks them.
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1", "dualpipev")  # parallel.schedule (meshtrain/plan/schedules.py)
+ATTENTION_MASKS = ("causal", "document")  # train.attention_mask
 RECOMPUTE_MODES = ("none", "full", "selective")  # train.recompute (meshtrain/parallel/recompute.py)
 CP_LAYOUTS = ("zigzag", "contiguous")  # parallel.cp_layout (meshtrain/parallel/context.py)
 CP_ATTENTIONS = ("ring", "allgather")  # parallel.cp_attention
@@ -147,6 +148,8 @@ class TrainConfig:
     muon_momentum: float = 0.95
     recompute: str = "none"  # activation checkpointing per block: none | full | selective
     compile: bool = False  # torch.compile each transformer block (docs/compile.md)
+    # causal | document (a token attends only to its own document's tokens, each ending with the eos id)
+    attention_mask: str = "causal"
     grad_clip: float = 1.0  # 0 disables clipping
     max_bad_steps: int = 3  # consecutive steps with a non-finite loss or grad norm (skipped) before the run stops
     dtype: str = "fp32"  # compute dtype: fp32 or bf16 (autocast); parameters stay fp32
@@ -490,6 +493,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _need(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1).")
     _need(math.isfinite(t.grad_clip) and t.grad_clip >= 0, "train.grad_clip must be >= 0 (0 disables clipping).")
     _need(t.optimizer in ("adamw", "muon"), f"train.optimizer must be 'adamw' or 'muon', got '{t.optimizer}'.")
+    _need(t.attention_mask in ATTENTION_MASKS, f"train.attention_mask must be causal or document, got "
+                                                f"'{t.attention_mask}'.")
     _need(t.recompute in RECOMPUTE_MODES,
           f"train.recompute must be none, full or selective, got '{t.recompute}'.")
     _need(math.isfinite(t.muon_lr) and t.muon_lr >= 0 and 0 <= t.muon_momentum < 1,
@@ -503,6 +508,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
           "resuming: pass it with train.resume=true.")
     _need(not t.wandb or bool(t.wandb_project.strip()), "train.wandb=true needs a train.wandb_project name.")
     _need(d.source in ("files", "synthetic"), f"data.source must be 'files' or 'synthetic', got '{d.source}'.")
+    _need(d.source == "files" or t.attention_mask == "causal",
+          "train.attention_mask=document needs documents: data.source=synthetic is one endless stream; use "
+          "data.source=files or train.attention_mask=causal.")
     _need(0 <= d.val_fraction <= 0.5, f"data.val_fraction must be in [0, 0.5], got {d.val_fraction}.")
     data_blend(d.path)  # a blend's form (the folders themselves are checked before launch: trainer.check_data)
 

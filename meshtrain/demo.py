@@ -98,7 +98,8 @@ def _problem(cfg: Config, hw: Hardware, name: str) -> Problem:
     if model.vocab_size == 0:  # taken from the tokenizer at run time: the byte tokenizer's, as `meshtrain plan`
         model.vocab_size = 257
     precision = dataclasses.replace(MESHTRAIN_BF16, reduce=DTYPE_BYTES[cfg.parallel.reduce_dtype])
-    return Problem(model, cfg.train.seq_len, cfg.train.global_batch, hw, 1, model_name=name, precision=precision)
+    return Problem(model, cfg.train.seq_len, cfg.train.global_batch, hw, 1, model_name=name, precision=precision,
+                   documents=cfg.train.attention_mask == "document")
 
 
 def main(argv: list[str], launch: Callable[[list[str]], int], sample: Callable[..., str]) -> int:

@@ -124,11 +124,11 @@ def _record_batches(trainer) -> list:
     data, local_batch = trainer.train_data, trainer.local_batch
 
     def recording(d, step):
-        inputs, targets, n = local_batch(d, step)
+        batch = local_batch(d, step)
         if d is data:
             t = trainer.cfg.train
-            seen.append((step, d.batch(t.seed, step, t.global_batch, t.seq_len)[0], inputs.clone()))
-        return inputs, targets, n
+            seen.append((step, d.batch(t.seed, step, t.global_batch, t.seq_len)[0], batch.inputs.clone()))
+        return batch
 
     trainer.local_batch = recording
     return seen

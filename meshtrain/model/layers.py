@@ -12,6 +12,7 @@ same program."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -159,16 +160,61 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Which document each token of a row [B, T] belongs to, int32, counted from the row's first (0): a document
+    ends with its eos id (which belongs to it) and the next starts after it (``train.attention_mask=document``)."""
+    ends = (tokens == eos_id).to(torch.int32)
+    return torch.cumsum(ends, dim=1, dtype=torch.int32) - ends
+
+
+def document_mask(docs: torch.Tensor) -> torch.Tensor:
+    """[B, 1, T, T] bool for ``document_ids`` [B, T]: True where a query may attend to a key, i.e. the key is
+    not after it and in the same document."""
+    t = docs.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=docs.device).tril()
+    return (causal & (docs[:, :, None] == docs[:, None, :])).unsqueeze(1)
+
+
+@dataclass(frozen=True)
+class Documents:
+    """One forward's documents (``train.attention_mask=document``), as every attention core gets them.
+
+    ``ids``: ``document_ids`` of the whole sequence [B, T] (context parallelism reads those of each rank's
+    keys). ``bias``: the additive mask of whole-sequence attention, [B, 1, T, T] in the compute dtype (0 where
+    ``document_mask`` keeps, -inf elsewhere), built once per forward and shared by every layer, so autograd keeps
+    one copy for backward (a boolean mask would be converted, and kept, by every layer's SDPA); None where the
+    cores hold only part of the sequence (context parallelism)."""
+
+    ids: torch.Tensor
+    bias: torch.Tensor | None
+
+    @staticmethod
+    def of(ids: torch.Tensor, t: int, dtype: torch.dtype) -> Documents:
+        """For cores that attend over ``t`` tokens a row: the bias too when that is the whole sequence."""
+        if t != ids.shape[1]:
+            return Documents(ids, None)
+        keep = document_mask(ids)
+        return Documents(ids, torch.zeros(keep.shape, dtype=dtype, device=ids.device).masked_fill_(~keep, -math.inf))
+
+
 class CausalAttention(nn.Module):
     """The attention core: causal softmax attention over [B, H, T, D] after RoPE, key/value heads shared by
     groups of query heads (GQA). A module without parameters, so context parallelism can swap it for its
     ring or all-gather version (``parallel/context.py``) the way tensor parallelism swaps Linears.
 
+    ``docs`` (``Documents``): each token attends only within its own document as well, by its ``bias`` (SDPA then
+    runs a kernel that takes a mask, not the causal flash kernel).
+
     ``mask`` [B, 1, Tq, Tk] (True: may attend) replaces the plain causal mask when decoding from a KV cache,
     where the queries are the last Tq of Tk positions and rows may start with padding (``kv_cache.py``)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, docs: Documents | None = None) -> torch.Tensor:
+        if docs is not None:
+            if mask is not None or docs.bias is None or docs.bias.shape[-1] != q.shape[2]:
+                raise ValueError(f"documents of {docs.ids.shape[1]} tokens a row must come with their mask over "
+                                 f"the {q.shape[2]} queries, and not with a KV cache's mask.")
+            mask = docs.bias
         if mask is None:
             # SDPA's own GQA: query head h reads kv head h // (Hq / Hkv) without the repeated K/V copies
             # (Hq/Hkv times the K/V bytes, 8 at Llama-3 70B, and saved for backward too).

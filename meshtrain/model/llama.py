@@ -20,7 +20,16 @@ from torch import nn
 
 from meshtrain.config import ModelConfig
 from meshtrain.model.kv_cache import KVCache, LayerKV
-from meshtrain.model.layers import CausalAttention, Embedding, FeedForward, RMSNorm, apply_rope, rope_tables
+from meshtrain.model.layers import (
+    CausalAttention,
+    Documents,
+    Embedding,
+    FeedForward,
+    RMSNorm,
+    apply_rope,
+    compute_dtype,
+    rope_tables,
+)
 from meshtrain.model.moe import MoEFeedForward
 from meshtrain.model.source import Box, full_box, relative
 
@@ -47,11 +56,11 @@ class Attention(nn.Module):
         self.core = CausalAttention()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: LayerKV | None = None) -> torch.Tensor:
+                cache: LayerKV | None = None, docs: Documents | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = heads_with_rope(self.wq(x), self.wk(x), self.wv(x), self.head_dim, cos, sin,
                                   self.q_norm, self.k_norm)
-        y = attend(self.core, q, k, v, cache)
+        y = attend(self.core, q, k, v, cache, docs)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -73,11 +82,14 @@ def heads_with_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim:
 
 
 def attend(core: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           cache: LayerKV | None) -> torch.Tensor:
+           cache: LayerKV | None, docs: Documents | None = None) -> torch.Tensor:
     """The attention core over this step's keys/values, or, with a cache, over every cached position too
-    (shared by the plain and the tensor-parallel attention: the cache holds whatever kv heads the module has)."""
+    (shared by the plain and the tensor-parallel attention: the cache holds whatever kv heads the module has).
+    ``docs`` (``Documents``): attention kept within documents."""
     if cache is None:
-        return core(q, k, v)
+        return core(q, k, v) if docs is None else core(q, k, v, docs=docs)
+    if docs is not None:
+        raise ValueError("a KV cache decodes one text a row: no document ids.")
     k, v = cache.update(k, v)
     return core(q, k, v, cache.mask)
 
@@ -96,8 +108,8 @@ class Block(nn.Module):
             self.feed_forward = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: LayerKV | None = None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache)
+                cache: LayerKV | None = None, docs: Documents | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache, docs)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -124,14 +136,17 @@ class Llama(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
+                cache: KVCache | None = None, last_only: bool = False,
+                docs: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, T] (or hidden states [B, T, D] when this module has no embedding) -> logits. With ``cache``
-        the tokens follow the cached positions (``kv_cache.py``); ``last_only``: the last position's only."""
-        return decoder_forward(self, tokens, positions, cache, last_only)
+        the tokens follow the cached positions (``kv_cache.py``); ``last_only``: the last position's only;
+        ``docs``: attention within documents (``decoder_forward``)."""
+        return decoder_forward(self, tokens, positions, cache, last_only, docs)
 
 
 def decoder_forward(m: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                    cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
+                    cache: KVCache | None = None, last_only: bool = False,
+                    docs: torch.Tensor | None = None) -> torch.Tensor:
     """The decoder's forward over whatever parts ``m`` holds (a ``Llama`` or a pipeline stage of one):
     ``tok_embeddings`` (or None: the input is already hidden states), ``layers``, ``norm`` and ``output`` (or
     None: hidden states out), ``seq_shards`` and the RoPE tables.
@@ -142,6 +157,11 @@ def decoder_forward(m: nn.Module, tokens: torch.Tensor, positions: torch.Tensor 
     ``cache`` (a ``KVCache``): the tokens come after the cached positions; each row's positions and the attention
     mask come from the cache, each layer appends its keys and values to it, and it advances by T at the end.
     ``last_only``: the output of the last position only, [B, 1, ...] (a prompt's prefill needs no other logits).
+
+    ``docs`` [B, T] (``document_ids`` of the whole sequence, also under sequence or context parallelism): each
+    token attends only to tokens of its own document (``train.attention_mask=document``); the layers get them as
+    one ``Documents``. RoPE positions are not reset at a document's start: attention scores depend only on
+    relative positions, so within a document they are the same.
     """
     h = m.tok_embeddings(tokens) if m.tok_embeddings is not None else tokens
     t = tokens.shape[1] if tokens.dim() == 2 else h.shape[1] * m.seq_shards
@@ -153,8 +173,12 @@ def decoder_forward(m: nn.Module, tokens: torch.Tensor, positions: torch.Tensor 
         cos, sin = m.rope_cos[:t], m.rope_sin[:t]
     else:
         cos, sin = m.rope_cos[positions], m.rope_sin[positions]
+    within = Documents.of(docs, t, compute_dtype(h)) if docs is not None else None
     for key, layer in m.layers.items():
-        h = layer(h, cos, sin) if cache is None else layer(h, cos, sin, cache.layer(key))
+        if cache is not None:
+            h = layer(h, cos, sin, cache.layer(key))
+        else:
+            h = layer(h, cos, sin) if docs is None else layer(h, cos, sin, docs=within)
     if cache is not None:
         cache.advance(t)
     if last_only:

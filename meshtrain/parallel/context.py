@@ -41,6 +41,7 @@ from meshtrain import comm
 from meshtrain.config import CP_ATTENTIONS as ATTENTIONS
 from meshtrain.config import CP_LAYOUTS as LAYOUTS
 from meshtrain.mesh import AxisGroup, Mesh
+from meshtrain.model.layers import Documents
 
 _TAG_KV, _TAG_DKV = 71, 72  # the two ring streams between the same pair of ranks must not be confused
 
@@ -149,7 +150,16 @@ class BlockPlan:
             self._masks[key] = (m.to(device), int(m.sum()))
         return self._masks[key]
 
-    def _operands(self, j: int, b: _Block, q: torch.Tensor, kv: torch.Tensor, dtype: torch.dtype):
+    def document_mask(self, j: int, b: _Block, docs: torch.Tensor) -> torch.Tensor:
+        """[B, tq, tk] bool, True where the query and key tokens are in the same document (``docs``: the whole
+        sequence's document ids [B, T], ``train.attention_mask=document``)."""
+        theirs = rank_positions(j, self.cp, self.seq_len, self.layout).to(docs.device)
+        pq = _narrow(self.positions.to(docs.device), b.q, self.chunk_len, 0)
+        pk = _narrow(theirs, b.kv, self.chunk_len, 0)
+        return docs[:, pq][:, :, None] == docs[:, pk][:, None, :]
+
+    def _operands(self, j: int, b: _Block, q: torch.Tensor, kv: torch.Tensor, dtype: torch.dtype,
+                  docs: torch.Tensor | None):
         c = self.chunk_len
         bsz, hkv, rep, _, d = q.shape
         tq = len(b.q) * c
@@ -157,6 +167,9 @@ class BlockPlan:
         qb = _narrow(q, b.q, c, 3).reshape(bsz, hkv, rep * tq, d)
         kvb = _narrow(kv, b.kv, c, 3).to(dtype)
         mask, kept = self.mask(j, b, q.device) if b.masked else (None, tq * kvb.shape[-2])
+        if docs is not None:  # [B, tq, tk]; ``kept`` stays the causal count (the block is computed whole)
+            same = self.document_mask(j, b, docs)
+            mask = same if mask is None else same & mask
         return qb, kvb[0], kvb[1], mask, tq, kept
 
     @staticmethod
@@ -164,8 +177,9 @@ class BlockPlan:
         # Out of place: selective recompute caches matmul outputs, and an in-place scale or mask would
         # change the cached tensor, so the recomputed forward would scale it twice.
         s = torch.matmul(qb, kb.transpose(-1, -2)) * scale
-        if mask is not None:
-            s = s.masked_fill(~mask.repeat(rep, 1), float("-inf"))
+        if mask is not None:  # [tq, tk] causal, or [B, tq, tk] with documents; rows of qb are (rep, tq)
+            keep = mask.repeat(rep, 1) if mask.dim() == 2 else mask.repeat(1, rep, 1).unsqueeze(1)
+            s = s.masked_fill(~keep, float("-inf"))
         return s
 
     @staticmethod
@@ -181,20 +195,22 @@ class BlockPlan:
             flops.backward += 10 * per_entry * tq * tk  # q k^T again, dv, dp, dq, dk
 
     def forward_block(self, j: int, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                      flops: AttentionFlops | None = None) -> None:
+                      flops: AttentionFlops | None = None, docs: torch.Tensor | None = None) -> None:
         """Attend this rank's queries to source rank ``j``'s keys/values; merge into ``out`` [B, Hkv, rep,
-        T, D] and ``lse`` [B, Hkv, rep, T] in place with the online-softmax rule."""
+        T, D] and ``lse`` [B, Hkv, rep, T] in place with the online-softmax rule. ``docs``: also within
+        documents only (a query may then see no key of a block: its lse there is -inf, its output 0)."""
         c, scale = self.chunk_len, 1.0 / math.sqrt(q.shape[-1])
         bsz, hkv, rep, _, d = q.shape
         for b in self.blocks[j]:
-            qb, kb, vb, mask, tq, kept = self._operands(j, b, q, kv, q.dtype)
+            qb, kb, vb, mask, tq, kept = self._operands(j, b, q, kv, q.dtype, docs)
             s = self._scores(qb, kb, mask, rep, scale)
             lse_b = torch.logsumexp(s, dim=-1)
-            ob = torch.matmul(torch.exp(s - lse_b.unsqueeze(-1)), vb).view(bsz, hkv, rep, tq, d)
+            ob = torch.matmul(torch.exp(s - _finite(lse_b).unsqueeze(-1)), vb).view(bsz, hkv, rep, tq, d)
             lse_b = lse_b.view(bsz, hkv, rep, tq)
             for n, a in enumerate(b.q):
                 rows, part = slice(a * c, (a + 1) * c), slice(n * c, (n + 1) * c)
                 old, new_b = lse[..., rows], lse_b[..., part]
+                # Finite: the first block (the rank's own, s = 0) has each query's own key.
                 new = torch.logaddexp(old, new_b)
                 out[..., rows, :] = (out[..., rows, :] * torch.exp(old - new).unsqueeze(-1)
                                      + ob[..., part, :] * torch.exp(new_b - new).unsqueeze(-1))
@@ -202,7 +218,8 @@ class BlockPlan:
             self._count(flops, q, tq, kb.shape[-2], kept, fwd=True)
 
     def backward_block(self, j: int, q: torch.Tensor, kv: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
-                       delta: torch.Tensor, dq: torch.Tensor, flops: AttentionFlops | None = None) -> torch.Tensor:
+                       delta: torch.Tensor, dq: torch.Tensor, flops: AttentionFlops | None = None,
+                       docs: torch.Tensor | None = None) -> torch.Tensor:
         """Gradients of the blocks against source rank ``j``: adds into ``dq`` in place and returns this
         rank's contribution to rank j's key/value gradients, [2, B, Hkv, T, D] (zeros where it has none).
 
@@ -212,7 +229,7 @@ class BlockPlan:
         bsz, hkv, rep, _, d = q.shape
         dkv = torch.zeros(kv.shape, dtype=q.dtype, device=q.device)
         for b in self.blocks[j]:
-            qb, kb, vb, mask, tq, kept = self._operands(j, b, q, kv, q.dtype)
+            qb, kb, vb, mask, tq, kept = self._operands(j, b, q, kv, q.dtype, docs)
             dob = _narrow(do, b.q, c, 3).reshape(bsz, hkv, rep * tq, d)
             lse_b = _narrow(lse, b.q, c, 3).reshape(bsz, hkv, rep * tq, 1)
             delta_b = _narrow(delta, b.q, c, 3).reshape(bsz, hkv, rep * tq, 1)
@@ -233,6 +250,12 @@ class BlockPlan:
 # ----------------------------------------------------------------------------- the attention functions
 
 
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """A block's ``lse`` with -inf (a query that sees no key of it: documents) as 0, for subtracting: exp(-inf - 0)
+    = 0 where -inf - -inf is nan. Equal to ``lse`` wherever it is finite, so the causal path is unchanged."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
 def _grouped(x: torch.Tensor, hkv: int, dtype: torch.dtype) -> torch.Tensor:
     """[B, Hq, T, D] -> [B, Hkv, Hq/Hkv, T, D] in ``dtype``: query head h uses kv head h // rep, as
     ``repeat_interleave`` of the keys does in the single-device attention."""
@@ -249,7 +272,8 @@ class _RingAttention(torch.autograd.Function):
     """Ring attention: K/V blocks travel round the cp ranks; dK/dV accumulators follow them home."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel,
+                docs: torch.Tensor | None) -> torch.Tensor:
         dtype, n, me = _compute_dtype(q), cp.group.size, cp.index
         with torch.autocast(q.device.type, enabled=False):
             qg = _grouped(q, k.shape[1], dtype)
@@ -259,13 +283,13 @@ class _RingAttention(torch.autograd.Function):
             for s in range(n):
                 # Post the next block's transfer first; it runs while this block is computed.
                 nxt, handles = cp._exchange(kv, _TAG_KV) if s < n - 1 else (None, [])
-                cp.plan.forward_block((me - s) % n, qg, kv, out, lse, cp.flops)
+                cp.plan.forward_block((me - s) % n, qg, kv, out, lse, cp.flops, docs)
                 for h in handles:
                     h.wait()
                 kv = nxt if nxt is not None else kv
         y = out.view(q.shape).to(q.dtype)
         ctx.save_for_backward(q, k, v, y, lse)
-        ctx.cp = cp
+        ctx.cp, ctx.docs = cp, docs
         return y
 
     @staticmethod
@@ -282,7 +306,7 @@ class _RingAttention(torch.autograd.Function):
             acc_in, acc_handles, sending = None, [], None
             for s in range(n):
                 nxt, kv_handles = cp._exchange(kv, _TAG_KV) if s < n - 1 else (None, [])
-                dkv = cp.plan.backward_block((me - s) % n, qg, kv, do, lse, delta, dq, cp.flops)
+                dkv = cp.plan.backward_block((me - s) % n, qg, kv, do, lse, delta, dq, cp.flops, ctx.docs)
                 if s == 0:
                     home = dkv
                 else:
@@ -303,14 +327,15 @@ class _RingAttention(torch.autograd.Function):
                 home += acc_in
             del sending
         dq = dq.view(q.shape).to(q.dtype)
-        return dq, home[0].to(k.dtype), home[1].to(v.dtype), None
+        return dq, home[0].to(k.dtype), home[1].to(v.dtype), None, None
 
 
 class _AllGatherAttention(torch.autograd.Function):
     """Llama 3's variant: all-gather K/V once (kept for backward), reduce-scatter dK/dV."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel,
+                docs: torch.Tensor | None) -> torch.Tensor:
         dtype, n, me = _compute_dtype(q), cp.group.size, cp.index
         with torch.autocast(q.device.type, enabled=False):
             qg = _grouped(q, k.shape[1], dtype)
@@ -321,10 +346,10 @@ class _AllGatherAttention(torch.autograd.Function):
             lse = torch.full(qg.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
             for s in range(n):  # the ring's order, so both variants compute the same forward bit for bit
                 j = (me - s) % n
-                cp.plan.forward_block(j, qg, full[2 * j: 2 * j + 2], out, lse, cp.flops)
+                cp.plan.forward_block(j, qg, full[2 * j: 2 * j + 2], out, lse, cp.flops, docs)
         y = out.view(q.shape).to(q.dtype)
         ctx.save_for_backward(q, full, y, lse)
-        ctx.cp, ctx.kv_dtype = cp, k.dtype
+        ctx.cp, ctx.kv_dtype, ctx.docs = cp, k.dtype, docs
         return y
 
     @staticmethod
@@ -340,10 +365,10 @@ class _AllGatherAttention(torch.autograd.Function):
             for s in range(n):
                 j = (me - s) % n
                 dfull[2 * j: 2 * j + 2] = cp.plan.backward_block(j, qg, full[2 * j: 2 * j + 2], do, lse, delta, dq,
-                                                                 cp.flops)
+                                                                 cp.flops, ctx.docs)
             dkv = dfull.new_empty((2, *dfull.shape[1:]))
             comm.reduce_scatter(dkv, dfull, cp.group)  # every rank's part of our dK/dV, added
-        return dq.view(q.shape).to(q.dtype), dkv[0].to(ctx.kv_dtype), dkv[1].to(ctx.kv_dtype), None
+        return dq.view(q.shape).to(q.dtype), dkv[0].to(ctx.kv_dtype), dkv[1].to(ctx.kv_dtype), None, None
 
 
 # ----------------------------------------------------------------------------- the transformation
@@ -377,13 +402,19 @@ class ContextParallel:
                              f"{x.shape[1]} tokens per sequence.")
         return _narrow(x, tuple(self.chunks), self.plan.chunk_len, 1).contiguous()
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               docs: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of this rank's queries over the whole sequence's keys/values.
 
-        q [B, Hq, T/cp, D], k and v [B, Hkv, T/cp, D] (after RoPE); Hkv must divide Hq."""
+        q [B, Hq, T/cp, D], k and v [B, Hkv, T/cp, D] (after RoPE); Hkv must divide Hq. ``docs``: the whole
+        sequence's document ids [B, T] (not sharded: every rank reads those of the keys it is sent), attention
+        then also within documents only."""
         self._check(q, k, v)
+        if docs is not None and docs.shape != (q.shape[0], self.seq_len):
+            raise ValueError(f"context parallelism takes the whole sequence's document ids [B, T] = "
+                             f"{(q.shape[0], self.seq_len)}; got {tuple(docs.shape)}.")
         fn = _RingAttention if self.attention == "ring" else _AllGatherAttention
-        return fn.apply(q, k.contiguous(), v.contiguous(), self)
+        return fn.apply(q, k.contiguous(), v.contiguous(), self, docs)
 
     def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
@@ -412,8 +443,9 @@ class ContextParallelAttention(nn.Module):
         super().__init__()
         self.cp = cp
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.cp.attend(q, k, v)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                docs: Documents | None = None) -> torch.Tensor:
+        return self.cp.attend(q, k, v, docs.ids if docs is not None else None)
 
 
 def apply_context_parallel(model: nn.Module, mesh: Mesh, seq_len: int, layout: str = "zigzag",

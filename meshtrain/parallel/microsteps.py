@@ -27,7 +27,8 @@ from meshtrain.parallel.grad_sync import GradSync
 
 @dataclass
 class ForwardLoss:
-    """``forward(module, x)`` -> output; ``forward(module, x, targets)`` -> sum of token losses (fp32)."""
+    """``forward(module, x)`` -> output; ``forward(module, x, targets)`` -> sum of token losses (fp32); ``docs``
+    (the rows' document ids, ``train.attention_mask=document``) goes to the module."""
 
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     sync: GradSync
@@ -39,10 +40,16 @@ class ForwardLoss:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
-    def __call__(self, module: nn.Module, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, module: nn.Module, x: torch.Tensor, targets: torch.Tensor | None = None,
+                 docs: torch.Tensor | None = None) -> torch.Tensor:
         with self.sync.forward_context(), self.autocast():
-            out = module(x)
+            out = module(x) if docs is None else module(x, docs=docs)
         return out if targets is None else self.loss_fn(out, targets)
+
+
+def chunks(docs: torch.Tensor | None, n: int) -> list[torch.Tensor | None]:
+    """The microbatches' document ids (rows cut as ``inputs.chunk(n)`` cuts them), or ``n`` Nones."""
+    return [None] * n if docs is None else list(docs.chunk(n))
 
 
 class Accumulation:
@@ -51,26 +58,28 @@ class Accumulation:
     def __init__(self, model: nn.Module, forward: ForwardLoss, n: int) -> None:
         self.model, self.forward, self.n = model, forward, n
 
-    def run(self, inputs: torch.Tensor, targets: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor, n_tokens: int,
+            docs: torch.Tensor | None = None) -> torch.Tensor:
         """Forward and backward of every microbatch; returns this rank's loss sum / ``n_tokens`` (an fp64
         scalar on the device, unread: a host read would stall a GPU until the step's work is done)."""
         sync, device = self.forward.sync, self.forward.device
         total = torch.zeros((), dtype=torch.float64, device=device)
-        micro = list(zip(inputs.chunk(self.n), targets.chunk(self.n), strict=True))
-        for i, (x, y) in enumerate(micro):
+        micro = list(zip(inputs.chunk(self.n), targets.chunk(self.n), chunks(docs, self.n), strict=True))
+        for i, (x, y, d) in enumerate(micro):
             # Gradients are communicated only with the last microbatch (ZeRO-2/3 reduce every one).
             with sync.no_sync() if i < len(micro) - 1 else contextlib.nullcontext():
-                loss = self.forward(self.model, x.to(device), y.to(device)) / n_tokens
+                loss = self.forward(self.model, x.to(device), y.to(device), d) / n_tokens
                 loss.backward()
             total += loss.detach().double()
         return total
 
     @torch.no_grad()
-    def forward_only(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
+    def forward_only(self, inputs: torch.Tensor, targets: torch.Tensor,
+                     docs: torch.Tensor | None = None) -> tuple[float, int]:
         """Evaluation in the training microbatches: (sum of token losses, token count) on this rank."""
         total, count = 0.0, 0
-        for x, y in zip(inputs.chunk(self.n), targets.chunk(self.n), strict=True):
+        for x, y, d in zip(inputs.chunk(self.n), targets.chunk(self.n), chunks(docs, self.n), strict=True):
             y = y.to(self.forward.device)
-            total += float(self.forward(self.model, x.to(self.forward.device), y))
+            total += float(self.forward(self.model, x.to(self.forward.device), y, d))
             count += int((y != -100).sum())
         return total, count

@@ -158,21 +158,25 @@ class Parallel:
 
     # ------------------------------------------------------------------ the step
 
-    def shard_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's part of a global batch: its dp rows, then (context parallelism) its sequence chunks."""
+    def shard_batch(self, inputs: torch.Tensor, targets: torch.Tensor, docs: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """This rank's part of a global batch: its dp rows, then (context parallelism) its sequence chunks. The
+        rows' document ids ``docs`` (or None) keep the whole sequence: attention reads those of every key."""
         dp, index = self.mesh.size("dp"), self.mesh.coord("dp")
         inputs, targets = shard_rows(inputs, index, dp), shard_rows(targets, index, dp)
+        docs = shard_rows(docs, index, dp) if docs is not None else None
         if self.cp is not None:
             inputs, targets = self.cp.shard(inputs), self.cp.shard(targets)
-        return inputs, targets
+        return inputs, targets, docs
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, n_tokens: int,
+                         docs: torch.Tensor | None = None) -> torch.Tensor:
         """The micro-steps of one optimizer step on this rank's batch (``shard_batch``); ``n_tokens`` is the
         global batch's token count. Returns the step's loss, the mean over every token of the global batch
         (the same on every rank), as an fp64 scalar on the device that nothing here reads: the host need not
         wait for the device until the trainer reads it with the norm. The gradients may still be in flight
-        (``sync_grads`` waits)."""
-        return comm.all_reduce_metrics(self.micro.run(inputs, targets, n_tokens), self.loss_group)
+        (``sync_grads`` waits). ``docs``: the rows' document ids (``shard_batch``)."""
+        return comm.all_reduce_metrics(self.micro.run(inputs, targets, n_tokens, docs), self.loss_group)
 
     def sync_grads(self) -> None:
         """Wait for the gradient communication; then the pieces' ``.grad`` are the global gradients
@@ -207,11 +211,12 @@ class Parallel:
         return self.moe.after_step() if self.moe is not None else {}
 
     @torch.no_grad()
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor,
+                 docs: torch.Tensor | None = None) -> tuple[float, int]:
         """(sum of token losses, token count) of a global batch's ``shard_batch`` parts, over every rank."""
         self.model.eval()
         try:
-            total, count = self.micro.forward_only(inputs, targets)
+            total, count = self.micro.forward_only(inputs, targets, docs)
         finally:
             self.model.train()
         total, count = comm.all_reduce_scalars([total, count], self.loss_group, device=self.device)

@@ -44,7 +44,7 @@ from meshtrain.config import ModelConfig
 from meshtrain.mesh import AxisGroup, Mesh
 from meshtrain.model.axes import param_axes
 from meshtrain.model.kv_cache import LayerKV
-from meshtrain.model.layers import compute_dtype
+from meshtrain.model.layers import Documents, compute_dtype
 from meshtrain.model.llama import Attention, Block, FeedForward, attend, heads_with_rope
 from meshtrain.parallel.cross_entropy import lean_cross_entropy
 from meshtrain.parallel.pieces import Placement, Placements, TPSlice
@@ -317,7 +317,7 @@ class ParallelAttention(nn.Module):
         self.core = attn.core  # causal SDPA, or context parallelism's ring
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: LayerKV | None = None) -> torch.Tensor:
+                cache: LayerKV | None = None, docs: Documents | None = None) -> torch.Tensor:
         projections = (self.wq, self.wk, self.wv)
         if torch.is_grad_enabled():  # one entry collective and one matmul serve q, k and v
             qkv = self.wq.matmul(x, torch.cat([m.weight for m in projections]))
@@ -329,7 +329,7 @@ class ParallelAttention(nn.Module):
             q, k, v = (F.linear(h, m.weight, m.bias) for m in projections)
         b, t = q.shape[:2]
         q, k, v = heads_with_rope(q, k, v, self.head_dim, cos, sin, self.q_norm, self.k_norm)
-        y = attend(self.core, q, k, v, cache)  # with a cache: this rank's kv heads only (kv_cache.py)
+        y = attend(self.core, q, k, v, cache, docs)  # with a cache: this rank's kv heads only (kv_cache.py)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 

@@ -214,7 +214,8 @@ def predict_step_time(cfg: Config, world_size: int, hw: Hardware):
     model = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or 257)
     host = dataclasses.replace(hw, devices_per_node=world_size, domain=max(hw.domain, world_size))
     problem = Problem(model, cfg.train.seq_len, cfg.train.global_batch, host, 1, model_name="run",
-                      precision=run_precision(cfg.train.dtype, cfg.parallel.reduce_dtype))
+                      precision=run_precision(cfg.train.dtype, cfg.parallel.reduce_dtype),
+                      documents=cfg.train.attention_mask == "document")
     return evaluate(problem, layout_of(cfg, world_size))
 
 

@@ -89,7 +89,8 @@ def build_problem(args: argparse.Namespace) -> Problem:
         precision = dataclasses.replace(precision, reduce=DTYPE_BYTES[args.reduce_dtype])
     return Problem(cfg.model, seq_len, sequences, hw, nodes, model_name=str(args.model),
                    precision=precision, efficiency=args.efficiency,
-                   memory_fraction=args.memory_fraction, revision=args.revision, train_tokens=args.train_tokens)
+                   memory_fraction=args.memory_fraction, revision=args.revision, train_tokens=args.train_tokens,
+                   documents=cfg.train.attention_mask == "document")
 
 
 def jax_check(args: argparse.Namespace) -> int:

@@ -33,6 +33,7 @@ class Problem:
     memory_fraction: float = 0.9
     revision: str = DEFAULT_REVISION
     train_tokens: float = 0.0  # a token budget to report days for (0: none)
+    documents: bool = False  # train.attention_mask=document: attention within documents (a mask, kept for backward)
 
     @property
     def devices(self) -> int:

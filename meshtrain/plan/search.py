@@ -170,6 +170,7 @@ def to_config(problem: Problem, layout: Layout) -> Config:
     t.seq_len, t.global_batch, t.dtype, t.recompute = problem.seq_len, problem.sequences, "bf16", layout.recompute
     p.reduce_dtype = "bf16" if problem.precision.reduce == 2 else "fp32"
     t.grad_accum = layout.microbatches if layout.pp == 1 else 1
+    t.attention_mask = "document" if problem.documents else "causal"
     p.dp, p.tp, p.pp, p.cp, p.ep = layout.dp, layout.tp, layout.pp, layout.cp, layout.ep
     p.zero, p.dp_shard, p.sp = layout.zero, layout.dp_shard, layout.sp
     if layout.pp > 1:

@@ -80,11 +80,12 @@ def attention_flops(trainer) -> dict[str, float] | None:
 
 def forward_saved_bytes(trainer) -> int:
     """Activation bytes autograd keeps for backward in one forward of this rank's rows of the first training
-    batch (buffers excluded)."""
+    batch (buffers excluded), with its document ids under ``train.attention_mask=document``."""
     from meshtrain.parallel.recompute import saved_activation_bytes
 
-    x = trainer.local_batch(trainer.train_data, 0)[0]
-    return saved_activation_bytes(lambda: trainer.model(x), exclude=list(trainer.model.buffers()))
+    batch = trainer.local_batch(trainer.train_data, 0)
+    kwargs = {} if batch.docs is None else {"docs": batch.docs}
+    return saved_activation_bytes(lambda: trainer.model(batch.inputs, **kwargs), exclude=list(trainer.model.buffers()))
 
 
 def op_bytes(run: str | Path) -> dict[int, dict[str, int]]:

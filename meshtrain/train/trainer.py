@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ from meshtrain.config import Config, ConfigError, ModelConfig, data_blend, save_
 from meshtrain.generate import sample
 from meshtrain.mesh import Mesh, init_distributed
 from meshtrain.model.hf import HFSource
+from meshtrain.model.layers import document_ids
 from meshtrain.model.llama import InitSource, Llama, build_model
 from meshtrain.model.source import tied_aliases
 from meshtrain.parallel.compile import compile_unavailable
@@ -227,6 +228,15 @@ def unigram_loss(probs: np.ndarray) -> float:
     return float(-(p * np.log(p)).sum())
 
 
+class LocalBatch(NamedTuple):
+    """This rank's part of a step's global batch, on its device (``Trainer.local_batch``)."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    n_tokens: int  # the global batch's token count (the loss divides by it)
+    docs: torch.Tensor | None  # the rows' document ids, whole sequences (train.attention_mask=document), or None
+
+
 class Trainer:
     """Builds everything a run needs from a validated config, then trains."""
 
@@ -373,19 +383,23 @@ class Trainer:
 
     # ------------------------------------------------------------------ the step
 
-    def local_batch(self, data, step: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """This rank's part of the global batch of ``step``, on its device, and the global batch's token count."""
+    def local_batch(self, data, step: int) -> LocalBatch:
+        """This rank's part of the global batch of ``step``, on its device, and the global batch's token count
+        (and, with ``train.attention_mask=document``, the document ids of its rows, from the global batch's
+        tokens: under context parallelism every rank needs those of the whole sequence)."""
         t = self.cfg.train
         inputs, targets = data.batch(t.seed, step, t.global_batch, t.seq_len)
         n_tokens = int((targets != -100).sum())
-        inputs, targets = self.parallel.shard_batch(inputs, targets)
-        return to_device(inputs, self.device), to_device(targets, self.device), n_tokens
+        docs = document_ids(inputs, data.eos_id) if t.attention_mask == "document" else None
+        inputs, targets, docs = self.parallel.shard_batch(inputs, targets, docs)
+        return LocalBatch(to_device(inputs, self.device), to_device(targets, self.device), n_tokens,
+                          to_device(docs, self.device) if docs is not None else None)
 
     def train_step(self, step: int) -> dict[str, Any]:
         """One optimizer step on the global batch of ``step``; returns its metrics."""
         t = self.cfg.train
-        inputs, targets, n_tokens = self.batches.get(step)
-        loss = self.parallel.forward_backward(inputs, targets, n_tokens)
+        inputs, targets, n_tokens, docs = self.batches.get(step)
+        loss = self.parallel.forward_backward(inputs, targets, n_tokens, docs)
         self.parallel.sync_grads()
         if self.grad_hook is not None:
             self.grad_hook(step, self)
@@ -411,8 +425,8 @@ class Trainer:
         microbatches of training, so it needs no more memory)."""
         total, count = 0.0, 0
         for i in range(self.cfg.train.eval_batches):
-            inputs, targets, _ = self.local_batch(self.val_data, i)
-            s, c = self.parallel.evaluate(inputs, targets)
+            inputs, targets, _, docs = self.local_batch(self.val_data, i)
+            s, c = self.parallel.evaluate(inputs, targets, docs)
             total, count = total + s, count + c
         return total / count
 
@@ -496,7 +510,9 @@ class Trainer:
             if self.restart:
                 log.write(f"restart {self.restart}: resumed at step {self.step} from the latest checkpoint.")
             log.write(f"meshtrain: {n.total / 1e6:.2f}M parameters, {tokens_per_step} tokens/step, "
-                      f"mesh {self.mesh.describe()}, dtype {t.dtype}; unigram baseline loss {base:.3f}")
+                      f"mesh {self.mesh.describe()}, dtype {t.dtype}"
+                      f"{', attention within documents' if t.attention_mask == 'document' else ''}; "
+                      f"unigram baseline loss {base:.3f}")
         records = []
         retried, warned = alloc_retries(self.device), False  # None off CUDA
         # A scheduler's preemption (SIGTERM): finish the step, save, stop cleanly (only the main thread may

@@ -37,7 +37,7 @@ from torch import nn
 from meshtrain import comm
 from meshtrain.mesh import Mesh
 from meshtrain.model.llama import Llama, decoder_forward
-from meshtrain.parallel.microsteps import ForwardLoss
+from meshtrain.parallel.microsteps import ForwardLoss, chunks
 from meshtrain.parallel.pipeline.wgrad import WeightGradStore, defer_weight_grads, immediate_params
 from meshtrain.plan.p2p_order import (
     Message,
@@ -71,8 +71,8 @@ class PipelineStage(nn.Module):
         self.seq_shards = model.seq_shards
         self.rope_cos, self.rope_sin = model.rope_cos, model.rope_sin
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return decoder_forward(self, x)
+    def forward(self, x: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
+        return decoder_forward(self, x, docs=docs)
 
 
 def split(model: Llama, mesh: Mesh, schedule: PipelineSchedule, partition: Partition,
@@ -170,11 +170,14 @@ class PipelineEngine:
             else:
                 inbox[op.msg] = (p2p.tensor, h)
 
-    def run(self, inputs: torch.Tensor, targets: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor, n_tokens: int,
+            docs: torch.Tensor | None = None) -> torch.Tensor:
         """One step over this rank's rows, cut into the schedule's microbatches; returns this rank's loss sum /
         ``n_tokens`` (non-zero on the last stage only), an fp64 scalar on the device, unread: a host read per
-        microbatch would stall the last stage's GPU between its microbatches."""
+        microbatch would stall the last stage's GPU between its microbatches. ``docs`` (the rows' document ids)
+        goes to every stage: each has attention layers."""
         inputs, targets = list(inputs.chunk(self.s.microbatches)), list(targets.chunk(self.s.microbatches))
+        docs = chunks(docs, self.s.microbatches)
         slots: dict[tuple[int, int], _Slot] = {}
         local: dict[tuple[int, int, int], torch.Tensor] = {}  # same-rank hand-overs
         outbox: dict[Message, torch.Tensor] = {}  # produced, not yet posted
@@ -195,7 +198,7 @@ class PipelineEngine:
                 t0 = time.perf_counter()  # after the wait: waiting for a peer is bubble, not work
                 slot = slots.setdefault((a.mb, a.stage), _Slot())
                 if a.kind == "F":
-                    loss = self._forward(a, slot, inputs, targets, n_tokens, local, arrived, outbox)
+                    loss = self._forward(a, slot, inputs, targets, docs, n_tokens, local, arrived, outbox)
                     if loss is not None:
                         loss_total += loss.detach().double()
                 elif a.kind in ("B", "I"):
@@ -224,7 +227,7 @@ class PipelineEngine:
         m = remote_input(self.s, a)
         return local.pop((0 if a.kind == "F" else 1, a.mb, a.stage)) if m is None else arrived.pop(m)
 
-    def _forward(self, a: Action, slot: _Slot, inputs, targets, n_tokens: int, local, arrived,
+    def _forward(self, a: Action, slot: _Slot, inputs, targets, docs, n_tokens: int, local, arrived,
                  outbox) -> torch.Tensor | None:
         """Run forward action ``a``: on the last stage, returns its microbatch's loss / ``n_tokens``; else hands
         its activation on and returns None."""
@@ -235,10 +238,10 @@ class PipelineEngine:
             x = self._input(a, local, arrived).detach().requires_grad_(True)
         slot.inp = x
         if a.stage == self.last:
-            loss = self.forward(stage, x, targets[a.mb].to(self.mesh.device)) / n_tokens
+            loss = self.forward(stage, x, targets[a.mb].to(self.mesh.device), docs[a.mb]) / n_tokens
             slot.out = loss
             return loss
-        y = self.forward(stage, x)
+        y = self.forward(stage, x, docs=docs[a.mb])
         slot.out = y
         self._handover(y.detach(), a, a.stage + 1, local, outbox)
         return None
@@ -278,10 +281,12 @@ class PipelineEngine:
         slot.out = slot.inp = slot.grad_out = None
 
     @torch.no_grad()
-    def forward_only(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
+    def forward_only(self, inputs: torch.Tensor, targets: torch.Tensor,
+                     docs: torch.Tensor | None = None) -> tuple[float, int]:
         """Evaluation: every microbatch through every stage in order (no backward); returns the
         summed token loss and token count on the last stage's ranks (zeros elsewhere)."""
         inputs, targets = list(inputs.chunk(self.s.microbatches)), list(targets.chunk(self.s.microbatches))
+        docs = chunks(docs, self.s.microbatches)
         total, count = 0.0, 0
         for mb in range(len(inputs)):
             x = None
@@ -297,10 +302,10 @@ class PipelineEngine:
                             h.wait()
                     if s == self.last:
                         y = targets[mb].to(self.mesh.device)
-                        total += float(self.forward(self.stages[s], x, y))
+                        total += float(self.forward(self.stages[s], x, y, docs[mb]))
                         count += int((y != -100).sum())
                         continue
-                    x = self.forward(self.stages[s], x)
+                    x = self.forward(self.stages[s], x, docs=docs[mb])
                     if self.s.placement[s + 1] != self.rank:
                         for h in comm.batch_p2p([comm.P2P("send", x.contiguous(), self._peer(s + 1),
                                                           message_tag(self.s, 2, mb, s + 1))], self.group):
