@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshtrain.train.prepare import COUNT_CHUNK, META_FORMAT, counts_path, docs_path
+from meshtrain.parallel.cross_entropy import IGNORE
+from meshtrain.train.prepare import COUNT_CHUNK, META_FORMAT, counts_path, docs_path, prompts_path
 
 SPLIT_IDS = {"train": 0, "val": 1}
 _REQUIRED_META = ("format", "tokenizer", "vocab_size", "eos_id", "dtype", "train_tokens", "val_tokens")
@@ -201,6 +202,35 @@ class TokenDataset:
         self._tokens: np.ndarray = (
             np.memmap(bin_path, dtype=dtype, mode="r", shape=(n,)) if n > 0 else np.zeros(0, dtype=dtype)
         )
+        # Records with a prompt (prepare-data --prompt-field): (document offsets, each one's prompt tokens).
+        self._prompts = self._read_prompts() if self.meta.get("prompt_field") is not None else None
+
+    def _read_prompts(self) -> tuple[np.ndarray, np.ndarray]:
+        """The document offsets and ``<split>.prompts.npy`` (memory-mapped, ``allow_pickle=False``), checked: one
+        count per document, each from 0 to the document's tokens less its eos."""
+        offsets = self.doc_offsets
+        path = prompts_path(self.path, self.split)
+        fix = "re-run `meshtrain prepare-data --force`"
+        if offsets is None or not path.is_file():
+            raise FileNotFoundError(f"{path} is missing (meta.json names a prompt field); {fix}")
+        try:
+            prompts = np.load(path, mmap_mode="r", allow_pickle=False)
+        except ValueError as e:
+            raise ValueError(f"{path} is corrupt ({e}); {fix}") from None
+        if prompts.dtype != np.dtype("<i8") or prompts.shape != (len(offsets) - 1,) or (prompts < 0).any() \
+                or (prompts >= np.diff(offsets)).any():
+            raise ValueError(f"{path} is corrupt (not one int64 prompt length per document, each shorter than its "
+                             f"document); {fix}")
+        return offsets, prompts
+
+    def prompt_targets(self, positions: np.ndarray) -> np.ndarray:
+        """Whether each token position [B, T] of the split is part of a prompt (records with a prompt field; all
+        False otherwise): a target there is not learned."""
+        if self._prompts is None:
+            return np.zeros(positions.shape, dtype=bool)
+        offsets, prompts = self._prompts
+        doc = np.searchsorted(offsets, positions, side="right") - 1
+        return positions - offsets[doc] < prompts[doc]
 
     @property
     def doc_offsets(self) -> np.ndarray | None:
@@ -265,8 +295,9 @@ class TokenDataset:
               stream: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The global batch for ``step``: int64 ``(inputs, targets)`` of shape ``[batch_size, seq_len]``.
 
-        Rows are windows at random offsets; ``targets`` is ``inputs`` shifted left by one token. The
-        result depends only on ``(seed, step, split)`` (and ``stream``, which a blend sets per source).
+        Rows are windows at random offsets; ``targets`` is ``inputs`` shifted left by one token, and -100 (not
+        learned) where that token belongs to a record's prompt (``prepare-data --prompt-field``). The result
+        depends only on ``(seed, step, split)`` (and ``stream``, which a blend sets per source).
         """
         check_batch_args(seed, step, batch_size, seq_len)
         self.check_fits(seq_len)
@@ -276,7 +307,9 @@ class TokenDataset:
         offsets = rng.integers(0, n - seq_len, size=batch_size)
         idx = offsets[:, None] + np.arange(seq_len + 1)
         window = np.asarray(self._tokens[idx], dtype=np.int64)
-        return torch.from_numpy(window[:, :-1].copy()), torch.from_numpy(window[:, 1:].copy())
+        targets = window[:, 1:].copy()
+        targets[self.prompt_targets(idx[:, 1:])] = IGNORE
+        return torch.from_numpy(window[:, :-1].copy()), torch.from_numpy(targets)
 
     def __repr__(self) -> str:
         return f"TokenDataset({str(self.path)!r}, split={self.split!r}, num_tokens={self.num_tokens})"

@@ -40,7 +40,8 @@ from meshtrain.train.tokenizer import HFTokenizer, load_tokenizer, tokenizer_tag
 log = logging.getLogger(__name__)
 
 # 2: adds <split>.docs.npy (document offsets); 3: adds <split>.counts.npy (each token id's count). Folders of
-# formats 1 and 2 are still read.
+# formats 1 and 2 are still read. A folder of records with a prompt (meta "prompt_field") also has
+# <split>.prompts.npy: each document's prompt tokens, which training reads and does not learn.
 META_FORMAT = 3
 # Tokens counted per bincount while writing a split: bounds the int64 copy bincount makes (32 MB).
 COUNT_CHUNK = 1 << 22
@@ -90,12 +91,13 @@ class _SplitWriter:
     (``<split>.counts.npy``): the trainer's unigram baseline then reads ``vocab_size`` numbers, not the split.
     """
 
-    def __init__(self, path: Path, vocab_size: int) -> None:
+    def __init__(self, path: Path, vocab_size: int, prompts: bool = False) -> None:
         self.path = path
         self._f: BinaryIO = open(path, "wb")  # closed in close()
         self.tokens = 0
         self._lengths = array("q")  # tokens of each written document, eos included (8 bytes a document)
-        self._pending: np.ndarray | None = None
+        self._prompts = array("q") if prompts else None  # each written document's prompt tokens
+        self._pending: tuple[np.ndarray, int] | None = None
         self.counts = np.zeros(vocab_size, dtype=np.int64)
         self._uncounted: list[np.ndarray] = []  # written documents not yet in counts (under COUNT_CHUNK tokens)
         self._uncounted_tokens = 0
@@ -104,20 +106,23 @@ class _SplitWriter:
     def docs(self) -> int:
         return len(self._lengths) + (self._pending is not None)
 
-    def add(self, doc: np.ndarray) -> None:
+    def add(self, doc: np.ndarray, prompt: int = 0) -> None:
+        """Append a document (its eos last) whose first ``prompt`` tokens are its prompt."""
         if self._pending is not None:
-            self._write(self._pending)
-        self._pending = doc
+            self._write(*self._pending)
+        self._pending = (doc, prompt)
 
-    def take_last(self) -> np.ndarray:
+    def take_last(self) -> tuple[np.ndarray, int]:
         assert self._pending is not None
-        doc, self._pending = self._pending, None
-        return doc
+        last, self._pending = self._pending, None
+        return last
 
-    def _write(self, doc: np.ndarray) -> None:
+    def _write(self, doc: np.ndarray, prompt: int) -> None:
         self._f.write(memoryview(np.ascontiguousarray(doc)))
         self.tokens += len(doc)
         self._lengths.append(len(doc))
+        if self._prompts is not None:
+            self._prompts.append(prompt)
         # Counted in chunks: one bincount per document would cost O(vocab_size) each.
         self._uncounted.append(doc)
         self._uncounted_tokens += len(doc)
@@ -134,7 +139,7 @@ class _SplitWriter:
         if self._f.closed:
             return
         if self._pending is not None:
-            self._write(self._pending)
+            self._write(*self._pending)
             self._pending = None
         self._f.flush()
         os.fsync(self._f.fileno())
@@ -142,8 +147,12 @@ class _SplitWriter:
         offsets = np.zeros(len(self._lengths) + 1, dtype="<i8")
         np.cumsum(np.frombuffer(self._lengths, dtype=np.int64), out=offsets[1:])
         self._count()
-        for path, array_ in ((docs_path(self.path.parent, self.path.stem), offsets),
-                             (counts_path(self.path.parent, self.path.stem), self.counts.astype("<i8"))):
+        files = [(docs_path(self.path.parent, self.path.stem), offsets),
+                 (counts_path(self.path.parent, self.path.stem), self.counts.astype("<i8"))]
+        if self._prompts is not None:
+            files.append((prompts_path(self.path.parent, self.path.stem),
+                          np.frombuffer(self._prompts, dtype=np.int64).astype("<i8")))
+        for path, array_ in files:
             with open(path, "wb") as f:
                 np.save(f, array_, allow_pickle=False)
                 f.flush()
@@ -153,6 +162,12 @@ class _SplitWriter:
 def docs_path(folder: Path, split: str) -> Path:
     """``<split>.docs.npy``: int64 offsets, document ``i`` is tokens ``[offsets[i], offsets[i+1])`` (format 2)."""
     return folder / f"{split}.docs.npy"
+
+
+def prompts_path(folder: Path, split: str) -> Path:
+    """``<split>.prompts.npy``: int64, how many of document ``i``'s first tokens are its prompt (folders of
+    records with a prompt field, meta ``prompt_field``): training reads them and does not learn them."""
+    return folder / f"{split}.prompts.npy"
 
 
 def counts_path(folder: Path, split: str) -> Path:
@@ -247,6 +262,7 @@ def prepare_data(
     field: str = "text",
     overwrite: bool = False,
     progress: bool | None = False,
+    prompt_field: str | None = None,
 ) -> dict[str, Any]:
     """Tokenize the documents of ``src`` into ``out/{train,val}.bin``, ``{train,val}.docs.npy`` and ``meta.json``.
 
@@ -261,6 +277,11 @@ def prepare_data(
     about to rename (e.g. another rank prepared it concurrently), ours is discarded and the existing one kept,
     unless ``overwrite`` is set. ``progress``: draw a bar (None: only on a terminal). Returns the meta dict of
     the folder now at ``out``.
+
+    ``prompt_field`` (JSONL and Parquet): each record is a prompt (that field) and a completion (``field``),
+    tokenized apart and joined, then the eos; ``<split>.prompts.npy`` records each document's prompt tokens, whose
+    targets the trainer ignores (the loss is the completions' and eos'). A record with an empty completion is
+    empty.
     """
     src = Path(src).expanduser()
     out = Path(out).expanduser()
@@ -277,7 +298,7 @@ def prepare_data(
                 "choose another output folder or delete it"
             )
     tok = load_tokenizer(tokenizer)
-    corpus = open_corpus(src, fmt, field, extensions, exclude_dirs)
+    corpus = open_corpus(src, fmt, field, extensions, exclude_dirs, prompt_field)
     dtype = token_dtype(tok.vocab_size)
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -289,20 +310,24 @@ def prepare_data(
     bar: _Progress | None = None
     try:
         tmp.mkdir()
-        writers = {split: _SplitWriter(tmp / f"{split}.bin", int(tok.vocab_size)) for split in ("train", "val")}
+        writers = {split: _SplitWriter(tmp / f"{split}.bin", int(tok.vocab_size), prompt_field is not None)
+                   for split in ("train", "val")}
         bar = _Progress(corpus.total, corpus.unit, progress)
         skipped = empty = 0
         for key, text, work in corpus:
+            prompt, text = text if isinstance(text, tuple) else ("", text)
             if text is None:
                 skipped += 1
             elif not text:
                 empty += 1
             else:
-                ids = tok.encode_array(text)
-                doc = np.empty(len(ids) + 1, dtype=dtype)
-                doc[:-1] = ids
+                # A prompt is tokenized apart from its completion, so that where one ends is a token boundary.
+                ids = [tok.encode_array(prompt), tok.encode_array(text)] if prompt else [tok.encode_array(text)]
+                doc = np.empty(sum(len(i) for i in ids) + 1, dtype=dtype)
+                doc[:-1] = np.concatenate(ids)
                 doc[-1] = tok.eos_id
-                writers["val" if is_val_document(key, val_fraction) else "train"].add(doc)
+                writers["val" if is_val_document(key, val_fraction) else "train"].add(doc, len(ids[0]) if prompt
+                                                                                       else 0)
                 bar.advance(work, len(doc))
                 continue
             bar.advance(work, 0)
@@ -322,9 +347,9 @@ def prepare_data(
                     "(or pass --val-fraction 0: no validation split)"
                 )
             if val.docs == 0:
-                val.add(train.take_last())
+                val.add(*train.take_last())
             else:
-                train.add(val.take_last())
+                train.add(*val.take_last())
         for w in writers.values():
             w.close()
 
@@ -346,6 +371,8 @@ def prepare_data(
         }
         if corpus.format != "text":
             meta["field"] = field
+        if prompt_field is not None:
+            meta["prompt_field"] = prompt_field
         if isinstance(tok, HFTokenizer):
             shutil.copyfile(tok.path, tmp / "tokenizer.json")
         _write_json(tmp / "meta.json", meta)  # written last: its presence marks a complete folder
@@ -438,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", default="auto", choices=FORMATS,
                         help="how to read --src (default auto: by the files' suffixes; text otherwise)")
     parser.add_argument("--field", default="text", help="the JSONL field / Parquet column holding the text")
+    parser.add_argument("--prompt-field", help="JSONL / Parquet: each record's prompt, read before --field (the "
+                                               "completion) and not learned: its tokens get no loss")
     parser.add_argument("--tokenizer", default="byte", help="'byte' (default) or a path to a tokenizer.json")
     parser.add_argument("--val-fraction", type=float, default=0.02, help="share of documents held out (0..0.5)")
     parser.add_argument("--ext", action="append", help="text format: file extension to include, repeatable "
@@ -460,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         check_out_parent(out)  # before tokenizing, not after
         meta = prepare_data(src, out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
                             extensions=tuple(args.ext) if args.ext else None, fmt=fmt, field=args.field,
-                            overwrite=args.force, progress=None)
+                            overwrite=args.force, progress=None, prompt_field=args.prompt_field)
     except (OSError, ValueError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -4,7 +4,9 @@ A source lists its files up front (sorted, so every run reads the same documents
 what it can before any tokenizing (a Parquet file's columns), then yields one document at a time:
 ``(key, text, work)``. ``key`` names the document stably (a relative path, ``path:line`` or ``path:row``) and
 decides its train/val side; ``text`` is ``None`` for a document that could not be read as text (skipped and
-counted); ``work`` is how far the progress bar moves (bytes for text and JSONL, rows for Parquet).
+counted), and a ``(prompt, completion)`` pair for records with a prompt field (``--prompt-field``: fine-tuning
+data whose prompt is read, not learned); ``work`` is how far the progress bar moves (bytes for text and JSONL, rows
+for Parquet).
 
 Bad input is refused with one line naming the file (and line) and the fix, as ``ValueError``.
 """
@@ -27,7 +29,7 @@ JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")
 PARQUET_SUFFIXES = (".parquet",)
 DATA_EXTRA = "pip install 'meshtrain[data]' (or pip install pyarrow)"
 
-Document = tuple[str, "str | None", int]
+Document = tuple[str, "str | tuple[str, str] | None", int]
 
 
 def list_source_files(
@@ -87,6 +89,12 @@ class Corpus:
     field: str
     total: int  # the progress bar's total, in `unit`
     unit: str
+    prompt_field: str | None = None  # records are (prompt, completion) pairs: the prompt in this field
+
+    @property
+    def fields(self) -> list[str]:
+        """The record fields read, in the order ``text`` holds them (the prompt first)."""
+        return [self.field] if self.prompt_field is None else [self.prompt_field, self.field]
 
     def path(self, rel: str) -> Path:
         return self.src / rel if rel else self.src
@@ -118,22 +126,25 @@ class Corpus:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue  # blank lines (a trailing newline) are not documents
-                text = _jsonl_text(p, lineno, line, self.field)
+                texts = _jsonl_texts(p, lineno, line, self.fields)
                 pos = raw.tell()
-                yield f"{rel or p.name}:{lineno}", text, pos - done
+                yield f"{rel or p.name}:{lineno}", texts[0] if len(texts) == 1 else (texts[0], texts[1]), pos - done
                 done = pos
 
     def _parquet(self, rel: str) -> Iterator[Document]:
         pq = _pyarrow_parquet()
         p = self.path(rel)
         row = 0
-        for batch in pq.ParquetFile(p).iter_batches(columns=[self.field], batch_size=1024):
-            for text in batch.column(0).to_pylist():
+        for batch in pq.ParquetFile(p).iter_batches(columns=self.fields, batch_size=1024):
+            columns = [batch.column(i).to_pylist() for i in range(len(self.fields))]
+            for values in zip(*columns, strict=True):
                 row += 1
-                yield f"{rel or p.name}:{row}", text or "", 1  # a null is an empty document
+                texts = [v or "" for v in values]  # a null is an empty text
+                yield f"{rel or p.name}:{row}", texts[0] if len(texts) == 1 else (texts[0], texts[1]), 1
 
 
-def _jsonl_text(path: Path, lineno: int, line: bytes, field: str) -> str:
+def _jsonl_texts(path: Path, lineno: int, line: bytes, fields: list[str]) -> list[str]:
+    """The string ``fields`` of one JSONL record (a null as empty), or one line naming the file, line and fix."""
     try:
         obj: Any = json.loads(line)
     except json.JSONDecodeError as e:
@@ -142,17 +153,20 @@ def _jsonl_text(path: Path, lineno: int, line: bytes, field: str) -> str:
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}:{lineno} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     if not isinstance(obj, dict):
-        raise ValueError(f"{path}:{lineno} is a JSON {type(obj).__name__}, not an object with a {field!r} field")
-    if field not in obj:
-        have = ", ".join(repr(k) for k in list(obj)[:10]) or "none"
-        raise ValueError(f"{path}:{lineno} has no field {field!r} (its fields: {have}): pass --field NAME")
-    text = obj[field]
-    if text is None:
-        return ""
-    if not isinstance(text, str):
-        raise ValueError(f"{path}:{lineno}: field {field!r} is a {type(text).__name__}, not a string "
-                         f"(pass --field for the text field)")
-    return text
+        raise ValueError(f"{path}:{lineno} is a JSON {type(obj).__name__}, not an object with a {fields[-1]!r} "
+                         f"field")
+    out = []
+    for field in fields:
+        option = "--field" if field == fields[-1] else "--prompt-field"
+        if field not in obj:
+            have = ", ".join(repr(k) for k in list(obj)[:10]) or "none"
+            raise ValueError(f"{path}:{lineno} has no field {field!r} (its fields: {have}): pass {option} NAME")
+        text = obj[field]
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"{path}:{lineno}: field {field!r} is a {type(text).__name__}, not a string "
+                             f"(pass {option} for a text field)")
+        out.append(text or "")
+    return out
 
 
 def _pyarrow_parquet() -> Any:
@@ -165,8 +179,8 @@ def _pyarrow_parquet() -> Any:
     return pq
 
 
-def _check_parquet(path: Path, field: str) -> int:
-    """The rows of one Parquet file, after checking it has a string column ``field`` (metadata only)."""
+def _check_parquet(path: Path, fields: list[str]) -> int:
+    """The rows of one Parquet file, after checking it has string columns ``fields`` (metadata only)."""
     pq = _pyarrow_parquet()
     import pyarrow as pa
     try:
@@ -174,20 +188,29 @@ def _check_parquet(path: Path, field: str) -> int:
     except (pa.ArrowException, OSError) as e:
         raise ValueError(f"{path} is not a readable Parquet file ({e})") from None
     schema = pf.schema_arrow
-    if field not in schema.names:
-        raise ValueError(f"{path} has no column {field!r} (its columns: {', '.join(schema.names)}): "
-                         f"pass --field NAME")
-    kind = schema.field(field).type
     string_view = getattr(pa.types, "is_string_view", lambda _: False)  # pyarrow >= 16
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or string_view(kind)):
-        raise ValueError(f"{path}: column {field!r} holds {kind}, not text (pass --field for a string column)")
+    for field in fields:
+        option = "--field" if field == fields[-1] else "--prompt-field"
+        if field not in schema.names:
+            raise ValueError(f"{path} has no column {field!r} (its columns: {', '.join(schema.names)}): "
+                             f"pass {option} NAME")
+        kind = schema.field(field).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or string_view(kind)):
+            raise ValueError(f"{path}: column {field!r} holds {kind}, not text (pass {option} for a string column)")
     return int(pf.metadata.num_rows)
 
 
 def open_corpus(src: Path, fmt: str = "auto", field: str = "text", extensions: tuple[str, ...] | None = None,
-                exclude_dirs: tuple[str, ...] = DEFAULT_EXCLUDE_DIRS) -> Corpus:
-    """List and check the documents of ``src`` (a folder, or one JSONL / Parquet / text file)."""
+                exclude_dirs: tuple[str, ...] = DEFAULT_EXCLUDE_DIRS, prompt_field: str | None = None) -> Corpus:
+    """List and check the documents of ``src`` (a folder, or one JSONL / Parquet / text file); with
+    ``prompt_field``, records of a prompt and a completion (``field``)."""
     fmt = detect_format(src, fmt, extensions, exclude_dirs)
+    if prompt_field is not None and fmt == "text":
+        raise ValueError(f"--prompt-field {prompt_field} reads records, and {src} is read as text files: pass JSONL "
+                         f"or Parquet records with a prompt and a completion field (--format jsonl or parquet)")
+    if prompt_field is not None and prompt_field == field:
+        raise ValueError(f"--prompt-field and --field are both {field!r}: the prompt and the completion are two "
+                         f"fields of each record")
     if src.is_file():
         files = [""]
     else:
@@ -200,9 +223,9 @@ def open_corpus(src: Path, fmt: str = "auto", field: str = "text", extensions: t
                 f"it holds {_suffixes_found(src, exclude_dirs)}: pass --ext for the files it holds (repeatable, "
                 f"e.g. --ext .txt --ext .md), --format, or another --src"
             )
-    corpus = Corpus(src, fmt, files, field, 0, "B")
+    corpus = Corpus(src, fmt, files, field, 0, "B", prompt_field)
     if fmt == "parquet":
-        corpus.total, corpus.unit = sum(_check_parquet(corpus.path(f), field) for f in files), "doc"
+        corpus.total, corpus.unit = sum(_check_parquet(corpus.path(f), corpus.fields) for f in files), "doc"
     else:
         corpus.total = sum(corpus.path(f).stat().st_size for f in files)
     return corpus

@@ -389,7 +389,8 @@ class Trainer:
         tokens: under context parallelism every rank needs those of the whole sequence)."""
         t = self.cfg.train
         inputs, targets = data.batch(t.seed, step, t.global_batch, t.seq_len)
-        n_tokens = int((targets != -100).sum())
+        # A batch of prompts only (records with a prompt field) learns nothing: a loss of 0, not 0 / 0.
+        n_tokens = max(int((targets != -100).sum()), 1)
         docs = document_ids(inputs, data.eos_id) if t.attention_mask == "document" else None
         inputs, targets, docs = self.parallel.shard_batch(inputs, targets, docs)
         return LocalBatch(to_device(inputs, self.device), to_device(targets, self.device), n_tokens,
@@ -428,7 +429,7 @@ class Trainer:
             inputs, targets, _, docs = self.local_batch(self.val_data, i)
             s, c = self.parallel.evaluate(inputs, targets, docs)
             total, count = total + s, count + c
-        return total / count
+        return total / max(count, 1)  # max: validation batches of prompts only (records with a prompt field)
 
     def save(self) -> Path | None:
         """Write a checkpoint of the current step (collective: each rank writes the boxes it holds)."""
