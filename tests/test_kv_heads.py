@@ -7,8 +7,9 @@ tensor and every final parameter within 1e-5 relative (Frobenius), on every rank
 moved bytes on tp, and every rank's comm meter equals the planner's prediction exactly, the "tp_kv" all-reduce of
 the shared heads' gradients included (and it is there: a layout that skipped it would fail the gradients first).
 The same holds with Qwen2's q, k and v biases (``model.qkv_bias``: split as their weights' rows, a shared head's
-summed over "tp_kv"), at tp4, under SP with ZeRO-3, and in a zero-bubble pipeline (where a biased projection's
-bias gradient comes with the input gradient). A checkpoint written at tp4 with one kv head resumes on one process
+summed over "tp_kv"), at tp4, under SP with ZeRO-3, under context parallelism, and in a zero-bubble pipeline (where
+a biased projection's bias gradient comes with the input gradient); and with Qwen3's q and k norms, also under
+context parallelism with wide heads. A checkpoint written at tp4 with one kv head resumes on one process
 (and one written on one process resumes at tp4), giving the uninterrupted run's losses and final state.
 """
 
@@ -65,6 +66,11 @@ LAYOUTS_4 = [
     # without (each rank's covers its heads; a shared kv head's k norm part from each rank sharing it)
     ("tp4 kv2 qk norm", ["parallel.tp=4", *KV2, *QK_NORM]),
     ("tp2 sp x dp2 zero3 kv1 qk norm", ["parallel.tp=2", "parallel.sp=true", "parallel.zero=3", *KV1, *QK_NORM]),
+    # Both under context parallelism, with Qwen3's wide heads (at theta 100, as the wide-head layouts of
+    # test_tensor_parallel.py: at 10,000 a summation-order control moves wv by 2.0e-5)
+    ("tp2 x cp2 kv1 qkv bias", ["parallel.tp=2", "parallel.cp=2", *KV1, *QKV_BIAS]),
+    ("tp2 x cp2 kv1 qk norm wide heads", ["parallel.tp=2", "parallel.cp=2", *KV1, *QK_NORM, "model.head_size=16",
+                                          "model.rope_theta=100"]),
 ]
 # Resharding: one process writes steps 1-2, tp4 resumes for 3-4, one process resumes for step 5.
 CKPT = [*BASE, *KV1, "train.ckpt_every=1", "train.ckpt_keep=2"]
