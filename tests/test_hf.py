@@ -194,6 +194,44 @@ def test_a_mistral_without_a_sliding_window_imports_as_a_llama(tmp_path):
     assert logit_diff(model, hf, tokens()) <= LOGIT_ATOL
 
 
+def test_a_mistral_with_a_sliding_window_is_trained_and_generates_within_it(tmp_path):
+    """Mistral 7B v0.1's kind of config: a sliding window (here 16 of 64 positions) on every layer. It imports as
+    ``model.sliding_window``: within the window our logits are transformers' (LOGIT_ATOL); over 64 positions they
+    are not (the control: why the run must stay within it). ``train.seq_len`` above it is refused in one line, and
+    generation keeps its context within it. Exported, it is a MistralForCausalLM with the window."""
+    from meshtrain.config import ConfigError, load_config, validate
+    from meshtrain.generate import generate
+    from meshtrain.parallel.next_token import VocabSlice
+    from meshtrain.train.trainer import resolve_init_from
+
+    cfg = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, rope_theta=5000.0,
+                        rms_norm_eps=1e-5, sliding_window=16)
+    hf = MistralForCausalLM(cfg).eval()
+    _randomise(hf, 0)
+    hf.save_pretrained(tmp_path / "in")
+    src = HFSource(tmp_path / "in")
+    assert src.cfg.sliding_window == 16
+    model = Llama(src.cfg).eval()
+    load_full(model, src)
+    x = tokens()
+    assert logit_diff(model, hf, x[:, :16]) <= LOGIT_ATOL
+    assert logit_diff(model, hf, x) > 1e-2
+    run = load_config("tiny", [f"train.init_from={tmp_path / 'in'}", "train.seq_len=32"], check=False)
+    resolve_init_from(run)
+    with pytest.raises(ConfigError, match="train.seq_len=32 exceeds model.sliding_window=16: .* set train.seq_len "
+                                          "<= 16"):
+        validate(run)
+    prompt = x[0, :40].tolist()  # longer than the window: its last 16 tokens are the context
+    vocab = VocabSlice.whole(VOCAB)
+    assert generate(model, [prompt], 4, vocab).tokens == generate(model, [prompt[-16:]], 4, vocab).tokens
+    export_hf(state_source(model), src.cfg, tmp_path / "out")
+    again = MistralForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(again).__name__ == "MistralForCausalLM" and again.config.sliding_window == 16
+    assert HFSource(tmp_path / "out").cfg.sliding_window == 16
+    assert logit_diff(model, again, x) > 1e-2 and logit_diff(model, again, x[:, :16]) <= LOGIT_ATOL
+
+
 def hf_mixtral(folder: Path, seed: int = 0) -> MixtralForCausalLM:
     """A tiny random MixtralForCausalLM (4 experts, 2 per token) saved to ``folder``, in the hub's per-expert
     layout (transformers 5 fuses the experts in memory and writes them back apart)."""
@@ -582,10 +620,13 @@ BAD = {  # name: (shard, how to break the folder, error type, what the one line 
                     ValueError, ["config.json: layer_types is ['full_attention', 'sliding_attention']",
                                  "full_attention layers only"]),
     "mistral-window": (None, lambda f: _edit_config(f, architectures=["MistralForCausalLM"], model_type="mistral",
-                                                    sliding_window=32),
-                       ValueError, ["config.json: sliding_window is 32", "at least max_position_embeddings=64"]),
-    "mixtral-window": (None, lambda f: _mixtral(f, sliding_window=16), ValueError,
-                       ["config.json: sliding_window is 16", "at least max_position_embeddings=64"]),
+                                                    sliding_window=-32),
+                       ValueError, ["config.json: sliding_window is -32", "null or a positive number of positions"]),
+    "mistral-window-layers": (None, lambda f: _edit_config(f, architectures=["MistralForCausalLM"],
+                                                           model_type="mistral", sliding_window=32,
+                                                           layer_types=["full_attention", "sliding_attention"]),
+                              ValueError, ["config.json: layer_types is ['full_attention', 'sliding_attention']",
+                                           "the sliding window on every layer"]),
     "mixtral-top-k": (None, lambda f: _mixtral(f, num_experts_per_tok=5), ValueError,
                       ["config.json: num_experts_per_tok is 5", "at most num_local_experts=4"]),
     "mixtral-as-llama": (None, lambda f: _edit_config(f, architectures=["MixtralForCausalLM"]), ValueError,

@@ -62,11 +62,12 @@ from meshtrain.model.source import Box, TensorSource, full_box, write_safetensor
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-SUPPORTED = ("LlamaForCausalLM (model_type llama), MistralForCausalLM (model_type mistral, without a sliding "
-             "window), MixtralForCausalLM (model_type mixtral), Qwen2ForCausalLM (model_type qwen2), "
+SUPPORTED = ("LlamaForCausalLM (model_type llama), MistralForCausalLM (model_type mistral), MixtralForCausalLM "
+             "(model_type mixtral), Qwen2ForCausalLM (model_type qwen2), "
              "Qwen3ForCausalLM (model_type qwen3) or Qwen3MoeForCausalLM (model_type qwen3_moe), the Qwens without "
              "a sliding window")
-# architecture -> model_type. A Mistral without a sliding window (v0.2 and later) is a Llama by other names; a Qwen2
+# architecture -> model_type. A Mistral is a Llama by other names, with a sliding window in v0.1 (model.sliding_window,
+# trained within it); a Qwen2
 # is a Llama whose q, k and v projections have biases (model.qkv_bias); a Qwen3 one whose q and k heads pass an
 # RMSNorm before RoPE (model.qk_norm); a Qwen3-MoE a Qwen3 whose every MLP is a mixture of experts.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
@@ -157,12 +158,22 @@ def _rope(file: Path, data: dict[str, Any]) -> dict[str, Any]:
     return {"rope_theta": float(theta), **out}
 
 
-def _full_attention(file: Path, c: dict[str, Any], max_len: int) -> None:
-    """Mistral, Mixtral and Qwen configs may set a sliding window; one shorter than the context would change
-    attention (meshtrain's is full causal), so it is refused. A Qwen's ``sliding_window`` applies only where
-    ``use_sliding_window`` is true (its released models set a window and leave it off); transformers 5 also lists
-    each layer's kind in ``layer_types``."""
+def _sliding_window(file: Path, c: dict[str, Any], max_len: int) -> int:
+    """A Mistral's or Mixtral's sliding window shorter than the context, as ``model.sliding_window`` (0: none):
+    meshtrain's attention is full causal, the same within the window, and the config then keeps training and
+    generation within it. A Qwen's window is refused: it applies to some layers only (``max_window_layers``); its
+    ``sliding_window`` counts only where ``use_sliding_window`` is true (its released models set a window and leave it
+    off). transformers 5 also lists each layer's kind in ``layer_types``: full attention only, but for a Mistral's
+    window on every layer."""
     window = c.get("sliding_window")
+    if c.get("model_type") in ("mistral", "mixtral") and window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+            raise _config_error(file, "sliding_window", window, "null or a positive number of positions")
+        kinds = c.get("layer_types")
+        if window < max_len and kinds is not None and (
+                not isinstance(kinds, list) or any(k != "sliding_attention" for k in kinds)):
+            raise _config_error(file, "layer_types", kinds, "the sliding window on every layer")
+        return window if window < max_len else 0
     if c.get("model_type") in QWENS:
         use = c.get("use_sliding_window", False)
         if not isinstance(use, bool):
@@ -175,6 +186,7 @@ def _full_attention(file: Path, c: dict[str, Any], max_len: int) -> None:
     if window is None and kinds is not None and (
             not isinstance(kinds, list) or any(k != "full_attention" for k in kinds)):
         raise _config_error(file, "layer_types", kinds, "full_attention layers only")
+    return 0
 
 
 def _routing(file: Path, c: dict[str, Any], experts_key: str) -> dict[str, Any]:
@@ -222,9 +234,10 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
     """Our ``ModelConfig`` for the HF folder's config.json (a LlamaForCausalLM).
 
     Raises a one-line ``ValueError`` naming the file, the field and what is supported for anything our model
-    does not compute the same way: another architecture, RoPE scaling other than Llama 3.1's, a sliding window,
-    Llama's attention or MLP biases (an o_proj bias; Qwen2's q, k, v biases are ``model.qkv_bias``), an activation
-    other than SiLU, an odd head_dim. A head_dim other than hidden/heads is ``model.head_size``.
+    does not compute the same way: another architecture, RoPE scaling other than Llama 3.1's, a Qwen's sliding
+    window (a Mistral's is ``model.sliding_window``), Llama's attention or MLP biases (an o_proj bias; Qwen2's q,
+    k, v biases are ``model.qkv_bias``), an activation other than SiLU, an odd head_dim. A head_dim other than
+    hidden/heads is ``model.head_size``.
     """
     file, c = _read_config(Path(folder))
     arch = c.get("architectures")
@@ -261,8 +274,7 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
         raise _config_error(file, "tie_word_embeddings", tie, "true or false")
     init_std = c.get("initializer_range", 0.02)
     max_len = _positive_int(file, c, "max_position_embeddings", 2048)
-    if model_type != "llama":
-        _full_attention(file, c, max_len)
+    window = _sliding_window(file, c, max_len) if model_type != "llama" else 0
     moe = _mixtral(file, c) if model_type == "mixtral" else _qwen3_moe(file, c) if model_type == "qwen3_moe" else {}
     return ModelConfig(
         **moe,
@@ -279,6 +291,7 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
         tie_embeddings=tie,
         qkv_bias=model_type == "qwen2",
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        sliding_window=window,
         init_std=float(init_std) if isinstance(init_std, int | float) and init_std > 0 else 0.02,
     )
 
@@ -333,8 +346,11 @@ def check_mixtral(cfg: ModelConfig) -> None:
 
 
 def hf_model_type(cfg: ModelConfig) -> str:
-    """The HF model_type our model ``cfg`` is (llama, mixtral, qwen2, qwen3 or qwen3_moe); raises, naming the
-    options, for combinations no HF architecture computes."""
+    """The HF model_type our model ``cfg`` is (llama, mistral, mixtral, qwen2, qwen3 or qwen3_moe); raises, naming
+    the options, for combinations no HF architecture computes. A dense model with a sliding window is a Mistral."""
+    if cfg.sliding_window and (cfg.qkv_bias or cfg.qk_norm):
+        raise ValueError(f"model.sliding_window={cfg.sliding_window} with Qwen's attention (model.qkv_bias or "
+                         f"model.qk_norm): this model has no HuggingFace form (a Qwen's window is per layer).")
     if cfg.qkv_bias and cfg.qk_norm:
         raise ValueError("model.qkv_bias=true with model.qk_norm=true: this model has no HuggingFace form (Qwen2 has "
                          "the biases without the norms; Qwen3's attention_bias would bias o_proj too).")
@@ -349,11 +365,14 @@ def hf_model_type(cfg: ModelConfig) -> str:
                                  f"shared experts and selects experts by probability alone).")
         return "qwen3_moe"
     check_mixtral(cfg)
-    return "mixtral" if cfg.moe_experts else "qwen2" if cfg.qkv_bias else "qwen3" if cfg.qk_norm else "llama"
+    if cfg.moe_experts:
+        return "mixtral"
+    return "qwen2" if cfg.qkv_bias else "qwen3" if cfg.qk_norm else "mistral" if cfg.sliding_window else "llama"
 
 
 def hf_architecture(model_type: str) -> str:
-    """The architecture an export of ``model_type`` (``hf_model_type``) names: a Mistral exports as a Llama."""
+    """The architecture an export of ``model_type`` (``hf_model_type``) names: a Mistral without a sliding window
+    exports as a Llama (``hf_model_type`` says llama for it)."""
     return next(arch for arch, t in ARCHITECTURES.items() if t == model_type)
 
 
@@ -502,9 +521,12 @@ def hf_config_dict(cfg: ModelConfig, eos_token_id: int | None = None) -> dict[st
     scaling = {} if cfg.rope_scaling == "none" else {hf: getattr(cfg, ours) for hf, ours in LLAMA3_ROPE.items()}
     model_type = hf_model_type(cfg)
     arch = hf_architecture(model_type)
-    extra = {"num_local_experts": cfg.moe_experts, "num_experts_per_tok": cfg.moe_top_k, "sliding_window": None,
+    window = cfg.sliding_window or None
+    extra = {"num_local_experts": cfg.moe_experts, "num_experts_per_tok": cfg.moe_top_k, "sliding_window": window,
              "router_aux_loss_coef": cfg.moe_aux_loss_coef / cfg.moe_top_k, "router_jitter_noise": 0.0,
              "output_router_logits": False} if cfg.moe_experts else {}
+    if model_type == "mistral":
+        extra = {"sliding_window": window}
     if model_type in QWENS:  # Qwen2's biases on q, k, v and Qwen3's norms are the architecture's; the window off
         extra = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers}
     if model_type == "qwen3_moe":  # every layer sparse
