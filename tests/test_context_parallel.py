@@ -207,7 +207,7 @@ def test_blocks_merged_by_online_softmax_equal_sdpa(cp, layout, documents):
     docs, mask = None, None
     if documents:
         tokens = torch.zeros(B, T, dtype=torch.long)
-        tokens[0, [5, 6, 20]] = tokens[1, [0, 13, 14, 15, 30]] = 1  # eos id 1: documents of 1 to 16 tokens
+        tokens[0, [5, 6, 20]] = tokens[1, [0, 13, 14, 15, 30]] = 1  # eos id 1: documents of 1 to 15 tokens
         docs = document_ids(tokens, eos_id=1)
         mask = document_mask(docs)
     ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),

@@ -60,7 +60,7 @@ def test_a_packed_row_gives_every_document_its_own_logits():
         for i, d in enumerate(docs):
             alone = model(d[None])[0]
             span = slice(start, start + len(d))
-            # Measured: 2.4e-7 max abs difference (logits ~1): only the rounding of RoPE at other positions.
+            # Measured: 6.0e-8 max abs difference (logits ~0.4): only the rounding of RoPE at other positions.
             assert (packed[span] - alone).abs().max() < 1e-5, f"document {i}"
             if i > 0:  # the control: the causal mask lets a document read the ones before it
                 assert (causal[span] - alone).abs().max() > 1e-3, f"document {i}"
