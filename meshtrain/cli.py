@@ -249,8 +249,7 @@ def _generation_source(arg: str) -> tuple[Path, TensorSource | None, Config, Any
             raise ConfigError(f"{path / 'tokenizer.json'} has {tok.vocab_size} tokens but the model's vocabulary is "
                               f"{source.cfg.vocab_size}: the tokenizer is not this model's.")
         m = source.cfg
-        cfg = Config(model=m, train=TrainConfig(seq_len=min(TrainConfig.seq_len, m.max_seq_len,
-                                                            m.sliding_window or m.max_seq_len)))
+        cfg = Config(model=m, train=TrainConfig(seq_len=min(TrainConfig.seq_len, m.max_seq_len)))
         return path, source, cfg, tok, hf_stop_ids(path, m.vocab_size) or (tok.eos_id,)
     path, meta, saved = _find_checkpoint(arg)
     if not meta.get("tokenizer"):

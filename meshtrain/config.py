@@ -71,9 +71,8 @@ class ModelConfig:
     qkv_bias: bool = False  # True: wq, wk and wv add a bias (Qwen2's attention; the biases start at zero)
     qk_norm: bool = False  # True: each q and k head passes an RMSNorm over head_dim (one scale for all heads) before
     # RoPE (Qwen3's attention)
-    # A HuggingFace model's sliding window (Mistral 7B v0.1: 4096), kept so the export writes it back; 0: none. Each
-    # token there attends to its last sliding_window positions; meshtrain's attention is full causal, the same within
-    # the window, so train.seq_len must not exceed it (and generation keeps its context within it).
+    # Sliding-window attention (Mistral 7B v0.1: 4096): each token attends to itself and the sliding_window - 1
+    # tokens before it; 0: full causal attention.
     sliding_window: int = 0
     init_std: float = 0.02
     # Mixture of experts (every block's MLP becomes an MoE layer when moe_experts > 0).
@@ -487,10 +486,6 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         f"raise model.max_seq_len or lower train.seq_len.",
     )
     _need(m.sliding_window >= 0, f"model.sliding_window must be >= 0 (0: none), got {m.sliding_window}.")
-    _need(not m.sliding_window or t.seq_len <= m.sliding_window,
-          f"train.seq_len={t.seq_len} exceeds model.sliding_window={m.sliding_window}: the model attends to its last "
-          f"{m.sliding_window} positions, and meshtrain's attention (full causal) is the same only within them: set "
-          f"train.seq_len <= {m.sliding_window}.")
     _need(t.seed >= 0, f"train.seed must be >= 0, got {t.seed}.")
     _need(math.isfinite(t.lr) and t.lr > 0, f"train.lr must be a positive number, got {t.lr}.")
     _need(math.isfinite(t.eps) and t.eps > 0, f"train.eps (AdamW's epsilon) must be a positive number, got {t.eps}.")

@@ -52,26 +52,25 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, vo
     head's slice and tp group under tensor parallelism). ``temperature`` 0 is greedy; else sampling from the
     top ``top_k`` (0: whole vocabulary) with a generator seeded by ``seed``.
 
-    The context is at most the model's ``max_seq_len`` positions (its RoPE tables), or its ``sliding_window``
-    where that is shorter (meshtrain's full causal attention equals the model's within it): a longer prompt keeps its
-    last ``limit`` tokens (that context), and when the cache is full the context restarts from each row's last
-    ``limit // 2`` tokens (a new prefill), since cached keys carry their positions' rotation and cannot slide.
-    Within ``limit`` the tokens are those of ``sample``'s recompute loop. A row ends before the first
+    The context is at most the model's ``max_seq_len`` positions (its RoPE tables): a longer prompt keeps its
+    last ``max_seq_len`` tokens, and when the cache is full the context restarts from each row's last
+    ``max_seq_len // 2`` tokens (a new prefill), since cached keys carry their positions' rotation and cannot
+    slide. Within ``max_seq_len`` the tokens are those of ``sample``'s recompute loop. A model with a sliding window
+    (``model.sliding_window``) attends within it in both: the cache masks older keys. A row ends before the first
     of ``stop_ids`` it produces (a model may have several end tokens: Llama 3.1's instruct models have three).
     """
     was_training = model.training
     model.eval()
     device = next(iter(model.buffers())).device  # buffers stay whole under every sharding
     limit = model.rope_cos.shape[0]
-    if model.cfg.sliding_window:  # the context stays within the window, where full causal attention is the model's
-        limit = min(limit, model.cfg.sliding_window)
     history = [list(p) or [0] for p in prompts]  # an empty prompt predicts from token 0, as in ``sample``
     b = len(history)
 
     def window(keep: int, remaining: int) -> tuple[KVCache, torch.Tensor]:
         tokens, pad = left_pad([h[-keep:] for h in history])
         # the last new token is never fed back: the cache holds the prompt and remaining - 1 tokens
-        return KVCache(b, min(limit, tokens.shape[1] + remaining - 1), pad, device), tokens.to(device)
+        return KVCache(b, min(limit, tokens.shape[1] + remaining - 1), pad, device,
+                       model.cfg.sliding_window), tokens.to(device)
 
     cache, step_in = window(limit, max_new_tokens)
     gen = torch.Generator(device="cpu").manual_seed(seed)

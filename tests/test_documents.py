@@ -165,7 +165,7 @@ def test_the_planner_predicts_the_masks_memory(world4):
                             ("dp2 x tp2 qk norm", False, ["model.qk_norm=true"])):
         cfg = load_config("tiny", ["train.seq_len=64", *extra]).model
         cfg.vocab_size = 257
-        want = tp_forward_saved_bytes(cfg, tokens, 2, sp, documents=True, seq_len=64)
+        want = tp_forward_saved_bytes(cfg, tokens, 2, sp, masked=True, seq_len=64)
         causal = tp_forward_saved_bytes(cfg, tokens, 2, sp)
         for rank, runs in enumerate(world4):
             assert runs[name]["extra"] == want, (name, rank, runs[name]["extra"], want)

@@ -59,8 +59,9 @@ def make_train_step(model: ModelConfig, t: TrainConfig, sh: Shardings, params: P
     """A jitted ``step(params, exp_avg, exp_avg_sq, tokens, targets, scalars) -> (params, exp_avg, exp_avg_sq,
     loss, grad_norm)``; ``scalars`` = [lr, n_tokens, lr / bias_correction1, sqrt(bias_correction2)] are
     computed on the host in float64 as torch does (``train_step`` below)."""
-    if t.attention_mask != "causal":
-        raise ValueError("the JAX executor's attention is causal only: train.attention_mask must be causal.")
+    if t.attention_mask != "causal" or (model.sliding_window and t.seq_len > model.sliding_window):
+        raise ValueError("the JAX executor's attention is full causal only: train.attention_mask must be causal and "
+                         "train.seq_len within model.sliding_window.")
     grads_sh = tree_shardings({n: a.shape for n, a in params.items()}, param_axes, sh.grads_rules, sh)
     decay = {n: (t.weight_decay if a.ndim >= 2 else 0.0) for n, a in params.items()}  # optim.adamw_groups
 

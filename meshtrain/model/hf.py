@@ -66,8 +66,8 @@ SUPPORTED = ("LlamaForCausalLM (model_type llama), MistralForCausalLM (model_typ
              "(model_type mixtral), Qwen2ForCausalLM (model_type qwen2), "
              "Qwen3ForCausalLM (model_type qwen3) or Qwen3MoeForCausalLM (model_type qwen3_moe), the Qwens without "
              "a sliding window")
-# architecture -> model_type. A Mistral is a Llama by other names, with a sliding window in v0.1 (model.sliding_window,
-# trained within it); a Qwen2
+# architecture -> model_type. A Mistral is a Llama by other names, with a sliding window in v0.1
+# (model.sliding_window); a Qwen2
 # is a Llama whose q, k and v projections have biases (model.qkv_bias); a Qwen3 one whose q and k heads pass an
 # RMSNorm before RoPE (model.qk_norm); a Qwen3-MoE a Qwen3 whose every MLP is a mixture of experts.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
@@ -159,9 +159,8 @@ def _rope(file: Path, data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _sliding_window(file: Path, c: dict[str, Any], max_len: int) -> int:
-    """A Mistral's or Mixtral's sliding window shorter than the context, as ``model.sliding_window`` (0: none):
-    meshtrain's attention is full causal, the same within the window, and the config then keeps training and
-    generation within it. A Qwen's window is refused: it applies to some layers only (``max_window_layers``); its
+    """A Mistral's or Mixtral's sliding window shorter than the context, as ``model.sliding_window`` (0: none). A
+    Qwen's window is refused: it applies to some layers only (``max_window_layers``); its
     ``sliding_window`` counts only where ``use_sliding_window`` is true (its released models set a window and leave it
     off). transformers 5 also lists each layer's kind in ``layer_types``: full attention only, but for a Mistral's
     window on every layer."""

@@ -52,12 +52,13 @@ class KVCache:
     """Keys and values of every layer for a batch of left-padded sequences (see the module docstring).
 
     ``capacity``: positions it can hold (prompt plus new tokens, at most the model's ``max_seq_len``);
-    ``pad`` [B]: padding positions at the start of each row (None: no padding).
+    ``pad`` [B]: padding positions at the start of each row (None: no padding); ``window``: the model's sliding
+    window (``model.sliding_window``; 0: none), keys further back than it are masked out.
     """
 
     def __init__(self, batch: int, capacity: int, pad: torch.Tensor | None = None,
-                 device: torch.device | str = "cpu") -> None:
-        self.batch, self.capacity, self.length = batch, capacity, 0
+                 device: torch.device | str = "cpu", window: int = 0) -> None:
+        self.batch, self.capacity, self.length, self.window = batch, capacity, 0, window
         self.pad = (pad if pad is not None else torch.zeros(batch, dtype=torch.long)).to(device=device,
                                                                                         dtype=torch.long)
         if self.pad.shape != (batch,):
@@ -75,6 +76,8 @@ class KVCache:
         q = torch.arange(self.length, self.length + t, device=device)  # cache index of each query
         j = torch.arange(self.length + t, device=device)  # and of each key
         causal = j[None, :] <= q[:, None]
+        if self.window:  # a row's padding shifts its queries and keys alike: cache indices differ as positions do
+            causal &= q[:, None] - j[None, :] < self.window
         real_key = j[None, None, :] >= self.pad[:, None, None]
         # A padding query still sees itself, so no row of the softmax is empty (its output is never used).
         self.step_mask = (causal[None] & (real_key | (j[None, :] == q[:, None])[None])).unsqueeze(1)

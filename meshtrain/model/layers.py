@@ -167,12 +167,24 @@ def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
     return torch.cumsum(ends, dim=1, dtype=torch.int32) - ends
 
 
-def document_mask(docs: torch.Tensor) -> torch.Tensor:
+def causal_mask(t: int, window: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[t, t] bool, True where a query may attend to a key: the key is not after it and, with a sliding ``window``
+    (``model.sliding_window``), fewer than ``window`` positions before it (a token sees itself and the window - 1
+    before it)."""
+    keep = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+    return keep if not window else keep.triu(1 - window)
+
+
+def document_mask(docs: torch.Tensor, window: int = 0) -> torch.Tensor:
     """[B, 1, T, T] bool for ``document_ids`` [B, T]: True where a query may attend to a key, i.e. the key is
-    not after it and in the same document."""
-    t = docs.shape[1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=docs.device).tril()
-    return (causal & (docs[:, :, None] == docs[:, None, :])).unsqueeze(1)
+    not after it, in the same document and (``window``) within the sliding window."""
+    keep = causal_mask(docs.shape[1], window, docs.device)
+    return (keep & (docs[:, :, None] == docs[:, None, :])).unsqueeze(1)
+
+
+def additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as SDPA's additive one in ``dtype``: 0 where kept, -inf elsewhere."""
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, -math.inf)
 
 
 @dataclass(frozen=True)
@@ -180,21 +192,21 @@ class Documents:
     """One forward's documents (``train.attention_mask=document``), as every attention core gets them.
 
     ``ids``: ``document_ids`` of the whole sequence [B, T] (context parallelism reads those of each rank's
-    keys). ``bias``: the additive mask of whole-sequence attention, [B, 1, T, T] in the compute dtype (0 where
-    ``document_mask`` keeps, -inf elsewhere), built once per forward and shared by every layer, so autograd keeps
-    one copy for backward (a boolean mask would be converted, and kept, by every layer's SDPA); None where the
-    cores hold only part of the sequence (context parallelism)."""
+    keys; all 0 for a sliding window alone). ``bias``: the additive mask of whole-sequence attention, [B, 1, T, T] in
+    the compute dtype (0 where ``document_mask`` keeps, with the model's sliding window, -inf elsewhere), built once
+    per forward and shared by every layer, so autograd keeps one copy for backward (a boolean mask would be
+    converted, and kept, by every layer's SDPA); None where the cores hold only part of the sequence (context
+    parallelism)."""
 
     ids: torch.Tensor
     bias: torch.Tensor | None
 
     @staticmethod
-    def of(ids: torch.Tensor, t: int, dtype: torch.dtype) -> Documents:
+    def of(ids: torch.Tensor, t: int, dtype: torch.dtype, window: int = 0) -> Documents:
         """For cores that attend over ``t`` tokens a row: the bias too when that is the whole sequence."""
         if t != ids.shape[1]:
             return Documents(ids, None)
-        keep = document_mask(ids)
-        return Documents(ids, torch.zeros(keep.shape, dtype=dtype, device=ids.device).masked_fill_(~keep, -math.inf))
+        return Documents(ids, additive(document_mask(ids, window), dtype))
 
 
 class CausalAttention(nn.Module):
@@ -203,13 +215,21 @@ class CausalAttention(nn.Module):
     ring or all-gather version (``parallel/context.py``) the way tensor parallelism swaps Linears.
 
     ``docs`` (``Documents``): each token attends only within its own document as well, by its ``bias`` (SDPA then
-    runs a kernel that takes a mask, not the causal flash kernel).
+    runs a kernel that takes a mask, not the causal flash kernel). ``window`` (``model.sliding_window``): each token
+    attends to itself and the ``window`` - 1 before it; without ``docs`` (whose bias has it) the core builds that
+    mask itself when the sequence is longer than the window.
 
     ``mask`` [B, 1, Tq, Tk] (True: may attend) replaces the plain causal mask when decoding from a KV cache,
     where the queries are the last Tq of Tk positions and rows may start with padding (``kv_cache.py``)."""
 
+    def __init__(self, window: int = 0) -> None:
+        super().__init__()
+        self.window = window
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None = None, docs: Documents | None = None) -> torch.Tensor:
+        if docs is None and mask is None and self.window and q.shape[2] > self.window:
+            mask = causal_mask(q.shape[2], self.window, q.device)
         if docs is not None:
             if mask is not None or docs.bias is None or docs.bias.shape[-1] != q.shape[2]:
                 raise ValueError(f"documents of {docs.ids.shape[1]} tokens a row must come with their mask over "

@@ -53,7 +53,7 @@ class Attention(nn.Module):
         # model.qk_norm (Qwen3): one RMSNorm scale over head_dim for every q head, one for every k head
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.core = CausalAttention()
+        self.core = CausalAttention(cfg.sliding_window)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LayerKV | None = None, docs: Documents | None = None) -> torch.Tensor:
@@ -173,7 +173,7 @@ def decoder_forward(m: nn.Module, tokens: torch.Tensor, positions: torch.Tensor 
         cos, sin = m.rope_cos[:t], m.rope_sin[:t]
     else:
         cos, sin = m.rope_cos[positions], m.rope_sin[positions]
-    within = Documents.of(docs, t, compute_dtype(h)) if docs is not None else None
+    within = Documents.of(docs, t, compute_dtype(h), m.cfg.sliding_window) if docs is not None else None
     for key, layer in m.layers.items():
         if cache is not None:
             h = layer(h, cos, sin, cache.layer(key))

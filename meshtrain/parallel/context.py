@@ -111,6 +111,7 @@ class BlockPlan:
     cp: int
     seq_len: int
     layout: str
+    window: int = 0  # model.sliding_window: a query sees keys fewer than this many positions back (0: all)
     chunk_len: int = field(init=False)
     positions: torch.Tensor = field(init=False)  # this rank's real token positions, in local order
     blocks: list[list[_Block]] = field(init=False)  # blocks[j]: against source rank j's keys
@@ -121,16 +122,19 @@ class BlockPlan:
         mine = chunk_ids(self.index, self.cp, self.layout)
         self.positions = rank_positions(self.index, self.cp, self.seq_len, self.layout)
         self.blocks = []
+        c, w = self.chunk_len, self.window or self.seq_len
         for j in range(self.cp):
             theirs = chunk_ids(j, self.cp, self.layout)
-            # Key chunk b is entirely after query chunk a: skipped; before: unmasked; the same: causal.
+            # Key chunk b entirely after query chunk a, or (a sliding window) entirely before its reach: skipped;
+            # entirely visible: unmasked; else (the same chunk, or one the window cuts): masked.
             need: dict[tuple[int, ...], list[int]] = {}
             for qa, a in enumerate(mine):
-                kv = tuple(kb for kb, b in enumerate(theirs) if b <= a)
+                kv = tuple(kb for kb, b in enumerate(theirs) if b <= a and (a - b - 1) * c + 1 < w)
                 if kv:
                     need.setdefault(kv, []).append(qa)
             self.blocks.append([
-                _Block(tuple(qs), kv, any(theirs[kb] == mine[qa] for qa in qs for kb in kv))
+                _Block(tuple(qs), kv, any(theirs[kb] == mine[qa] or (mine[qa] - theirs[kb] + 1) * c - 1 >= w
+                                          for qa in qs for kb in kv))
                 for kv, qs in need.items()
             ])
 
@@ -139,14 +143,17 @@ class BlockPlan:
         return len(chunk_ids(self.index, self.cp, self.layout)) * self.chunk_len
 
     def mask(self, j: int, b: _Block, device: torch.device) -> tuple[torch.Tensor, int]:
-        """[tq, tk] bool, True where query position >= key position, and its count of True (cached per
-        block, so counting FLOPs never waits for the device)."""
+        """[tq, tk] bool, True where query position >= key position (and, with a sliding window, less than
+        ``window`` after it), and its count of True (cached per block, so counting FLOPs never waits for the
+        device)."""
         key = (j, b, device)
         if key not in self._masks:
             theirs = rank_positions(j, self.cp, self.seq_len, self.layout)
             pq = _narrow(self.positions, b.q, self.chunk_len, 0)
             pk = _narrow(theirs, b.kv, self.chunk_len, 0)
             m = pq[:, None] >= pk[None, :]
+            if self.window:
+                m &= pq[:, None] - pk[None, :] < self.window
             self._masks[key] = (m.to(device), int(m.sum()))
         return self._masks[key]
 
@@ -379,7 +386,7 @@ class ContextParallel:
     installed attention (``attend``) and its FLOP counter."""
 
     def __init__(self, group: AxisGroup, index: int, seq_len: int, layout: str = "zigzag",
-                 attention: str = "ring") -> None:
+                 attention: str = "ring", window: int = 0) -> None:
         if attention not in ATTENTIONS:
             raise ValueError(f"parallel.cp_attention must be one of {', '.join(ATTENTIONS)}; got {attention!r}.")
         chunks = n_chunks(group.size, layout)
@@ -388,7 +395,7 @@ class ContextParallel:
                              f"{chunks} equal chunks: seq_len={seq_len} is not divisible by {chunks}.")
         self.group, self.index, self.seq_len = group, index, seq_len
         self.layout, self.attention = layout, attention
-        self.plan = BlockPlan(index, group.size, seq_len, layout)
+        self.plan = BlockPlan(index, group.size, seq_len, layout, window)
         self.positions = self.plan.positions  # LongTensor: this rank's real token positions, in local order
         self.chunks = chunk_ids(index, group.size, layout)
         self.flops = AttentionFlops()
@@ -458,8 +465,8 @@ def apply_context_parallel(model: nn.Module, mesh: Mesh, seq_len: int, layout: s
     over ("dp", "cp") and the loss divided by the global token count.
     """
     group = mesh.group("cp")
-    cp = ContextParallel(group, mesh.coord("cp"), seq_len, layout, attention)
     cfg = getattr(model, "cfg", None)
+    cp = ContextParallel(group, mesh.coord("cp"), seq_len, layout, attention, cfg.sliding_window if cfg else 0)
     if cfg is not None and cfg.n_heads % cfg.kv_heads:
         raise ValueError(f"model.n_kv_heads={cfg.kv_heads} must divide model.n_heads={cfg.n_heads} (GQA).")
     if seq_len > model.rope_cos.shape[0]:

@@ -91,7 +91,7 @@ def dp_state_bytes(cfg: ModelConfig, zero: int, dp: int, dp_shard: int = 0, opti
 
 
 def activation_elems_per_token(cfg: ModelConfig, recompute: str = "none", tp: int = 1, sp: bool = False,
-                               sp_regather: bool = True, documents: bool = False) -> float:
+                               sp_regather: bool = True, masked: bool = False) -> float:
     """Elements one block keeps for backward per token on one rank (activation memory = this x tokens x
     layers x bytes). Counted from meshtrain's block (RMSNorm, fused QKV, SDPA, wo, SwiGLU) with
     D = d_model, F = MLP hidden, H = n_heads, Q = H x head_dim (D unless ``model.head_size`` sets the heads' width
@@ -106,11 +106,12 @@ def activation_elems_per_token(cfg: ModelConfig, recompute: str = "none", tp: in
       output D and log-sum-exp H (wo's input is a view of that output: SDPA's flash kernels lay it out
       [B, T, heads, head_dim], so the transpose back needs no copy), and gate/up 2F, SiLU F, their product F.
       With ``model.qk_norm`` the q and k norms keep their inputs, views of the QKV output, and one rsqrt per head.
-      ``documents`` (``train.attention_mask=document`` on whole sequences): SDPA takes a mask, and with GQA the
+      ``masked`` (on whole sequences, ``train.attention_mask=document`` or a ``model.sliding_window`` shorter than
+      them: ``masked_attention``): SDPA takes a mask, and with GQA the
       core repeats k and v to the query heads for it (SDPA's mask kernels have no GQA of their own). SDPA then
       keeps the rotated q and those copies, 3Q, and neither the rotated k nor the QKV output (v is no longer a view
       of it) unless the q/k norms keep it. The mask is kept once per forward, not per block
-      (``document_mask_elems``).
+      (``mask_elems``).
     - ``selective`` (meshtrain's policy: keep matmul and attention outputs, recompute norms, RoPE, SiLU and
       products): block input D, QKV D + 2kv, attention output D, wo and w2 outputs (whole partial sums, 2D),
       gate/up 2F. The column inputs are recomputed, so ``sp_regather`` does not change it.
@@ -129,7 +130,7 @@ def activation_elems_per_token(cfg: ModelConfig, recompute: str = "none", tp: in
         column = d / seq if sp and sp_regather else d
         # the QKV output (v, a view of it, keeps it alive) and the rotated q and k: SDPA's own GQA repeats no k, v
         attn_in = (q + 2 * kv) + (q + kv)
-        if documents and q != kv:  # the masked kernel's k and v repeated to the query heads, and the rotated q
+        if masked and q != kv:  # the masked kernel's k and v repeated to the query heads, and the rotated q
             attn_in = 3 * q + (q + 2 * kv if cfg.qk_norm else 0)
         if cfg.qk_norm:  # q and k heads' norms: their inputs are views of the QKV output; one rsqrt per head
             attn_in += (q + kv) / cfg.head_dim
@@ -137,43 +138,49 @@ def activation_elems_per_token(cfg: ModelConfig, recompute: str = "none", tp: in
     raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
 
 
-def document_mask_elems(tokens: float, seq_len: int, documents: bool) -> float:
-    """Elements of the additive document mask one forward keeps (``train.attention_mask=document`` on whole
-    sequences: [rows, 1, T, T] in the compute dtype, built once and shared by every block: ``layers.Documents``),
-    i.e. T per token; 0 without documents. Context parallelism keeps none: its blocks rebuild theirs from the ids."""
-    return tokens * seq_len if documents else 0.0
+def masked_attention(cfg: ModelConfig, seq_len: int, documents: bool, cp: int = 1) -> bool:
+    """Whether attention takes a mask kept for backward: documents (``train.attention_mask=document``) or a sliding
+    window shorter than the ``seq_len``-token sequences, on whole sequences (context parallelism, ``cp`` > 1,
+    rebuilds its blocks' masks from the ids and keeps none)."""
+    return cp == 1 and (documents or 0 < cfg.sliding_window < seq_len)
+
+
+def mask_elems(tokens: float, seq_len: int, masked: bool) -> float:
+    """Elements of the additive mask one forward keeps (``masked_attention``: [rows, 1, T, T] in the compute dtype,
+    built once and shared by every block: ``layers.Documents``), i.e. T per token; 0 without one."""
+    return tokens * seq_len if masked else 0.0
 
 
 def tp_forward_saved_bytes(cfg: ModelConfig, tokens: int, tp: int, sp: bool = False, sp_regather: bool = True,
-                           act_bytes: int = 4, documents: bool = False, seq_len: int = 0) -> float:
+                           act_bytes: int = 4, masked: bool = False, seq_len: int = 0) -> float:
     """Bytes one tensor-parallel rank (tp > 1) keeps for backward after one forward of the whole model
     (embedding, blocks, final norm, head; not the loss) over ``tokens`` tokens, without recompute: the
     blocks per ``activation_elems_per_token``; the vocabulary-parallel embedding's local ids (int64) and
     its mask of the ids this rank holds (one element per token); the final norm (D + 1, sequence-sharded
     with SP) and the head's input (as a column-parallel layer's); and each block's fused weights (the
-    concatenated QKV and gate/up shards, a copy per forward); with ``documents``, the mask of ``seq_len``-token
-    sequences (``document_mask_elems``). Exact for fp32, which the tests measure."""
+    concatenated QKV and gate/up shards, a copy per forward); with ``masked``, the mask of ``seq_len``-token
+    sequences (``mask_elems``). Exact for fp32, which the tests measure."""
     d = cfg.d_model
     kv = max(cfg.kv_heads, tp) * cfg.head_dim
     seq = tp if sp else 1
-    blocks = activation_elems_per_token(cfg, "none", tp, sp, sp_regather, documents) * tokens * cfg.n_layers
+    blocks = activation_elems_per_token(cfg, "none", tp, sp, sp_regather, masked) * tokens * cfg.n_layers
     column = d / seq if sp and sp_regather else d
-    outside = (1 + (d + 1) / seq + column) * tokens + document_mask_elems(tokens, seq_len, documents)
+    outside = (1 + (d + 1) / seq + column) * tokens + mask_elems(tokens, seq_len, masked)
     fused = cfg.n_layers * (cfg.n_heads * cfg.head_dim + 2 * kv + 2 * cfg.hidden_dim) * d / tp
     return 8 * tokens + act_bytes * (blocks + outside + fused)
 
 
 def activation_bytes(cfg: ModelConfig, tokens: int, layers: int, recompute: str = "none", tp: int = 1,
                      sp: bool = False, act_bytes: int = 2, inflight: int = 1, sp_regather: bool = True,
-                     documents: bool = False, seq_len: int = 0) -> float:
+                     masked: bool = False, seq_len: int = 0) -> float:
     """Activation bytes one rank holds: ``inflight`` microbatches (the simulator's peak_inflight under a
     pipeline schedule; 1 without one) of ``tokens`` tokens each (already 1/cp of the sequence under context
     parallelism) through ``layers`` blocks, per ``activation_elems_per_token``; full recompute adds the one
-    block rebuilt during backward; ``documents`` (whole ``seq_len``-token sequences: not under context
-    parallelism) adds each microbatch's mask."""
-    per_token = activation_elems_per_token(cfg, recompute, tp, sp, sp_regather, documents) * layers \
-        + document_mask_elems(1, seq_len, documents)
+    block rebuilt during backward; ``masked`` (``masked_attention`` of ``seq_len``-token sequences) adds each
+    microbatch's mask."""
+    per_token = activation_elems_per_token(cfg, recompute, tp, sp, sp_regather, masked) * layers \
+        + mask_elems(1, seq_len, masked)
     out = per_token * tokens * inflight * act_bytes
     if recompute == "full":
-        out += activation_elems_per_token(cfg, "none", tp, sp, sp_regather, documents) * tokens * act_bytes
+        out += activation_elems_per_token(cfg, "none", tp, sp, sp_regather, masked) * tokens * act_bytes
     return out

@@ -48,6 +48,7 @@ from meshtrain.plan.memory import (
     activation_bytes,
     activation_elems_per_token,
     logits_bytes,
+    masked_attention,
     state_bytes,
 )
 from meshtrain.plan.network import Link, collective_time, dp_axes, exposed, group_link
@@ -424,9 +425,9 @@ def memory(problem: Problem, lay: Layout, t: int, act: StageAction, units: list[
     if lay.zero == 3:
         # current + prefetched unit, and its gradient packed for the reduce-scatter
         mem["zero3_gathered"] = max(units) * (2 * prec.gather + prec.reduce)
-    whole = problem.documents and lay.cp == 1  # context parallelism rebuilds its blocks' masks from the ids
+    masked = masked_attention(cfg, problem.seq_len, problem.documents, lay.cp)
     mem["activations"] = activation_bytes(cfg, t, act.layers, lay.recompute, tp, lay.sp, prec.act, inflight,
-                                          documents=whole, seq_len=problem.seq_len) \
+                                          masked=masked, seq_len=problem.seq_len) \
         + t * cfg.d_model * prec.act * inflight  # each stage's input hidden state
     mem["logits"] = logits_bytes(t, -(-cfg.vocab_size // tp), prec.act)  # on the last stage
     return mem

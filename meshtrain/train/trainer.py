@@ -392,6 +392,8 @@ class Trainer:
         # A batch of prompts only (records with a prompt field) learns nothing: a loss of 0, not 0 / 0.
         n_tokens = max(int((targets != -100).sum()), 1)
         docs = document_ids(inputs, data.eos_id) if t.attention_mask == "document" else None
+        if docs is None and 0 < self.cfg.model.sliding_window < t.seq_len:  # one document: the window's mask alone,
+            docs = torch.zeros(inputs.shape, dtype=torch.int32)  # built once per forward (layers.Documents)
         inputs, targets, docs = self.parallel.shard_batch(inputs, targets, docs)
         return LocalBatch(to_device(inputs, self.device), to_device(targets, self.device), n_tokens,
                           to_device(docs, self.device) if docs is not None else None)
