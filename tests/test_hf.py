@@ -232,16 +232,35 @@ def test_a_mistral_with_a_sliding_window_imports_generates_and_exports_with_tran
     assert logit_diff(model, again, x) <= LOGIT_ATOL
 
 
-def hf_mixtral(folder: Path, seed: int = 0) -> MixtralForCausalLM:
-    """A tiny random MixtralForCausalLM (4 experts, 2 per token) saved to ``folder``, in the hub's per-expert
-    layout (transformers 5 fuses the experts in memory and writes them back apart)."""
+def hf_mixtral(folder: Path, seed: int = 0, window: int | None = None) -> MixtralForCausalLM:
+    """A tiny random MixtralForCausalLM (4 experts, 2 per token; a sliding ``window`` if given) saved to ``folder``,
+    in the hub's per-expert layout (transformers 5 fuses the experts in memory and writes them back apart)."""
     cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                        max_position_embeddings=SEQ, rope_theta=5000.0, rms_norm_eps=1e-5, router_aux_loss_coef=0.02)
+                        max_position_embeddings=SEQ, rope_theta=5000.0, rms_norm_eps=1e-5, router_aux_loss_coef=0.02,
+                        sliding_window=window)
     model = MixtralForCausalLM(cfg).eval()
     _randomise(model, seed)
     model.save_pretrained(folder)
     return model
+
+
+def test_a_mixtral_with_a_sliding_window_imports_and_exports_with_transformers_logits(tmp_path):
+    """Mixtral's first release set Mistral 7B v0.1's window: a Mixtral with a window of 16 over 64 positions imports
+    with it over our mixture of experts, gives transformers' logits over all 64 (without the window: not), and exports
+    it back."""
+    import dataclasses
+
+    hf = hf_mixtral(tmp_path / "in", window=16)
+    src = HFSource(tmp_path / "in")
+    assert (src.cfg.sliding_window, src.cfg.moe_experts) == (16, 4)
+    model, full = Llama(src.cfg).eval(), Llama(dataclasses.replace(src.cfg, sliding_window=0)).eval()
+    load_full(model, src)
+    load_full(full, src)
+    assert logit_diff(model, hf, tokens()) <= LOGIT_ATOL < 1e-2 < logit_diff(full, hf, tokens())
+    export_hf(state_source(model), src.cfg, tmp_path / "out")
+    again = MixtralForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert again.config.sliding_window == 16 and logit_diff(model, again, tokens()) <= LOGIT_ATOL
 
 
 def test_mixtral_imports_and_exports_with_transformers_logits(tmp_path):
