@@ -111,6 +111,26 @@ def test_refusals_name_the_option(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_bad_prompts_file_is_refused_before_launch(records, tmp_path):
+    """A corrupt or missing ``<split>.prompts.npy`` is one line naming the file and the fix from the pre-launch data
+    check (``--nproc`` runs it before any process starts)."""
+    import shutil
+
+    from meshtrain.train.trainer import check_data
+
+    _, data = records
+    bad = tmp_path / "bad"
+    shutil.copytree(data, bad)
+    lengths = np.load(bad / "val.prompts.npy")
+    lengths[0] = 10**6
+    np.save(bad / "val.prompts.npy", lengths)
+    with pytest.raises(ValueError, match=r"val.prompts.npy is corrupt .*re-run `meshtrain prepare-data --force`"):
+        check_data(load_config("tiny", [f"data.path={bad}"]))
+    (bad / "val.prompts.npy").unlink()
+    with pytest.raises(FileNotFoundError, match=r"val.prompts.npy is missing \(meta.json names a prompt field\)"):
+        check_data(load_config("tiny", [f"data.path={bad}"]))
+
+
 def test_the_cli_prepares_records_with_a_prompt(tmp_path):
     recs = _records(20)
     (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))

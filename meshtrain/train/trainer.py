@@ -178,6 +178,9 @@ def check_data(cfg: Config) -> None:
     check_fits(path, "train", int(meta["train_tokens"]), cfg.train.seq_len)
     if meta["format"] >= 3:  # rank 0 reads them for the unigram baseline: a bad file is refused before launch
         read_counts(path, "train", meta)
+    if meta.get("prompt_field") is not None:  # <split>.prompts.npy: opening a split checks it (memory-mapped)
+        for split in ("train", "val"):
+            TokenDataset(path, split)
 
 
 # Options that decide a tensor's name or shape: what a checkpoint and the config must agree on to resume.
