@@ -26,9 +26,8 @@ from meshtrain.model.llama import build_model
 from meshtrain.plan.costs import tp_forward_saved_bytes
 from meshtrain.testing.equivalence import (
     check_layouts,
-    forward_saved_bytes,
+    layouts_worker,
     reference_runs,
-    run_dir,
     run_layout,
     run_overrides,
 )
@@ -130,19 +129,12 @@ def data(tmp_path_factory) -> str:
     return str(root / "stdlib")
 
 
+MEASURED = ("dp2 x tp2 sp", "dp2 x tp2 mha", "dp2 x tp2 qk norm")  # what one forward keeps for backward
+
+
 @pytest.fixture(scope="module")
 def world4(data):
-    return spawn(_worker, 4, args=(data,), timeout=900)
-
-
-# What one forward keeps for backward, measured after training.
-MEASURED = ("dp2 x tp2 sp", "dp2 x tp2 mha", "dp2 x tp2 qk norm")
-
-
-def _worker(rank, world_size, data):
-    return {name: run_layout(data, [*BASE, *overrides], run_dir(data, world_size, name),
-                             extra=forward_saved_bytes if name in MEASURED else None)
-            for name, overrides in LAYOUTS_4}
+    return spawn(layouts_worker, 4, args=(data, BASE, LAYOUTS_4, MEASURED), timeout=900)
 
 
 @pytest.mark.slow

@@ -16,10 +16,9 @@ from meshtrain.config import load_config
 from meshtrain.plan.costs import tp_forward_saved_bytes
 from meshtrain.testing.equivalence import (
     check_layouts,
-    forward_saved_bytes,
+    layouts_worker,
     prepared_stdlib,
     reference_runs,
-    run_dir,
     run_layout,
     run_overrides,
 )
@@ -46,13 +45,7 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world4(data):
-    return spawn(_worker, 4, args=(data,), timeout=900)
-
-
-def _worker(rank, world_size, data):
-    return {name: run_layout(data, [*BASE, *overrides], run_dir(data, world_size, name),
-                             extra=forward_saved_bytes if name in MEASURED else None)
-            for name, overrides in LAYOUTS_4}
+    return spawn(layouts_worker, 4, args=(data, BASE, LAYOUTS_4, MEASURED), timeout=900)
 
 
 def test_a_sliding_window_on_every_layout_equals_one_device(data, world4):

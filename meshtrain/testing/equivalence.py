@@ -323,11 +323,13 @@ def run_layout(data: str, overrides: list[str], out: str | None = None, preset: 
             "extra": extra(trainer) if extra is not None else None}
 
 
-def layouts_worker(rank: int, world_size: int, data: str, base: list[str], layouts: list[tuple[str, list[str]]]
-                   ) -> dict[str, dict]:
+def layouts_worker(rank: int, world_size: int, data: str, base: list[str], layouts: list[tuple[str, list[str]]],
+                   measured: tuple[str, ...] = ()) -> dict[str, dict]:
     """Spawned-rank body shared by the equivalence files: train every (name, overrides) layout in turn into
-    its ``run_dir``; every rank returns {name: run_layout result}."""
-    return {name: run_layout(data, [*base, *overrides], run_dir(data, world_size, name))
+    its ``run_dir``; every rank returns {name: run_layout result}, whose ``extra`` for the layouts named in
+    ``measured`` is what one forward keeps for backward after training (``forward_saved_bytes``)."""
+    return {name: run_layout(data, [*base, *overrides], run_dir(data, world_size, name),
+                             extra=forward_saved_bytes if name in measured else None)
             for name, overrides in layouts}
 
 
