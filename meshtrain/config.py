@@ -26,6 +26,8 @@ PRESET_DIR = Path(__file__).parent / "presets"
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1", "dualpipev")  # parallel.schedule (meshtrain/plan/schedules.py)
 ATTENTION_MASKS = ("causal", "document")  # train.attention_mask
 RECOMPUTE_MODES = ("none", "full", "selective")  # train.recompute (meshtrain/parallel/recompute.py)
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")  # train.lr_schedule (meshtrain/train/optim.py lr_at)
+DECAY_SHAPES = ("sqrt", "linear", "cosine")  # train.decay_shape, wsd's decay
 CP_LAYOUTS = ("zigzag", "contiguous")  # parallel.cp_layout (meshtrain/parallel/context.py)
 CP_ATTENTIONS = ("ring", "allgather")  # parallel.cp_attention
 ROPE_SCALINGS = ("none", "llama3")  # model.rope_scaling
@@ -143,6 +145,12 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
+    # after warmup: cosine | linear (both to lr * min_lr_ratio at train.steps) | constant | wsd (warmup-stable-decay:
+    # lr held, then the last decay_fraction of train.steps decay to lr * min_lr_ratio, so a run can be extended)
+    lr_schedule: str = "cosine"
+    decay_fraction: float = 0.2  # wsd: the share of train.steps that decays (0.2: Hägele et al. 2024, MiniCPM)
+    decay_steps: int = 0  # wsd: the decay's length in steps, in place of decay_fraction; 0: from decay_fraction
+    decay_shape: str = "sqrt"  # wsd: the decay's shape, sqrt (1 - sqrt, Hägele et al.'s best) | linear | cosine
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -179,6 +187,10 @@ class TrainConfig:
     tensorboard: bool = True
     wandb: bool = False  # also log to Weights & Biases (pip install 'meshtrain[wandb]'); offline without WANDB_API_KEY
     wandb_project: str = "meshtrain"
+
+    def wsd_decay_steps(self) -> int:
+        """wsd's decay length: decay_steps, or else round(decay_fraction * steps), at least one step."""
+        return self.decay_steps or max(1, round(self.decay_fraction * self.steps))
 
 
 @dataclass
@@ -494,6 +506,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _need(math.isfinite(t.peak_flops) and t.peak_flops >= 0,
           f"train.peak_flops must be >= 0 FLOP/s (0: the chip table or a measurement), got {t.peak_flops}.")
     _need(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio must be in [0, 1].")
+    _check_lr_schedule(t)
     _need(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1).")
     _need(math.isfinite(t.grad_clip) and t.grad_clip >= 0, "train.grad_clip must be >= 0 (0 disables clipping).")
     _need(t.optimizer in ("adamw", "muon"), f"train.optimizer must be 'adamw' or 'muon', got '{t.optimizer}'.")
@@ -611,6 +624,22 @@ def resolve_dp(cfg: Config, world_size: int | None = None) -> int:
         f"processes or change parallel.pp/cp/tp.",
     )
     return world_size // others
+
+
+def _check_lr_schedule(t: TrainConfig) -> None:
+    _need(t.lr_schedule in LR_SCHEDULES,
+          f"train.lr_schedule must be cosine, linear, constant or wsd, got '{t.lr_schedule}'.")
+    _need(t.decay_shape in DECAY_SHAPES, f"train.decay_shape must be sqrt, linear or cosine, got '{t.decay_shape}'.")
+    _need(math.isfinite(t.decay_fraction) and 0 < t.decay_fraction <= 1,
+          f"train.decay_fraction must be in (0, 1] (the share of train.steps that wsd decays), got {t.decay_fraction}.")
+    _need(t.decay_steps >= 0, f"train.decay_steps must be >= 0 (0: from train.decay_fraction), got {t.decay_steps}.")
+    if t.lr_schedule == "wsd":
+        d = t.wsd_decay_steps()
+        length = (f"train.decay_steps={d}" if t.decay_steps else
+                  f"{d} steps (train.decay_fraction={t.decay_fraction} of train.steps={t.steps})")
+        _need(t.warmup_steps + d <= t.steps,
+              f"train.lr_schedule=wsd warms up for train.warmup_steps={t.warmup_steps} and decays for {length}, "
+              f"more than train.steps={t.steps}: lower the warmup or the decay, or raise train.steps.")
 
 
 def _check_moe(m: ModelConfig) -> None:

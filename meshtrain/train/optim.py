@@ -81,10 +81,33 @@ def set_lr(optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig) -> flo
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then cosine to min_lr_ratio x lr."""
+    """Learning rate for optimizer step ``step`` (0-based).
+
+    Linear warmup to ``lr`` over ``warmup_steps``, then by ``lr_schedule``, with ``floor = lr * min_lr_ratio``:
+    ``cosine`` and ``linear`` fall from lr towards the floor, reached at ``steps``; ``constant`` holds lr;
+    ``wsd`` holds lr, then its last ``wsd_decay_steps()`` steps fall by ``decay_shape`` and the final step is at the
+    floor. wsd's lr before its decay does not depend on ``steps``, so a run can be extended from such a checkpoint.
+    """
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
+    floor = cfg.lr * cfg.min_lr_ratio
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    if cfg.lr_schedule == "wsd":
+        decay = cfg.wsd_decay_steps()
+        done = step - (cfg.steps - decay) + 1  # decay steps taken, this one included: 1..decay
+        if done <= 0:
+            return cfg.lr
+        return floor + (cfg.lr - floor) * _decayed(min(done / decay, 1.0), cfg.decay_shape)
     span = max(cfg.steps - cfg.warmup_steps, 1)
     progress = min((step - cfg.warmup_steps) / span, 1.0)
-    floor = cfg.lr * cfg.min_lr_ratio
-    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return floor + (cfg.lr - floor) * _decayed(progress, cfg.lr_schedule)
+
+
+def _decayed(progress: float, shape: str) -> float:
+    """The share of (lr - floor) left after ``progress`` (0..1) of a decay of this shape."""
+    if shape == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    if shape == "sqrt":
+        return 1.0 - math.sqrt(progress)
+    return 1.0 - progress  # linear
