@@ -20,6 +20,7 @@ from meshtrain import cli, comm, comm_watch
 from meshtrain.comm_log import CollectiveLog, Entry
 from meshtrain.config import ConfigError, load_config
 from meshtrain.mesh import Mesh
+from meshtrain.testing.equivalence import PARAM_RTOL, assert_same_tensors
 from meshtrain.testing.spawn import SpawnError, SpawnTimeout, spawn
 from meshtrain.train.trainer import Trainer
 
@@ -91,8 +92,10 @@ def test_a_non_finite_step_is_skipped_on_every_rank_and_the_run_goes_on_as_on_on
         assert not torch.equal(r["snaps"][3][0], r["snaps"][4][0])  # the next step is applied
     for x, y in zip(ranks[0]["records"], ref["records"], strict=True):  # the layout equals one device
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
-    for key, t in ref["params"].items():
-        assert torch.allclose(ranks[1]["params"][key], t, rtol=1e-5, atol=1e-6), key
+    # Every equivalence file's measure (relative Frobenius). Elementwise, this machine's AVX-512 kernels put dp2
+    # ZeRO-1 6e-6 from one device after 6 AdamW steps on random tokens with no step poisoned at all (5.2e-6
+    # relative Frobenius; 5.3e-6 with step 3 skipped), so an elementwise atol of 1e-6 measured the CPU, not the guard.
+    assert_same_tensors("dp2 zero1 after a skipped step", "parameter", ranks[1]["params"], ref["params"], PARAM_RTOL)
     # The skipped step's checkpoint slot holds no new state, and no checkpoint is anything but finite.
     assert _checkpoints_are_finite(tmp_path / "dp2" / "checkpoints") == ["step_000005", "step_000006"]
     # metrics.jsonl stays strict JSON: the skipped step's NaN norm is written as null.
