@@ -28,6 +28,7 @@ ATTENTION_MASKS = ("causal", "document")  # train.attention_mask
 RECOMPUTE_MODES = ("none", "full", "selective")  # train.recompute (meshtrain/parallel/recompute.py)
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")  # train.lr_schedule (meshtrain/train/optim.py lr_at)
 DECAY_SHAPES = ("sqrt", "linear", "cosine")  # train.decay_shape, wsd's decay
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # model.mlp_activation (meshtrain/model/layers.py gated)
 CP_LAYOUTS = ("zigzag", "contiguous")  # parallel.cp_layout (meshtrain/parallel/context.py)
 CP_ATTENTIONS = ("ring", "allgather")  # parallel.cp_attention
 ROPE_SCALINGS = ("none", "llama3")  # model.rope_scaling
@@ -76,6 +77,8 @@ class ModelConfig:
     # Sliding-window attention (Mistral 7B v0.1: 4096): each token attends to itself and the sliding_window - 1
     # tokens before it; 0: full causal attention.
     sliding_window: int = 0
+    mlp_activation: str = "silu"  # the MLP's gate: silu (SwiGLU, Llama) | gelu_tanh (GeGLU, Gemma)
+    embed_scale: bool = False  # True: the embedding's output is multiplied by sqrt(d_model) (Gemma)
     init_std: float = 0.02
     # Mixture of experts (every block's MLP becomes an MoE layer when moe_experts > 0).
     moe_experts: int = 0  # routed experts per layer; 0: dense SwiGLU MLP
@@ -498,6 +501,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         f"raise model.max_seq_len or lower train.seq_len.",
     )
     _need(m.sliding_window >= 0, f"model.sliding_window must be >= 0 (0: none), got {m.sliding_window}.")
+    _need(m.mlp_activation in MLP_ACTIVATIONS,
+          f"model.mlp_activation must be silu (SwiGLU) or gelu_tanh (GeGLU), got '{m.mlp_activation}'.")
     _need(t.seed >= 0, f"train.seed must be >= 0, got {t.seed}.")
     _need(math.isfinite(t.lr) and t.lr > 0, f"train.lr must be a positive number, got {t.lr}.")
     _need(math.isfinite(t.eps) and t.eps > 0, f"train.eps (AdamW's epsilon) must be a positive number, got {t.eps}.")

@@ -31,6 +31,13 @@ def test_presets_load_and_overrides_apply():
         pc = param_count(m)
         assert m.qk_norm and m.head_dim == 128 and pc.total / 1e9 == pytest.approx(billions, abs=0.001), name
         assert (pc.total - pc.embedding - pc.head) / 1e9 == pytest.approx(body, abs=0.001), name
+    # Gemma's (GeGLU, scaled embedding, 256-wide heads, tied) against the Gemma report's non-embedding counts,
+    # 1,981,884,416 and 7,751,248,896, and its totals (2.51B, 8.54B; the report's embeddings count 256,128 rows)
+    for name, billions, body in (("gemma-2b", 2.506, 1_981_884_416), ("gemma-7b", 8.538, 7_751_248_896)):
+        m = load_config(name).model
+        pc = param_count(m)
+        assert m.embed_scale and m.mlp_activation == "gelu_tanh" and m.tie_embeddings and m.head_dim == 256
+        assert pc.total - pc.embedding - pc.head == body and pc.total / 1e9 == pytest.approx(billions, abs=0.001)
     # Qwen3-30B-A3B: 30.5B parameters, 3.3B of them active per token (128 experts, 8 per token)
     pc = param_count(load_config("qwen3-30b-a3b").model)
     assert pc.total / 1e9 == pytest.approx(30.532, abs=0.001)

@@ -35,6 +35,9 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if cfg.qkv_bias or cfg.qk_norm:
         raise ValueError("the JAX executor runs Llama's attention only (model.qkv_bias and model.qk_norm must be "
                          "false).")
+    if cfg.mlp_activation != "silu" or cfg.embed_scale:
+        raise ValueError("the JAX executor runs Llama's MLP and embedding only (model.mlp_activation must be silu and "
+                         "model.embed_scale false).")
     d, hd, f = cfg.d_model, cfg.head_dim, cfg.hidden_dim
     shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (cfg.vocab_size, d)}
     for i in range(cfg.n_layers):

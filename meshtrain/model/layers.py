@@ -146,8 +146,16 @@ class _ComplexRope(torch.autograd.Function):
         return torch.view_as_real(_as_complex(grad) * torch.complex(cos, -sin)).flatten(-2).to(ctx.dtype), None, None
 
 
+def gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """The gated MLP's hidden units: ``act(gate) * up``, act SiLU (SwiGLU) or tanh-approximated GELU (GeGLU,
+    Gemma's ``gelu_pytorch_tanh``), by ``model.mlp_activation``."""
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    return F.silu(gate) * up
+
+
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x). ``hidden`` defaults to the dense rule (an expert passes its own)."""
+    """SwiGLU (or GeGLU): w2(act(w1 x) * w3 x). ``hidden`` defaults to the dense rule (an expert passes its own)."""
 
     def __init__(self, cfg: ModelConfig, hidden: int | None = None) -> None:
         super().__init__()
@@ -155,9 +163,10 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(cfg.d_model, hidden, bias=False)  # gate
         self.w3 = nn.Linear(cfg.d_model, hidden, bias=False)  # up
         self.w2 = nn.Linear(hidden, cfg.d_model, bias=False)  # down
+        self.activation = cfg.mlp_activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(gated(self.w1(x), self.w3(x), self.activation))
 
 
 def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:

@@ -163,7 +163,11 @@ def decoder_forward(m: nn.Module, tokens: torch.Tensor, positions: torch.Tensor 
     one ``Documents``. RoPE positions are not reset at a document's start: attention scores depend only on
     relative positions, so within a document they are the same.
     """
-    h = m.tok_embeddings(tokens) if m.tok_embeddings is not None else tokens
+    h = tokens
+    if m.tok_embeddings is not None:
+        h = m.tok_embeddings(tokens)
+        if m.cfg.embed_scale:  # Gemma: in the embedding's output dtype, as transformers' GemmaScaledWordEmbedding
+            h = h * math.sqrt(m.cfg.d_model)
     t = tokens.shape[1] if tokens.dim() == 2 else h.shape[1] * m.seq_shards
     if cache is not None:
         if positions is not None or m.seq_shards != 1:

@@ -44,7 +44,7 @@ from meshtrain.config import ModelConfig
 from meshtrain.mesh import AxisGroup, Mesh
 from meshtrain.model.axes import param_axes
 from meshtrain.model.kv_cache import LayerKV
-from meshtrain.model.layers import Documents, compute_dtype
+from meshtrain.model.layers import Documents, compute_dtype, gated
 from meshtrain.model.llama import Attention, Block, FeedForward, attend, heads_with_rope
 from meshtrain.parallel.cross_entropy import lean_cross_entropy
 from meshtrain.parallel.pieces import Placement, Placements, TPSlice
@@ -334,7 +334,7 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelFeedForward(nn.Module):
-    """SwiGLU with fused gate/up (one matmul over the column shards of w1 and w3) and a row-parallel w2."""
+    """SwiGLU (or GeGLU) with fused gate/up (one matmul over the column shards of w1 and w3) and a row-parallel w2."""
 
     def __init__(self, ff: FeedForward, sharder: Sharder, prefix: str, sp: bool, regather: bool = False) -> None:
         super().__init__()
@@ -343,6 +343,7 @@ class ParallelFeedForward(nn.Module):
         if not isinstance(self.w1, ColumnParallelLinear) or not isinstance(self.w2, RowParallelLinear):
             raise ValueError("the rules must split the MLP by its hidden units (w1, w3 by rows, w2 by columns).")
         self.hidden = self.w1.weight.shape[0]
+        self.activation = ff.activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():
@@ -350,7 +351,7 @@ class ParallelFeedForward(nn.Module):
         else:  # as ParallelAttention: no per-call copy of the fused weight without autograd
             h = self.w1.enter(x)
             gate, up = F.linear(h, self.w1.weight), F.linear(h, self.w3.weight)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(gated(gate, up, self.activation))
 
 
 class VocabParallelEmbedding(nn.Module):
