@@ -19,6 +19,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import (
+    GemmaConfig,
+    GemmaForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -232,6 +234,75 @@ def test_a_mistral_with_a_sliding_window_imports_generates_and_exports_with_tran
     assert logit_diff(model, again, x) <= LOGIT_ATOL
 
 
+def hf_gemma(folder: Path, seed: int = 0, **fields) -> GemmaForCausalLM:
+    """A tiny random GemmaForCausalLM saved to ``folder``, shaped as Gemma 2B: one kv head, heads wider than hidden /
+    heads (16 over 32 / 4, as 256 over 2048 / 8), tied embeddings; norm weights N(0, 0.2) around Gemma's 1 + 0."""
+    cfg = GemmaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=SEQ,
+                      rope_theta=5000.0, rms_norm_eps=1e-6, **fields)
+    model = _random_gemma(GemmaForCausalLM(cfg), seed)
+    model.save_pretrained(folder)
+    return model
+
+
+def _random_gemma(model: GemmaForCausalLM, seed: int = 0) -> GemmaForCausalLM:
+    """``_randomise``'s weights for a Gemma: every tensor N(0, 0.2), so that its norms, which scale by 1 + weight,
+    scale by 1 + N(0, 0.2) as the other architectures' do here."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return model.eval()
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_gemma_imports_generates_and_exports_with_transformers_logits(tmp_path, legacy):
+    """A Gemma folder imports as our model with a scaled embedding, GeGLU and norms scaled by 1 + weight: our logits
+    are transformers' (LOGIT_ATOL) over 64 positions, and greedy generation of 30 tokens gives its tokens. Each of
+    the three (the embedding's sqrt(hidden) scale, the tanh GELU, the norms' offset of one) moves the logits when
+    left out. Exported again it is a GemmaForCausalLM that transformers loads with the same logits, its norm weights
+    HF's own. ``legacy``: the config.json of Gemma's first releases, hidden_act "gelu" meaning the tanh GELU."""
+    import dataclasses
+
+    from meshtrain.generate import generate
+    from meshtrain.parallel.next_token import VocabSlice
+
+    hf = hf_gemma(tmp_path / "in")
+    if legacy:
+        _edit_config(tmp_path / "in", hidden_act="gelu", hidden_activation=None)
+    src = HFSource(tmp_path / "in")
+    c = src.cfg
+    assert (c.embed_scale, c.mlp_activation, c.tie_embeddings, c.kv_heads, c.head_size) == \
+        (True, "gelu_tanh", True, 1, 16)
+    model = Llama(c).eval()
+    load_full(model, src)
+    x = tokens()
+    assert logit_diff(model, hf, x) <= LOGIT_ATOL
+    for control in (dict(embed_scale=False), dict(mlp_activation="silu")):
+        other = Llama(dataclasses.replace(c, **control)).eval()
+        load_full(other, src)
+        assert logit_diff(other, hf, x) > 1e-2, control
+    with torch.no_grad():
+        norm = model.layers["1"].ffn_norm.weight
+        norm.sub_(1.0)  # HF's stored weight, without the offset
+        assert logit_diff(model, hf, x) > 1e-2
+        norm.add_(1.0)
+    prompt = x[0, :10].tolist()
+    with torch.no_grad():
+        theirs = hf.generate(x[:1, :10], max_new_tokens=30, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0, 10:].tolist()
+    assert generate(model, [prompt], 30, VocabSlice.whole(VOCAB)).tokens == [theirs]
+
+    out = export_hf(state_source(model), c, tmp_path / "out")
+    again = GemmaForCausalLM.from_pretrained(out).eval()
+    assert (again.config.model_type, again.config.hidden_act, again.config.tie_word_embeddings) == \
+        ("gemma", "gelu_pytorch_tanh", True)
+    assert logit_diff(model, again, x) <= LOGIT_ATOL
+    assert hf_model_config(out) == c
+    stored = hf_tensors(out)["model.layers.1.post_attention_layernorm.weight"]
+    assert torch.allclose(stored, hf.model.layers[1].post_attention_layernorm.weight, atol=1e-7)
+
+
 def hf_mixtral(folder: Path, seed: int = 0, window: int | None = None) -> MixtralForCausalLM:
     """A tiny random MixtralForCausalLM (4 experts, 2 per token; a sliding ``window`` if given) saved to ``folder``,
     in the hub's per-expert layout (transformers 5 fuses the experts in memory and writes them back apart)."""
@@ -419,6 +490,8 @@ def test_qwen3_moe_imports_and_exports_with_transformers_logits(tmp_path, renorm
     (dict(qk_norm=True, moe_experts=4, moe_shared_experts=1),
      "model.moe_shared_experts=1: this mixture of experts has no HuggingFace form (Qwen3-MoE"),
     (dict(qkv_bias=True, qk_norm=True), "model.qkv_bias=true with model.qk_norm=true: this model has no HuggingFace"),
+    (dict(embed_scale=True, sliding_window=8), "model.embed_scale=true with model.sliding_window=8: this model has no "
+                                               "HuggingFace form (Gemma"),
 ])
 def test_attention_options_no_hf_architecture_computes_are_refused_on_export(tmp_path, options, says):
     cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_heads=4, **options)
@@ -619,9 +692,17 @@ def _mixtral(folder: Path, **fields) -> None:
 
 
 BAD = {  # name: (shard, how to break the folder, error type, what the one line must say)
-    "architecture": (None, lambda f: _edit_config(f, architectures=["GemmaForCausalLM"], model_type="gemma"),
-                     ValueError, ["config.json: architectures is ['GemmaForCausalLM']", "LlamaForCausalLM",
-                                  "Qwen2ForCausalLM"]),
+    "architecture": (None, lambda f: _edit_config(f, architectures=["Gemma2ForCausalLM"], model_type="gemma2"),
+                     ValueError, ["config.json: architectures is ['Gemma2ForCausalLM']", "LlamaForCausalLM",
+                                  "Qwen2ForCausalLM", "GemmaForCausalLM (model_type gemma)"]),
+    "activation": (None, lambda f: _edit_config(f, hidden_act="relu"),
+                   ValueError, ["config.json: hidden_act is 'relu'", "silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)"]),
+    "gemma-activation": (None, lambda f: _edit_config(f, architectures=["GemmaForCausalLM"], model_type="gemma",
+                                                      hidden_act="gelu", hidden_activation="gelu_new"),
+                         ValueError, ["config.json: hidden_activation is 'gelu_new'", "or gelu_pytorch_tanh"]),
+    "gemma-bidirectional": (None, lambda f: _edit_config(f, architectures=["GemmaForCausalLM"], model_type="gemma",
+                                                         use_bidirectional_attention=True),
+                            ValueError, ["config.json: use_bidirectional_attention is True", "causal attention"]),
     "qwen2-without-biases": (None, lambda f: _edit_config(f, architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
                              ValueError, ["model.safetensors: tensor model.layers.0.self_attn.q_proj.bias",
                                           "(meshtrain layers.0.attention.wq.bias) is absent"]),
@@ -845,6 +926,19 @@ def test_a_qwen3_fine_tunes_with_tensor_parallelism_and_exports(tmp_path):
     ours, _, _ = _fine_tune_and_export(tmp_path, _random(Qwen3ForCausalLM(cfg)), 4,
                                        ["parallel.tp=2", "parallel.sp=true", "parallel.zero=1"])
     assert ours.cfg.qk_norm and ours.cfg.head_size == 16
+
+
+@pytest.mark.slow
+def test_a_gemma_fine_tunes_with_tensor_and_context_parallelism_and_exports(tmp_path):
+    """A Gemma folder (scaled embedding, GeGLU, norms of 1 + weight, one kv head 16 wide shared by both tp ranks, tied
+    embeddings) fine-tuned at tp2 x cp2 with SP (the embedding scaled on each rank's sequence shard) and exported as
+    a GemmaForCausalLM (``_fine_tune_and_export``). Gemma ties its embeddings, which pipelines refuse."""
+    cfg = GemmaConfig(vocab_size=257, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=1, head_dim=16, max_position_embeddings=64, rope_theta=5000.0,
+                      rms_norm_eps=1e-6)
+    ours, _, _ = _fine_tune_and_export(tmp_path, _random_gemma(GemmaForCausalLM(cfg)), 4,
+                                       ["parallel.tp=2", "parallel.sp=true", "parallel.cp=2"])
+    assert ours.cfg.embed_scale and ours.cfg.mlp_activation == "gelu_tanh" and ours.cfg.tie_embeddings
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
-"""HuggingFace weights in and out (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE): a ``TensorSource`` over an HF
-folder, and an exporter to one.
+"""HuggingFace weights in and out (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Gemma): a ``TensorSource``
+over an HF folder, and an exporter to one.
 
 An HF folder is ``config.json`` plus ``model.safetensors`` (or shards listed in ``model.safetensors.index.json``).
 ``hf_model_config`` maps its config.json to our ``ModelConfig`` and refuses, in one line that names the file and
@@ -39,6 +39,12 @@ as their weights' rows); Qwen3 one whose q and k heads pass an RMSNorm before Ro
 ``k_norm`` permuted as one head's rows), usually with heads of their own width (``model.head_size``); Qwen3-MoE a
 Qwen3 whose MLPs are our mixture of experts (``mlp.gate``, ``mlp.experts.{e}.gate_proj/up_proj/down_proj``), its
 gates renormalised or not (``norm_topk_prob``).
+
+Gemma (the first, ``GemmaForCausalLM``): a Llama whose embedding's output is multiplied by sqrt(hidden_size)
+(``model.embed_scale``), whose MLP gate is the tanh-approximated GELU (GeGLU, ``model.mlp_activation=gelu_tanh``),
+usually with one kv head of 256 dimensions and tied embeddings. Its RMSNorms scale by ``1 + weight``: ours by
+``weight``, so the import adds one to each norm's scale (in fp32, as transformers computes ``1.0 +
+weight.float()``) and the export takes it away (``HFTensor.offset``).
 """
 
 from __future__ import annotations
@@ -64,14 +70,19 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 SUPPORTED = ("LlamaForCausalLM (model_type llama), MistralForCausalLM (model_type mistral), MixtralForCausalLM "
              "(model_type mixtral), Qwen2ForCausalLM (model_type qwen2), "
-             "Qwen3ForCausalLM (model_type qwen3) or Qwen3MoeForCausalLM (model_type qwen3_moe), the Qwens without "
-             "a sliding window")
+             "Qwen3ForCausalLM (model_type qwen3), Qwen3MoeForCausalLM (model_type qwen3_moe), the Qwens without "
+             "a sliding window, or GemmaForCausalLM (model_type gemma)")
 # architecture -> model_type. A Mistral is a Llama by other names, with a sliding window in v0.1
 # (model.sliding_window); a Qwen2
 # is a Llama whose q, k and v projections have biases (model.qkv_bias); a Qwen3 one whose q and k heads pass an
 # RMSNorm before RoPE (model.qk_norm); a Qwen3-MoE a Qwen3 whose every MLP is a mixture of experts.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
-                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+                 "GemmaForCausalLM": "gemma"}
+# HF's hidden_act -> model.mlp_activation; Gemma's config.json files say "gelu" and mean the tanh approximation
+# (transformers reads them so)
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+HF_ACTIVATION = {ours: hf for hf, ours in ACTIVATIONS.items()}
 QWENS = ("qwen2", "qwen3", "qwen3_moe")
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
 
@@ -188,6 +199,21 @@ def _sliding_window(file: Path, c: dict[str, Any], max_len: int) -> int:
     return 0
 
 
+def _activation(file: Path, c: dict[str, Any], model_type: str) -> str:
+    """``model.mlp_activation`` for config.json's activation: Gemma's ``hidden_activation`` where set (transformers
+    4 reads it), else ``hidden_act``, whose ``gelu`` Gemma's releases wrote meaning the tanh approximation."""
+    key = "hidden_activation" if model_type == "gemma" and c.get("hidden_activation") is not None else "hidden_act"
+    value = c.get(key, "gelu_pytorch_tanh" if model_type == "gemma" else "silu")
+    if model_type == "gemma" and value == "gelu":
+        value = "gelu_pytorch_tanh"
+    if value not in ACTIVATIONS:
+        raise _config_error(file, key, value, "silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)")
+    if model_type == "gemma" and c.get("use_bidirectional_attention"):
+        raise _config_error(file, "use_bidirectional_attention", c["use_bidirectional_attention"],
+                            "false or null (causal attention)")
+    return ACTIVATIONS[value]
+
+
 def _routing(file: Path, c: dict[str, Any], experts_key: str) -> dict[str, Any]:
     """The routing fields Mixtral and Qwen3-MoE configs share: ``experts_key`` experts, ``num_experts_per_tok`` of
     them per token, and the load-balancing coefficient. Their loss sums each expert's share of the k choices
@@ -235,8 +261,8 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
     Raises a one-line ``ValueError`` naming the file, the field and what is supported for anything our model
     does not compute the same way: another architecture, RoPE scaling other than Llama 3.1's, a Qwen's sliding
     window (a Mistral's is ``model.sliding_window``), Llama's attention or MLP biases (an o_proj bias; Qwen2's q,
-    k, v biases are ``model.qkv_bias``), an activation other than SiLU, an odd head_dim. A head_dim other than
-    hidden/heads is ``model.head_size``.
+    k, v biases are ``model.qkv_bias``), an activation other than SiLU or tanh-GELU, an odd head_dim. A head_dim
+    other than hidden/heads is ``model.head_size``.
     """
     file, c = _read_config(Path(folder))
     arch = c.get("architectures")
@@ -249,8 +275,7 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
         if c.get(key, False):
             raise _config_error(file, key, c[key], "false only (meshtrain's attention has biases on q, k and v "
                                                  "alone, as Qwen2's)")
-    if c.get("hidden_act", "silu") != "silu":
-        raise _config_error(file, "hidden_act", c["hidden_act"], "silu only (SwiGLU)")
+    activation = _activation(file, c, model_type)
     d_model = _positive_int(file, c, "hidden_size")
     n_heads = _positive_int(file, c, "num_attention_heads")
     head_dim = c.get("head_dim")
@@ -268,11 +293,11 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
     eps = c.get("rms_norm_eps", 1e-6)  # LlamaConfig's default
     if isinstance(eps, bool) or not isinstance(eps, int | float) or eps <= 0:
         raise _config_error(file, "rms_norm_eps", eps, "a positive number")
-    tie = c.get("tie_word_embeddings", False)  # LlamaConfig's default
+    tie = c.get("tie_word_embeddings", model_type == "gemma")  # LlamaConfig's default; GemmaConfig's true
     if not isinstance(tie, bool):
         raise _config_error(file, "tie_word_embeddings", tie, "true or false")
     init_std = c.get("initializer_range", 0.02)
-    max_len = _positive_int(file, c, "max_position_embeddings", 2048)
+    max_len = _positive_int(file, c, "max_position_embeddings", 8192 if model_type == "gemma" else 2048)
     window = _sliding_window(file, c, max_len) if model_type != "llama" else 0
     moe = _mixtral(file, c) if model_type == "mixtral" else _qwen3_moe(file, c) if model_type == "qwen3_moe" else {}
     return ModelConfig(
@@ -291,6 +316,8 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
         qkv_bias=model_type == "qwen2",
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         sliding_window=window,
+        mlp_activation=activation,
+        embed_scale=model_type == "gemma",
         init_std=float(init_std) if isinstance(init_std, int | float) and init_std > 0 else 0.02,
     )
 
@@ -326,6 +353,7 @@ class HFTensor:
     hf_name: str
     shape: tuple[int, ...]  # the logical shape (the same in both layouts)
     rope_heads: int | None  # wq/wk (and their biases): heads whose rows are permuted between the RoPE layouts
+    offset: float = 0.0  # ours = HF's + offset (Gemma's norms scale by 1 + weight: 1.0)
 
 
 def check_mixtral(cfg: ModelConfig) -> None:
@@ -345,8 +373,17 @@ def check_mixtral(cfg: ModelConfig) -> None:
 
 
 def hf_model_type(cfg: ModelConfig) -> str:
-    """The HF model_type our model ``cfg`` is (llama, mistral, mixtral, qwen2, qwen3 or qwen3_moe); raises, naming
-    the options, for combinations no HF architecture computes. A dense model with a sliding window is a Mistral."""
+    """The HF model_type our model ``cfg`` is (llama, mistral, mixtral, qwen2, qwen3, qwen3_moe or gemma); raises,
+    naming the options, for combinations no HF architecture computes. A dense model with a sliding window is a
+    Mistral; one whose embedding is scaled, a Gemma."""
+    if cfg.embed_scale:
+        for bad, option in ((cfg.moe_experts, f"model.moe_experts={cfg.moe_experts}"),
+                            (cfg.sliding_window, f"model.sliding_window={cfg.sliding_window}"),
+                            (cfg.qkv_bias, "model.qkv_bias=true"), (cfg.qk_norm, "model.qk_norm=true")):
+            if bad:
+                raise ValueError(f"model.embed_scale=true with {option}: this model has no HuggingFace form (Gemma, "
+                                 f"the architecture with a scaled embedding, is dense with Llama's attention).")
+        return "gemma"
     if cfg.sliding_window and (cfg.qkv_bias or cfg.qk_norm):
         raise ValueError(f"model.sliding_window={cfg.sliding_window} with Qwen's attention (model.qkv_bias or "
                          f"model.qk_norm): this model has no HuggingFace form (a Qwen's window is per layer).")
@@ -379,16 +416,18 @@ def hf_names(cfg: ModelConfig) -> dict[str, HFTensor]:
     """Our parameter names -> their HF tensors, in HF's order. Tied: ``output.weight`` is the embedding."""
     d, hd, hidden = cfg.d_model, cfg.head_dim, cfg.hidden_dim
     model_type = hf_model_type(cfg)
+    norm = 1.0 if model_type == "gemma" else 0.0  # Gemma's norms scale by 1 + weight
     out = {"tok_embeddings.weight": HFTensor("model.embed_tokens.weight", (cfg.vocab_size, d), None)}
     for i in range(cfg.n_layers):
         a, m, ours = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp", f"layers.{i}"
         out.update({
-            f"{ours}.attention_norm.weight": HFTensor(f"model.layers.{i}.input_layernorm.weight", (d,), None),
+            f"{ours}.attention_norm.weight": HFTensor(f"model.layers.{i}.input_layernorm.weight", (d,), None, norm),
             f"{ours}.attention.wq.weight": HFTensor(f"{a}.q_proj.weight", (cfg.n_heads * hd, d), cfg.n_heads),
             f"{ours}.attention.wk.weight": HFTensor(f"{a}.k_proj.weight", (cfg.kv_heads * hd, d), cfg.kv_heads),
             f"{ours}.attention.wv.weight": HFTensor(f"{a}.v_proj.weight", (cfg.kv_heads * hd, d), None),
             f"{ours}.attention.wo.weight": HFTensor(f"{a}.o_proj.weight", (d, cfg.n_heads * hd), None),
-            f"{ours}.ffn_norm.weight": HFTensor(f"model.layers.{i}.post_attention_layernorm.weight", (d,), None),
+            f"{ours}.ffn_norm.weight": HFTensor(f"model.layers.{i}.post_attention_layernorm.weight", (d,), None,
+                                               norm),
         })
         if cfg.qkv_bias:  # Qwen2's: each bias permuted as its weight's rows
             out.update({
@@ -414,7 +453,7 @@ def hf_names(cfg: ModelConfig) -> dict[str, HFTensor]:
             f"{ours}.feed_forward.w3.weight": HFTensor(f"{m}.up_proj.weight", (hidden, d), None),
             f"{ours}.feed_forward.w2.weight": HFTensor(f"{m}.down_proj.weight", (d, hidden), None),
         })
-    out["norm.weight"] = HFTensor("model.norm.weight", (d,), None)
+    out["norm.weight"] = HFTensor("model.norm.weight", (d,), None, norm)
     head = "model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
     out["output.weight"] = HFTensor(head, (cfg.vocab_size, d), None)
     return out
@@ -496,6 +535,8 @@ class HFSource:
         t = self.tensors[key]
         if len(box) != len(t.shape) or any(not 0 <= a <= b <= n for (a, b), n in zip(box, t.shape, strict=True)):
             raise ValueError(f"box {box} is outside {key} of shape {t.shape}.")
+        if t.offset:  # in fp32 whatever the file's dtype, as transformers adds it (1.0 + weight.float())
+            return self._slice(t, box).float() + t.offset
         if t.rope_heads is None:
             return self._slice(t, box)
         # The permutation moves rows only within a head: read the whole heads that cover the box's rows.
@@ -515,8 +556,8 @@ class HFSource:
 
 def hf_config_dict(cfg: ModelConfig, eos_token_id: int | None = None) -> dict[str, Any]:
     """The config.json of the HF architecture ``hf_model_type`` names (a LlamaForCausalLM, MixtralForCausalLM,
-    Qwen2ForCausalLM, Qwen3ForCausalLM or Qwen3MoeForCausalLM) equal to our model ``cfg``, readable by transformers 4
-    (rope_theta) and 5 (rope_parameters)."""
+    Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM or GemmaForCausalLM) equal to our model ``cfg``,
+    readable by transformers 4 (rope_theta) and 5 (rope_parameters)."""
     scaling = {} if cfg.rope_scaling == "none" else {hf: getattr(cfg, ours) for hf, ours in LLAMA3_ROPE.items()}
     model_type = hf_model_type(cfg)
     arch = hf_architecture(model_type)
@@ -544,7 +585,7 @@ def hf_config_dict(cfg: ModelConfig, eos_token_id: int | None = None) -> dict[st
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.kv_heads,
         "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
+        "hidden_act": HF_ACTIVATION[cfg.mlp_activation],
         "max_position_embeddings": cfg.max_seq_len,
         "initializer_range": cfg.init_std,
         "rms_norm_eps": cfg.norm_eps,
@@ -567,12 +608,15 @@ def hf_config_dict(cfg: ModelConfig, eos_token_id: int | None = None) -> dict[st
         del config["attention_bias"], config["mlp_bias"]
     elif cfg.qk_norm:  # Qwen3 reads attention_bias (false here) and has no mlp_bias
         del config["mlp_bias"]
+    if model_type == "gemma":  # transformers 4 reads hidden_activation, 5 hidden_act; Gemma has no mlp_bias
+        config["hidden_activation"] = config["hidden_act"]
+        del config["mlp_bias"], config["pretraining_tp"]
     return config
 
 
 def _hf_tensor(source: TensorSource, t: HFTensor, ours: str, shape: tuple[int, ...]) -> torch.Tensor:
     """Our tensor ``ours`` as HF stores it (q/k rows rotated by halves)."""
-    w = source.read(ours, full_box(shape)).to(torch.float32)
+    w = source.read(ours, full_box(shape)).to(torch.float32) - t.offset
     return interleaved_to_halves(w, t.rope_heads) if t.rope_heads is not None else w
 
 
@@ -594,7 +638,7 @@ def export_hf(source: TensorSource, cfg: ModelConfig, out_dir: str | Path,
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, files: Iterable[str | Path] = (),
               eos_token_id: int | None = None) -> Path:
     """Write our model (``cfg``, tensors from ``source`` by our names) as an HF folder of the architecture
-    ``hf_model_type`` names (LlamaForCausalLM; Mixtral, Qwen2, Qwen3 or Qwen3-MoE where the options say).
+    ``hf_model_type`` names (LlamaForCausalLM; Mixtral, Qwen2, Qwen3, Qwen3-MoE or Gemma where the options say).
 
     config.json, ``model.safetensors`` (or shards of at most ``max_shard_bytes`` plus
     ``model.safetensors.index.json``) in fp32, and ``files`` copied in (a tokenizer.json). One tensor is in memory
