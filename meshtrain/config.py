@@ -600,8 +600,14 @@ def _check_pipeline(cfg: Config, dp: int) -> None:
     _need(p.zero in (0, 1), f"parallel.zero={p.zero} does not combine with parallel.pp > 1: ZeRO-2 would "
           f"reduce-scatter gradients after every one of the {p.microbatches} pipeline microbatches and ZeRO-3 would "
           f"also re-gather every weight for each of them. Use parallel.zero=0 or 1 with pipelines.")
-    _need(not m.tie_embeddings, "model.tie_embeddings=true with parallel.pp > 1 would split one weight between "
-          "the first and the last stage; untie them (the default) for pipelines.")
+    _need(not (m.tie_embeddings and p.schedule == "dualpipev"),
+          "model.tie_embeddings=true with parallel.schedule=dualpipev: the V-shaped schedule runs the first and the "
+          "last stage on one rank, where the tied weight would be synchronised after its first stage's last "
+          "microbatch, before the other's; choose another schedule or untie the embeddings.")
+    _need(not (m.tie_embeddings and p.zero == 1 and p.zero_layout == "per_tensor"),
+          "model.tie_embeddings=true with parallel.pp > 1 and parallel.zero_layout=per_tensor: the first and the "
+          "last stage's ranks must hold the same shard of the tied weight, which only the flat layout guarantees; "
+          "use parallel.zero_layout=flat.")
     _need(t.grad_accum == 1, "with parallel.pp > 1 the pipeline microbatches are the accumulation: set "
           "train.grad_accum=1 and use parallel.microbatches.")
     rows = t.global_batch // dp

@@ -7,6 +7,7 @@ that flattened axis, "edp" (the ranks holding the same experts) outside it. For 
 splits into dp_replicate (outer) x dp_shard (inner): parameters are sharded over
 "dp_shard_cp" (dp_shard x cp) and replicated over "dp_replicate". When a model has fewer key/value heads
 than tp, "tp_kv" is the block of consecutive tp ranks that share one kv head (``kv_share`` of them).
+"pp_ends" pairs the first and the last pipeline rank of each (dp, cp, tp), which both hold tied embeddings.
 
 Every parallelism asks the mesh for its group by axis name (``mesh.group("tp")``,
 ``mesh.group("dp", "cp")``); nothing else creates process groups. At world size 1 no
@@ -139,7 +140,7 @@ class Mesh:
 
     @staticmethod
     def _key(axes: tuple[str, ...]) -> str:
-        if axes in (("world",), ("dp_shard", "cp"), ("dp_replicate",), ("tp_kv",)):
+        if axes in (("world",), ("dp_shard", "cp"), ("dp_replicate",), ("tp_kv",), ("pp_ends",)):
             return "world" if axes == ("world",) else "_".join(axes)
         order = list(AXES) + ["edp", "ep"]
         return "_".join(sorted(axes, key=order.index))
@@ -156,6 +157,10 @@ class Mesh:
         fams.append(("dp_shard_cp", self._partition_by(lambda c: (c["pp"], c["tp"], c["dp_replicate"]))))
         fams.append(("dp_replicate", self._partition_by(lambda c: (c["pp"], c["tp"], c["dp_shard"], c["cp"]))))
         fams.append(("tp_kv", self._partition_by(lambda c: (c["pp"], c["dp"], c["cp"], c["tp"] // self.kv_share))))
+        # The first and the last pipeline rank of each (dp, cp, tp): tied embeddings live on both (tied.py).
+        last = self.shape["pp"] - 1
+        fams.append(("pp_ends", self._partition_by(
+            lambda c: (-1 if c["pp"] in (0, last) else c["pp"], c["dp"], c["cp"], c["tp"]))))
         return fams
 
     def _partition_by(self, key_fn) -> list[tuple[int, ...]]:

@@ -25,8 +25,8 @@ BASE = ["train.progress=false", "train.tensorboard=false", "train.peak_flops=1e1
 LAYOUTS_4 = [
     ("dp2 x tp2 sp", ["parallel.tp=2", "parallel.sp=true"]),  # the scale on sequence shards, GeGLU's fused gate/up
     ("cp2 ring x dp2 zero3", ["parallel.cp=2", "parallel.zero=3"]),
-    # A pipeline splits tied embeddings, which it refuses: untied here, for the scale on the first stage alone.
-    ("pp2 1f1b x dp2 untied", ["parallel.pp=2", "parallel.microbatches=2", "model.tie_embeddings=false"]),
+    # The scale on the first stage alone; the tied weight on the first and the last (parallel/tied.py).
+    ("pp2 1f1b x dp2", ["parallel.pp=2", "parallel.microbatches=2"]),
     ("dp2 x ep2 moe", ["parallel.ep=2", "model.moe_experts=4"]),  # GeGLU experts behind the all-to-all
 ]
 MEASURED = ("dp2 x tp2 sp",)

@@ -155,8 +155,13 @@ def test_3d_dp2_tp2_pp2_on_8_ranks(data, reference):
 def test_pipeline_refuses_what_it_cannot_run():
     with pytest.raises(ConfigError, match="parallel.zero=3 does not combine with parallel.pp"):
         load_config("tiny", ["parallel.pp=2", "parallel.zero=3"])
-    with pytest.raises(ConfigError, match="tie_embeddings"):
-        load_config("tiny", ["parallel.pp=2", "model.tie_embeddings=true"])
+    load_config("tiny", ["parallel.pp=2", "model.tie_embeddings=true"])  # tests/test_tied_pipeline.py
+    with pytest.raises(ConfigError, match="model.tie_embeddings=true with parallel.schedule=dualpipev"):
+        load_config("tiny", ["parallel.pp=2", "model.tie_embeddings=true", "parallel.schedule=dualpipev",
+                             "parallel.virtual_stages=2"])
+    with pytest.raises(ConfigError, match="use parallel.zero_layout=flat"):
+        load_config("tiny", ["parallel.pp=2", "model.tie_embeddings=true", "parallel.zero=1",
+                             "parallel.zero_layout=per_tensor"])
     with pytest.raises(ConfigError, match="train.grad_accum=1"):
         load_config("tiny", ["parallel.pp=2", "train.grad_accum=2"])
     with pytest.raises(ConfigError, match="parallel.microbatches"):

@@ -430,6 +430,10 @@ def test_plan_units_are_the_runtime_units():
         cfg.vocab_size = 257
         runtime = [(u.name, u.numel) for u in model_units(build_model(cfg, 0))]
         assert [(name, sum(n for n, _ in params)) for name, params in unit_layouts(cfg)] == runtime
+        if cfg.tie_embeddings:  # across pipeline stages the last stage's rank holds it as its own unit, as the first
+            staged = [(u.name, u.numel) for u in model_units(build_model(cfg, 0), merge_tied=False)]
+            assert [(name, sum(n for n, _ in params)) for name, params in unit_layouts(cfg, first=False)] == staged
+            assert staged[0][0] == "embedding" and staged[-1] == ("head", cfg.d_model)
     model = build_model(cfg, 0)
     experts = {id(p) for n, p in model.named_parameters() if ".experts." in n and "shared" not in n}
     assert experts and sum(u.numel for u in model_units(model, frozenset(experts))) == sum(unit_numels(cfg, ep=2))

@@ -56,6 +56,7 @@ from meshtrain.parallel.pipeline.wgrad import WeightGradStore
 from meshtrain.parallel.recompute import apply_recompute, recomputed_forward
 from meshtrain.parallel.state import Held, check_shapes, gather_full, load_state, local_state, regions
 from meshtrain.parallel.tensor import TensorParallel, apply_tensor_parallel, head_partial
+from meshtrain.parallel.tied import TiedEmbedding, tied_across_ranks
 from meshtrain.parallel.units import Unit
 from meshtrain.parallel.zero import ZeroGradSync
 from meshtrain.plan.partition import Partition, partition_model
@@ -147,10 +148,11 @@ class Parallel:
     def __init__(self, model: nn.Module, mesh: Mesh, cfg: Config, rules: Rules, shapes: dict[str, tuple[int, ...]],
                  sync: GradSync, micro: Accumulation | PipelineEngine, forward: ForwardLoss,
                  tp: TensorParallel | None, cp: ContextParallel | None, moe: ExpertParallel | None,
-                 schedule: PipelineSchedule | None, partition: Partition | None) -> None:
+                 schedule: PipelineSchedule | None, partition: Partition | None,
+                 tied: TiedEmbedding | None = None) -> None:
         self.model, self.mesh, self.cfg, self.rules, self.shapes = model, mesh, cfg, rules, shapes
         self.sync, self.micro, self.forward = sync, micro, forward
-        self.tp, self.cp, self.moe = tp, cp, moe
+        self.tp, self.cp, self.moe, self.tied = tp, cp, moe, tied
         self.schedule, self.partition = schedule, partition
         self.device = mesh.device
         # The loss and token counts live on the last stage of each dp x cp coordinate: summed over these.
@@ -180,8 +182,11 @@ class Parallel:
 
     def sync_grads(self) -> None:
         """Wait for the gradient communication; then the pieces' ``.grad`` are the global gradients
-        (tensor-parallel replicas added under SP, averaged without; per-head norms and shared kv heads added)."""
+        (tensor-parallel replicas added under SP, averaged without; per-head norms and shared kv heads added; a
+        weight tied across pipeline stages added over them)."""
         self.sync.finish_grads()
+        if self.tied is not None:
+            self.tied.sync_grads(self.sync.optim_params())
         if self.tp is not None:
             held = [op for op in self.sync.optim_params() if op.tensor.grad is not None and op.replicas > 1]
             whole = [op for op in held if op.tp is None]
@@ -194,6 +199,8 @@ class Parallel:
         (not read here, as ``forward_backward``'s loss). The optimizer's step divides by it to clip
         (``train.optim.optimizer_step``): the gradients are not rewritten for that."""
         norm_sq = self.sync.grad_norm_sq(self.device)
+        if self.tied is not None:  # held by the first and the last stage: counted once
+            norm_sq -= self.tied.counted_twice(self.optim_params(), self.sync.norm_group, self.device)
         for axis in ("tp", "pp"):  # different slices (tp) and different layers (pp) add
             comm.all_reduce_metrics(norm_sq, self.mesh.group(axis))
         return norm_sq.float().sqrt()
@@ -298,12 +305,14 @@ def parallelize(model: Llama, mesh: Mesh, cfg: Config) -> Parallel:
         else None
     moe = apply_expert_parallel(model, mesh, sp=p.sp, global_sequences=t.global_batch) \
         if cfg.model.moe_experts else None
-    schedule = partition = wgrad = stages = None
+    schedule = partition = wgrad = stages = tied = None
     if mesh.size("pp") > 1:
         schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
         partition = partition_model(cfg.model, t.seq_len, schedule.n_stages)
         wgrad = WeightGradStore() if schedule.split_backward else None
         stages = split(model, mesh, schedule, partition, wgrad)
+        if cfg.model.tie_embeddings and tied_across_ranks(schedule):
+            tied = TiedEmbedding(mesh, schedule, DTYPES[p.reduce_dtype])
     apply_recompute(model, t.recompute)
     apply_compile(model, t.compile, collectives=max(p.tp, p.cp, p.ep) > 1)
     sync = data_parallel(model, mesh, p, tp.placements if tp else {}, dtype)
@@ -324,4 +333,4 @@ def parallelize(model: Llama, mesh: Mesh, cfg: Config) -> Parallel:
                                                               forward, wgrad, act_dtype=dtype, posting=posting)
     else:
         micro = Accumulation(model, forward, t.grad_accum)
-    return Parallel(model, mesh, cfg, rules, shapes, sync, micro, forward, tp, cp, moe, schedule, partition)
+    return Parallel(model, mesh, cfg, rules, shapes, sync, micro, forward, tp, cp, moe, schedule, partition, tied)

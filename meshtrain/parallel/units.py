@@ -25,16 +25,18 @@ class Unit:
         return sum(p.numel() for _, p in self.params)
 
 
-def model_units(model: nn.Module, exclude: frozenset[int] = frozenset()) -> list[Unit]:
+def model_units(model: nn.Module, exclude: frozenset[int] = frozenset(), merge_tied: bool = True) -> list[Unit]:
     """Units of a ``Llama`` (or of a pipeline stage of one) in forward order.
 
     Parameters whose ``id`` is in ``exclude`` belong to no unit (expert-parallel experts, which are
-    synchronised over their own group: ``data.wrap``).
+    synchronised over their own group: ``data.wrap``). ``merge_tied=False`` keeps a tied embedding a unit of its
+    own, first, as on a pipeline's first stage, so that the last stage's rank shards it alike (``tied.py``).
     """
     names = {id(p): n for n, p in model.named_parameters()}
+    seen = set(exclude)  # each parameter in one unit: the first that holds it (a tied head holds no new one)
 
     def own(*modules: nn.Module) -> list[tuple[str, nn.Parameter]]:
-        seen, out = set(exclude), []
+        out = []
         for m in modules:
             for p in m.parameters():
                 if id(p) not in seen and p.requires_grad:
@@ -45,7 +47,7 @@ def model_units(model: nn.Module, exclude: frozenset[int] = frozenset()) -> list
     units = []
     emb = getattr(model, "tok_embeddings", None)
     head = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
-    tied = emb is not None and head and any(p is emb.weight for m in head for p in m.parameters())
+    tied = merge_tied and emb is not None and head and any(p is emb.weight for m in head for p in m.parameters())
     if emb is not None and not tied:
         units.append(Unit("embedding", [emb], own(emb)))
     for key, block in model.layers.items():

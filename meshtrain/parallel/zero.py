@@ -105,7 +105,7 @@ class ZeroGradSync(GradSync):
         self.handles = []
         self.always_sync = stage == 2  # stage 2 keeps no full gradient, so it sends every microbatch
         n, me = self.group.size, self.group.index(mesh.rank)
-        self.units = model_units(model, exclude) if units is None else units
+        self.units = model_units(model, exclude, merge_tied=mesh.size("pp") == 1) if units is None else units
         self._unit_of = {id(p): i for i, u in enumerate(self.units) for _, p in u.params}
         self._pending = [0] * len(self.units)
         self._inflight: list[list[tuple]] = [[] for _ in self.units]

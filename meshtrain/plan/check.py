@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,9 @@ def predict_rank(cfg: Config, world_size: int, coords: dict[str, int]) -> tuple[
     if schedule is not None:
         out.update(pipeline_rank_p2p(schedule, coords["pp"],
                                      pp_p2p_bytes(tokens, m.d_model, p.tp, p.sp, compute_bytes)))
+        tied = _tied_piece(cfg, dp, coords, schedule, first, last)
+        if tied:  # the tied weight's gradient, added between the first and the last stage (parallel/tied.py)
+            out[("pp_ends", "all_reduce")] = tied * reduce_bytes
     if moe_layers:
         _add(out, _moe_bytes(cfg, dp, tokens, micro, moe_layers, compute_bytes))
     if experts and edp > 1:  # the experts' own data-parallel sync over edp: all-reduce, or ZeRO-1/2
@@ -147,6 +151,8 @@ def predict_rank_calls(cfg: Config, world_size: int, coords: dict[str, int]) -> 
     if schedule is not None:
         transfer = pp_p2p_bytes(1, 1)  # bytes of one token's unit: divide it out to count transfers
         _add(out, {k: v // transfer for k, v in pipeline_rank_p2p(schedule, coords["pp"], transfer).items()})
+        if _tied_piece(cfg, dp, coords, schedule, first, last):
+            out[("pp_ends", "all_reduce")] = 1
     moe_layers = len(layers) if m.moe_experts else 0
     if moe_layers:
         _add(out, ep_calls(p.ep, moe_layers, micro, recompute))
@@ -161,6 +167,20 @@ def predict_rank_calls(cfg: Config, world_size: int, coords: dict[str, int]) -> 
                                           buckets=max(1, -(-experts // limit))).items():
             _add(out, {("edp", op): v})
     return out
+
+
+def _tied_piece(cfg: Config, dp: int, coords: dict[str, int], schedule, first: bool, last: bool) -> int:
+    """Elements of the tied embedding whose gradient this rank adds over "pp_ends" (``parallel/tied.py``): its
+    tensor-parallel slice, or the ZeRO-1 shard of it (a unit of its own); 0 where nothing is tied across ranks."""
+    m, p = cfg.model, cfg.parallel
+    if not m.tie_embeddings or schedule.placement[0] == schedule.placement[-1] or not (first or last):
+        return 0
+    emb = math.ceil(m.vocab_size / p.tp) * m.d_model
+    if p.zero == 0:
+        return emb
+    n = p.dp_shard * p.cp if p.dp_shard else dp * p.cp
+    k = coords["dp"] % (p.dp_shard or dp) * p.cp + coords["cp"]
+    return _shard_overlap(emb, n, k)
 
 
 def _shard_overlap(numel: int, n: int, k: int) -> int:

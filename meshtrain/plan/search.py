@@ -83,9 +83,6 @@ def candidate_layouts(problem: Problem, opts: SearchOptions | None = None,
                             if cfg.n_heads % x == 0 and (cfg.kv_heads % x == 0 or x % cfg.kv_heads == 0)
                             and cfg.hidden_dim % x == 0)
     pps = opts.pps or tuple(x for x in _pow2_divisors(n, 1, opts.max_pp) if cfg.n_layers >= x)
-    if cfg.tie_embeddings and any(x > 1 for x in pps):  # the runtime refuses pp > 1 with a weight shared by the
-        reject("pp > 1 does not combine with tied embeddings (model.tie_embeddings)")  # first and last stage
-        pps = tuple(x for x in pps if x == 1)
     out: list[Layout] = []
     for tp in tps:
         for cp in opts.cps:
@@ -114,6 +111,9 @@ def candidate_layouts(problem: Problem, opts: SearchOptions | None = None,
                         continue
                     for sched in opts.schedules:
                         v = DEFAULT_VIRTUAL[sched]
+                        if cfg.tie_embeddings and sched == "dualpipev":  # config.py: its V syncs the tied weight
+                            reject("dualpipev does not combine with tied embeddings (model.tie_embeddings)")  # early
+                            continue
                         if cfg.n_layers < pp * v:
                             reject(f"pp {pp} needs {pp} layers or more ({2 * pp} for interleaved and dualpipev); the "
                                    f"model has {cfg.n_layers}")

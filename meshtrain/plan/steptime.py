@@ -382,6 +382,12 @@ def data_parallel_time(problem: Problem, lay: Layout, act: StageAction) -> tuple
     if experts and edp > 1:
         edp_link = group_link(hw, edp, tp * lay.ep, axes)
         dp_time += exposed(op_time(hw, "all_reduce", experts * prec.reduce, edp_link), B)
+    if cfg.tie_embeddings and pp > 1 and lay.schedule != "dualpipev":
+        # The tied weight's gradient added between the first and the last stage after the sync (parallel/tied.py):
+        # its tp slice, or ZeRO-1 shard; exposed. The two ranks are (pp - 1) x dp x cp x tp apart.
+        tied = math.ceil(cfg.vocab_size / tp) * cfg.d_model / (shard if lay.zero >= 1 else 1)
+        ends = group_link(hw, 2, (pp - 1) * problem.devices // pp)
+        dp_time += op_time(hw, "all_reduce", tied * prec.reduce, ends)
     return dp_time, DataParallel(units, dp_bytes, dp_link, shard_link, rep_link)
 
 

@@ -50,15 +50,19 @@ def unit_layouts(cfg: ModelConfig, tp: int = 1, layers: list[int] | range | None
                  last: bool = True, ep: int = 1) -> list[tuple[str, list[Param]]]:
     """(name, parameters in order) of each unit one tensor-parallel rank holds, named as the runtime names them:
     ``embedding`` (if ``first``), ``layers.<i>`` for each block in ``layers`` (default all), ``head`` (final norm
-    and output, if ``last``), or ``embedding+head`` at the end when the embeddings are tied. The vocabulary is
-    padded to a multiple of tp."""
+    and output, if ``last``), or ``embedding+head`` at the end when the embeddings are tied. Tied across a
+    pipeline's stages (``first`` or ``last`` alone), the weight is an ``embedding`` unit on both, and the last
+    stage's ``head`` is its norm (``parallel/tied.py``). The vocabulary is padded to a multiple of tp."""
     d = cfg.d_model
     layers = range(cfg.n_layers) if layers is None else layers
     emb = math.ceil(cfg.vocab_size / tp) * d
     block = block_layout(cfg, tp, ep)
     blocks = [(f"layers.{i}", block) for i in layers]
-    if cfg.tie_embeddings:
-        return blocks + ([("embedding+head", [(emb, ""), (d, "tp")])] if first or last else [])
+    if cfg.tie_embeddings and first and last:
+        return blocks + [("embedding+head", [(emb, ""), (d, "tp")])]
+    if cfg.tie_embeddings:  # a pipeline's first or last stage: each holds the tied weight as a unit of its own
+        return ([("embedding", [(emb, "")])] if first or last else []) + blocks + (
+            [("head", [(d, "tp")])] if last else [])
     return ([("embedding", [(emb, "")])] if first else []) + blocks + (
         [("head", [(d, "tp"), (emb, "")])] if last else [])
 

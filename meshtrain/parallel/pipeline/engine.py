@@ -87,7 +87,10 @@ def split(model: Llama, mesh: Mesh, schedule: PipelineSchedule, partition: Parti
     for key in list(model.layers.keys()):
         if key not in keep:
             del model.layers[key]
-    if 0 not in mine:
+    # Tied embeddings (tied.py): the last stage's rank keeps the embedding module, unused, so that the weight it
+    # shares with the head keeps its single-device name there.
+    keeps_tied = model.cfg.tie_embeddings and last in mine
+    if 0 not in mine and not keeps_tied:
         model.tok_embeddings = None
     if last not in mine:
         model.norm = None
