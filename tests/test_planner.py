@@ -367,6 +367,35 @@ def test_cli_plan_json_emit_and_plot(tmp_path, capsys):
     assert png.stat().st_size > 10_000
 
 
+def test_plan_a_huggingface_folder(tmp_path, capsys):
+    """``--model`` a HuggingFace folder: its config.json is the model (Llama 3.1 8B's published one: 8,030,261,248
+    parameters, RoPE scaled, a 131,072-token context planned at 8,192), and the emitted config names the folder
+    for ``train.init_from``; a folder of another architecture is one line."""
+    folder = tmp_path / "Llama-3.1-8B"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "hidden_size": 4096,
+        "intermediate_size": 14336, "max_position_embeddings": 131072, "num_attention_heads": 32,
+        "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "tie_word_embeddings": False, "vocab_size": 128256}))
+    out = tmp_path / "run.yaml"
+    assert cli.main(["plan", "--model", str(folder), "--devices", "8", "--top", "1", "--json", "--emit",
+                     str(out), "--max-pp", "2"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["problem"]["seq_len"] == 8192
+    cfg = load_config(out)
+    assert param_count(cfg.model).total == 8_030_261_248
+    assert (cfg.model.d_model, cfg.model.rope_scaling, cfg.model.max_seq_len, cfg.train.seq_len) == \
+        (4096, "llama3", 131072, 8192)
+    assert f"train.init_from={folder}" in out.read_text()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"}))
+    assert cli.main(["plan", "--model", str(folder), "--devices", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "architectures is ['Gemma2ForCausalLM']" in err and len(err.strip().splitlines()) == 1
+
+
 def test_cli_table_output(capsys):
     rc = cli.main(["plan", "--model", "llama2-7b", "--hardware", "a100", "--nodes", "1", "--batch-tokens", "256K",
                    "--top", "2", "--max-pp", "2"])

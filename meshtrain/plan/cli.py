@@ -16,14 +16,14 @@ import json
 import math
 import sys
 
-from meshtrain.config import REDUCE_DTYPES, SCHEDULES, ArgumentParser, ConfigError, check_output_file, load_config
+from meshtrain.config import REDUCE_DTYPES, SCHEDULES, ArgumentParser, ConfigError, check_output_file
 from meshtrain.plan.book import DEFAULT_REVISION, MIXED_REVISIONS
 from meshtrain.plan.explain import explain, format_table, why_best
 from meshtrain.plan.figure import plot_comm_vs_compute
 from meshtrain.plan.flops import param_count
 from meshtrain.plan.hardware import HARDWARE, get_hardware, hardware_cache_dir
 from meshtrain.plan.memory import DTYPE_BYTES, PRECISIONS
-from meshtrain.plan.problem import Problem
+from meshtrain.plan.problem import Problem, plan_config
 from meshtrain.plan.search import DEFAULT_SCHEDULES, SearchOptions, check_runnable, emit_yaml, parse_tokens, search
 
 
@@ -59,7 +59,7 @@ def check_search_flags(args: argparse.Namespace) -> None:
 
 def build_problem(args: argparse.Namespace) -> Problem:
     """The Problem the options describe (model preset or YAML, batch, cluster, assumptions)."""
-    cfg = load_config(args.model)
+    cfg = plan_config(args.model)
     if cfg.model.vocab_size == 0:  # taken from the tokenizer at run time; plan with the byte tokenizer's
         cfg.model.vocab_size = 257
     if args.seq_len < 0:
@@ -106,7 +106,7 @@ def jax_check(args: argparse.Namespace) -> int:
     use_host_devices(8)
     from meshtrain.jax.hlo import report, seed_cases
 
-    cfg = load_config(args.model)
+    cfg = plan_config(args.model)
     m, seq = cfg.model, args.seq_len or cfg.train.seq_len
     batch = cfg.train.global_batch
     if batch % 2 or m.d_model % 4 or m.hidden_dim % 4:
@@ -129,7 +129,8 @@ def main(argv: list[str]) -> int:
         return query_main(argv)
     ap = ArgumentParser(prog="meshtrain plan", description="Search parallel layouts by predicted step time. "
                                  "Queries: " + ", ".join(f"`meshtrain plan {q}` ({d})" for q, d in QUERIES.items()))
-    ap.add_argument("--model", default="llama3-8b", help="preset name (llama3-70b, ...) or a YAML config")
+    ap.add_argument("--model", default="llama3-8b",
+                    help="preset name (llama3-70b, ...), a YAML config, or a HuggingFace model folder")
     ap.add_argument("--hardware", default="h100", help=f"one of {', '.join(HARDWARE)}, cpu-local or a profile .json")
     ap.add_argument("--nodes", type=int, default=1, help="nodes (hosts) of --hardware")
     ap.add_argument("--devices", type=int, default=None, help="devices instead of nodes")

@@ -4,13 +4,30 @@ a layout (step time by cause, memory, the collectives of one layer)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
-from meshtrain.config import ModelConfig
+from meshtrain.config import Config, ModelConfig, load_config
 from meshtrain.plan.book import DEFAULT_REVISION
 from meshtrain.plan.flops import step_mfu
 from meshtrain.plan.hardware import Hardware
 from meshtrain.plan.memory import MESHTRAIN_BF16, Precision
+
+HF_PLAN_SEQ = 8192  # the sequence length planned for an HF folder without --seq-len (at most its context)
+
+
+def plan_config(model: str) -> Config:
+    """What ``--model`` names: a preset, a YAML config, or a HuggingFace model folder, whose config.json gives the
+    model (``hf_model_config``: what ``train.init_from`` would train; the weights are not read) and sequences of its
+    context up to ``HF_PLAN_SEQ`` tokens."""
+    if (Path(model) / "config.json").is_file():
+        from meshtrain.model.hf import hf_model_config
+
+        cfg = Config()
+        cfg.model = hf_model_config(model)
+        cfg.train.seq_len = min(cfg.model.max_seq_len, HF_PLAN_SEQ)
+        return cfg
+    return load_config(model)
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,11 @@ from __future__ import annotations
 import json
 import math
 
-from meshtrain.config import ArgumentParser, load_config
+from meshtrain.config import ArgumentParser
 from meshtrain.plan import queries
 from meshtrain.plan.book_memory import REMAT_POLICIES
 from meshtrain.plan.hardware import HARDWARE, get_hardware
+from meshtrain.plan.problem import plan_config
 from meshtrain.plan.search import parse_tokens
 
 QUERIES = {
@@ -43,7 +44,7 @@ def main(argv: list[str]) -> int:
     """Run the query named by ``argv[0]`` with the options after it; print text or JSON; return 0."""
     name = argv[0]
     ap = ArgumentParser(prog=f"meshtrain plan {name}", description=QUERIES[name])
-    ap.add_argument("--model", default="llama3-8b", help="preset name or YAML config")
+    ap.add_argument("--model", default="llama3-8b", help="preset name, YAML config or HuggingFace model folder")
     ap.add_argument("--hardware", default="h100", help=f"one of {', '.join(HARDWARE)}, or a profile .json")
     ap.add_argument("--devices", type=int, default=0, help="devices (default: one node; 4096 for a TPU)")
     ap.add_argument("--nodes", type=int, default=0, help="nodes (hosts) of --hardware, instead of --devices")
@@ -77,7 +78,7 @@ def main(argv: list[str]) -> int:
         ap.add_argument("--decode-batch", type=int, default=1, help="sequences in one decode step")
     args = ap.parse_args(argv[1:])
 
-    cfg = load_config(args.model)
+    cfg = plan_config(args.model)
     if cfg.model.vocab_size == 0:  # taken from the tokenizer at run time; plan with the byte tokenizer's
         cfg.model.vocab_size = 257
     hw = get_hardware(args.hardware)

@@ -203,6 +203,9 @@ def emit_yaml(problem: Problem, est: Estimate, path: str | Path) -> Path:
             f"# run on {problem.devices} processes: on each node R of {problem.nodes}, meshtrain train --config "
             f"{path.name} --nproc {problem.hw.devices_per_node} --nnodes {problem.nodes} --node-rank R "
             f"--rdzv-endpoint NODE0:29500 (docs/multi-node.md; examples/slurm/train.sbatch)\n")
+    if (Path(problem.model_name) / "config.json").is_file():  # planned from a HuggingFace folder (plan_config)
+        head += (f"# the model is {problem.model_name}/config.json's: add train.init_from={problem.model_name} to "
+                 f"start from its weights (docs/fine-tuning.md)\n")
     path.write_text(head + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     load_config(path)
     return path
