@@ -30,7 +30,7 @@ LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")  # train.lr_schedule (mes
 DECAY_SHAPES = ("sqrt", "linear", "cosine")  # train.decay_shape, wsd's decay
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # model.mlp_activation (meshtrain/model/layers.py gated)
 CP_LAYOUTS = ("zigzag", "contiguous")  # parallel.cp_layout (meshtrain/parallel/context.py)
-CP_ATTENTIONS = ("ring", "allgather")  # parallel.cp_attention
+CP_ATTENTIONS = ("ring", "allgather", "ulysses")  # parallel.cp_attention
 ROPE_SCALINGS = ("none", "llama3")  # model.rope_scaling
 REDUCE_DTYPES = ("fp32", "bf16")  # parallel.reduce_dtype (meshtrain/parallel/grad_sync.py)
 
@@ -128,7 +128,8 @@ class ParallelConfig:
     sp: bool = False
     sp_regather: bool = True  # SP: column-parallel layers save the sequence shard and all-gather it again in backward
     cp_layout: str = "zigzag"  # zigzag (2*cp chunks, rank i holds i and 2cp-1-i: balanced causal work) | contiguous
-    cp_attention: str = "ring"  # ring (K/V passed around the cp ranks) | allgather (K/V all-gathered once)
+    # ring (K/V passed around the cp ranks) | allgather (K/V all-gathered once) | ulysses (all-to-all: heads for tokens)
+    cp_attention: str = "ring"
     schedule: str = "1f1b"  # afab | 1f1b | interleaved | zb-h1 | dualpipev
     microbatches: int = 1  # pipeline microbatches per optimizer step (each rank's rows are split into them)
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved >= 2; dualpipev uses 2)
@@ -672,7 +673,13 @@ def _check_context_and_experts(cfg: Config, dp: int, known: bool) -> None:
     _need(p.cp_layout in CP_LAYOUTS,
           f"parallel.cp_layout must be zigzag or contiguous, got '{p.cp_layout}'.")
     _need(p.cp_attention in CP_ATTENTIONS,
-          f"parallel.cp_attention must be ring or allgather, got '{p.cp_attention}'.")
+          f"parallel.cp_attention must be ring, allgather or ulysses, got '{p.cp_attention}'.")
+    if p.cp > 1 and p.cp_attention == "ulysses":  # each rank's heads, after tp, split over cp
+        hq, hkv = m.n_heads // p.tp, max(m.kv_heads // p.tp, 1)
+        _need(hq % p.cp == 0 and hkv % p.cp == 0,
+              f"parallel.cp_attention=ulysses splits each rank's heads over parallel.cp={p.cp}, but a tp rank holds "
+              f"{hq} query and {hkv} key/value heads (model.n_heads={m.n_heads}, model.n_kv_heads={m.kv_heads}, "
+              f"parallel.tp={p.tp}): choose a cp dividing both, or cp_attention=ring.")
     if p.cp > 1:
         chunks = 2 * p.cp if p.cp_layout == "zigzag" else p.cp
         _need(t.seq_len % chunks == 0, f"parallel.cp={p.cp} with cp_layout={p.cp_layout} cuts train.seq_len="

@@ -92,7 +92,10 @@ def test_bad_values_get_clear_errors(override, message):
     (["parallel.cp=2", "parallel.cp_layout=contiguous", "train.seq_len=33", "model.max_seq_len=64"],
      "into 2 equal chunks"),
     (["parallel.cp=2", "parallel.cp_layout=spiral"], "parallel.cp_layout must be zigzag or contiguous"),
-    (["parallel.cp=2", "parallel.cp_attention=ulysses"], "parallel.cp_attention must be ring or allgather"),
+    (["parallel.cp=2", "parallel.cp_attention=tree"], "parallel.cp_attention must be ring, allgather or ulysses"),
+    (["parallel.cp=4", "parallel.cp_attention=ulysses"], "parallel.cp_attention=ulysses splits each rank's heads "
+     "over parallel.cp=4, but a tp rank holds 4 query and 2 key/value heads (model.n_heads=4, model.n_kv_heads=2, "
+     "parallel.tp=1): choose a cp dividing both, or cp_attention=ring."),
     (["parallel.ep=2"], "parallel.ep=2 shards experts, but the model has none"),
     (["parallel.ep=3", "model.moe_experts=4"], "parallel.ep=3 must divide model.moe_experts=4"),
     (["parallel.dp=2", "parallel.ep=4", "model.moe_experts=4"], "parallel.ep=4 must divide dp*cp = 2*1"),

@@ -13,9 +13,6 @@ the masked run's losses differ from the causal run's. Context parallelism reads 
 sequence (each rank's queries meet every rank's keys); the pipeline hands every stage its microbatch's ids.
 """
 
-import json
-import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +24,7 @@ from meshtrain.plan.costs import tp_forward_saved_bytes
 from meshtrain.testing.equivalence import (
     check_layouts,
     layouts_worker,
+    prepared_short_documents,
     reference_runs,
     run_layout,
     run_overrides,
@@ -114,19 +112,7 @@ LAYOUTS_4 = [
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> str:
-    """Short documents: a stdlib module cut into pieces of 4 to 60 characters, one JSONL document each."""
-    from meshtrain.train.prepare import default_source_dir, prepare_data
-
-    root = tmp_path_factory.mktemp("docdata")
-    text = (Path(default_source_dir()) / "json" / "decoder.py").read_text() * 3
-    rng, pieces, i = random.Random(0), [], 0
-    while i < len(text):
-        n = rng.randint(4, 60)
-        pieces.append(text[i:i + n])
-        i += n
-    (root / "docs.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in pieces))
-    prepare_data(root / "docs.jsonl", root / "stdlib")
-    return str(root / "stdlib")
+    return prepared_short_documents(tmp_path_factory, "docdata")
 
 
 MEASURED = ("dp2 x tp2 sp", "dp2 x tp2 mha", "dp2 x tp2 qk norm")  # what one forward keeps for backward

@@ -23,10 +23,11 @@ tensor-parallel) model in place and returns a ``ContextParallel``:
   all-gathers the key/value blocks once, keeps them for backward, and reduce-scatters their
   gradients. Both compute only the (query chunk, key chunk) pairs the causal mask does not fully
   hide, in fp32 (or the input dtype if wider), with key/value heads unexpanded (GQA query heads
-  are grouped onto their kv head instead).
+  are grouped onto their kv head instead). ``ulysses`` trades tokens for heads by all-to-all and runs the
+  plain core on whole sequences (``ulysses.py``).
 
 All communication goes through ``comm`` on the mesh's ``cp`` group, so the meter counts it under
-``cp``: ring ``send``/``recv``, allgather ``all_gather``/``reduce_scatter``.
+``cp``: ring ``send``/``recv``, allgather ``all_gather``/``reduce_scatter``, ulysses ``all_to_all``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from meshtrain.config import CP_ATTENTIONS as ATTENTIONS
 from meshtrain.config import CP_LAYOUTS as LAYOUTS
 from meshtrain.mesh import AxisGroup, Mesh
 from meshtrain.model.layers import Documents
+from meshtrain.parallel.ulysses import UlyssesAttention
 
 _TAG_KV, _TAG_DKV = 71, 72  # the two ring streams between the same pair of ranks must not be confused
 
@@ -476,11 +478,14 @@ def apply_context_parallel(model: nn.Module, mesh: Mesh, seq_len: int, layout: s
     # Llama.forward takes rows [:t] of these: this rank's real positions, whatever its local length.
     model.rope_cos = model.rope_cos[pos]
     model.rope_sin = model.rope_sin[pos]
+    # ulysses: the order the all-to-all lines the sequence up in, every cp rank's tokens in turn
+    order = torch.cat([rank_positions(r, group.size, seq_len, layout) for r in range(group.size)])
     for block in model.layers.values():
         attn = block.attention
-        if isinstance(attn.core, ContextParallelAttention):
+        if isinstance(attn.core, ContextParallelAttention | UlyssesAttention):
             raise ValueError("context parallelism is already applied to this model.")
-        attn.core = ContextParallelAttention(cp)
+        attn.core = UlyssesAttention(group, order, attn.core) if attention == "ulysses" \
+            else ContextParallelAttention(cp)
     return cp
 
 

@@ -201,11 +201,16 @@ def cp_comm_bytes(cfg: ModelConfig, cp: int, tp: int, tokens: int, attention: st
 
     Ring: forward sends (and receives) K/V cp-1 times; backward passes K/V round again and the dK/dV
     accumulators (fp32) cp-1 hops home. All-gather: one all-gather of K/V forward, one reduce-scatter of
-    dK/dV (fp32) backward. Recompute reruns the forward's transfers."""
+    dK/dV (fp32) backward. Ulysses (``parallel/ulysses.py``): per block one all-to-all of q, k and v and one of the
+    output forward, the same two reversed backward, all in the activations' dtype (``kv_bytes``). Recompute reruns
+    the forward's transfers."""
     if cp <= 1:
         return {}
     kv = 2 * tokens * max(cfg.kv_heads // tp, 1) * cfg.head_dim  # tp > kv heads: one head per rank
     n = layers * micro
+    if attention == "ulysses":
+        q = tokens * (cfg.n_heads // tp) * cfg.head_dim
+        return {("cp", "all_to_all"): n * (2 * q + kv) * kv_bytes * (3 if recompute else 2)}
     if attention == "ring":
         b = n * (cp - 1) * kv * ((3 if recompute else 2) * kv_bytes + 4)
         return {("cp", "send"): b, ("cp", "recv"): b}
@@ -291,10 +296,13 @@ def cp_calls(cp: int, attention: str = "ring", layers: int = 1, micro: int = 1, 
     """Calls per rank per step on the cp axis (``cp_comm_bytes``' transfers one by one): ring attention sends and
     receives K/V cp-1 times per block forward, again in backward plus the dK/dV accumulators' cp-1 hops home
     (and the forward's again under recompute); all-gather attention gathers once per block (twice under
-    recompute) and reduce-scatters dK/dV once."""
+    recompute) and reduce-scatters dK/dV once; ulysses exchanges twice per block each way (and the forward's again
+    under recompute)."""
     if cp <= 1:
         return {}
     n = layers * micro
+    if attention == "ulysses":
+        return {("cp", "all_to_all"): n * (6 if recompute else 4)}
     if attention == "ring":
         c = n * (cp - 1) * (4 if recompute else 3)
         return {("cp", "send"): c, ("cp", "recv"): c}

@@ -289,6 +289,26 @@ def run_overrides(steps: int) -> list[str]:
             "train.sample_tokens=0", "train.seq_len=32", "train.global_batch=8", "train.warmup_steps=2"]
 
 
+def prepared_short_documents(tmp_path_factory, name: str) -> str:
+    """Short documents, prepared in a fresh temporary folder: a stdlib module cut into pieces of 4 to 60 characters,
+    one JSONL document each, so that most 64-token rows hold several (``train.attention_mask=document`` at work)."""
+    import json
+    import random
+
+    from meshtrain.train.prepare import default_source_dir, prepare_data
+
+    root = tmp_path_factory.mktemp(name)
+    text = (Path(default_source_dir()) / "json" / "decoder.py").read_text() * 3
+    rng, pieces, i = random.Random(0), [], 0
+    while i < len(text):
+        n = rng.randint(4, 60)
+        pieces.append(text[i:i + n])
+        i += n
+    (root / "docs.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in pieces))
+    prepare_data(root / "docs.jsonl", root / "stdlib")
+    return str(root / "stdlib")
+
+
 def prepared_stdlib(tmp_path_factory, name: str) -> str:
     """The stdlib corpus prepared in a fresh temporary folder (one per test module: each module's run
     folders sit next to it, for ``assert_planner_predicts_runs``)."""
