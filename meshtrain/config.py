@@ -205,6 +205,9 @@ class DataConfig:
     source: str = "files"  # files | synthetic
     tokenizer: str = "byte"  # byte | path to a HuggingFace tokenizer.json
     val_fraction: float = 0.02
+    # a prepared folder whose val split validates the run instead of data.path's (another corpus's held-out part;
+    # meshtrain prepare-data --val-fraction 1 holds out all of a folder); empty: data.path's own
+    val_path: str = ""
 
 
 @dataclass
@@ -535,6 +538,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
           "train.attention_mask=document needs documents: data.source=synthetic is one endless stream; use "
           "data.source=files or train.attention_mask=causal.")
     _need(0 <= d.val_fraction <= 0.5, f"data.val_fraction must be in [0, 0.5], got {d.val_fraction}.")
+    _need(not d.val_path or d.source == "files", "data.val_path validates on a prepared folder: it needs "
+          "data.source=files (a synthetic stream validates on its own held-out stream).")
     data_blend(d.path)  # a blend's form (the folders themselves are checked before launch: trainer.check_data)
 
     for name in ("dp", "tp", "pp", "cp", "ep", "microbatches"):

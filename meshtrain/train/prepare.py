@@ -285,9 +285,10 @@ def prepare_data(
     """
     src = Path(src).expanduser()
     out = Path(out).expanduser()
-    if not (0.0 <= val_fraction <= 0.5):
+    if not (0.0 <= val_fraction <= 0.5 or val_fraction == 1.0):
         # The trainer checks data.val_fraction in its config first, so this names prepare-data's option.
-        raise ValueError(f"--val-fraction must be between 0 and 0.5, got {val_fraction}")
+        raise ValueError(f"--val-fraction must be between 0 and 0.5, or 1 (every document held out: a folder to "
+                         f"validate on, data.val_path), got {val_fraction}")
     if not src.exists():
         raise FileNotFoundError(f"data source {src} does not exist (option --src of prepare-data)")
     if out.exists() and not (out / "meta.json").is_file():
@@ -339,7 +340,7 @@ def prepare_data(
             what = "files" if corpus.format == "text" else "documents"
             raise ValueError(f"none of the {what} under {src} holds any text (skipped {skipped} that are not "
                              f"UTF-8, {empty} empty)")
-        if val_fraction > 0 and (train.docs == 0 or val.docs == 0):
+        if 0 < val_fraction < 1 and (train.docs == 0 or val.docs == 0):
             # Few documents can hash all to one side; move one so both splits are usable.
             if total_docs < 2:
                 raise ValueError(
@@ -412,8 +413,9 @@ def _publish(tmp: Path, out: Path, overwrite: bool) -> dict[str, Any]:
 
 
 def ensure_prepared(path: str | None, tokenizer: str = "byte", val_fraction: float = 0.02,
-                    check_only: bool = False) -> Path:
-    """Resolve the ``data.path`` option to a prepared data folder, preparing the default if needed.
+                    check_only: bool = False, option: str = "data.path") -> Path:
+    """Resolve the ``data.path`` option (or ``option``, e.g. ``data.val_path``) to a prepared data folder, preparing
+    the default if needed.
 
     Empty/None -> the cached standard-library corpus (prepared on first use). A folder with meta.json is
     returned as is. Anything else raises with the command that fixes it. ``check_only`` (before any process
@@ -437,19 +439,19 @@ def ensure_prepared(path: str | None, tokenizer: str = "byte", val_fraction: flo
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(
-            f"data.path {p} does not exist: create it with `meshtrain prepare-data --src SOURCE --out {p}` "
-            "or leave data.path empty to use the Python standard library"
+            f"{option} {p} does not exist: create it with `meshtrain prepare-data --src SOURCE --out {p}`"
+            + (" or leave data.path empty to use the Python standard library" if option == "data.path" else "")
         )
     if (p / "meta.json").is_file():
         return p
     if not p.is_dir():
         raise ValueError(
-            f"data.path {p} is a file, not a prepared data folder: run "
-            f"`meshtrain prepare-data --src SOURCE --out OUT` and set data.path=OUT"
+            f"{option} {p} is a file, not a prepared data folder: run "
+            f"`meshtrain prepare-data --src SOURCE --out OUT` and set {option}=OUT"
         )
     raise ValueError(
-        f"data.path {p} is not a prepared data folder (no meta.json). If it holds text files, run "
-        f"`meshtrain prepare-data --src {p} --out OUT` and set data.path=OUT"
+        f"{option} {p} is not a prepared data folder (no meta.json). If it holds text files, run "
+        f"`meshtrain prepare-data --src {p} --out OUT` and set {option}=OUT"
     )
 
 
@@ -468,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-field", help="JSONL / Parquet: each record's prompt, read before --field (the "
                                                "completion) and not learned: its tokens get no loss")
     parser.add_argument("--tokenizer", default="byte", help="'byte' (default) or a path to a tokenizer.json")
-    parser.add_argument("--val-fraction", type=float, default=0.02, help="share of documents held out (0..0.5)")
+    parser.add_argument("--val-fraction", type=float, default=0.02,
+                        help="share of documents held out (0..0.5), or 1: all of them, a folder for data.val_path")
     parser.add_argument("--ext", action="append", help="text format: file extension to include, repeatable "
                                                        "(default: .py)")
     parser.add_argument("--force", action="store_true", help="rebuild even if --out is already prepared")

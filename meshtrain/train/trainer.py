@@ -150,11 +150,29 @@ def _check_vocab(cfg: Config, data_vocab: int) -> None:
         )
 
 
+def val_folder(cfg: Config, meta: dict) -> Path:
+    """``data.val_path``, checked against the training data's ``meta``: a prepared folder of the same tokenizer whose
+    val split holds a ``train.seq_len`` window. One line naming the option otherwise."""
+    path = ensure_prepared(cfg.data.val_path, option="data.val_path")
+    theirs = read_meta(path)
+    for key in ("tokenizer", "vocab_size", "eos_id"):
+        if theirs[key] != meta[key]:
+            raise ConfigError(f"data.val_path={cfg.data.val_path} was prepared with another tokenizer than the "
+                              f"training data ({key} {theirs[key]!r} against {meta[key]!r}): prepare it with the same "
+                              f"--tokenizer (meshtrain prepare-data).")
+    tokens = int(theirs["val_tokens"])
+    if tokens < cfg.train.seq_len + 1:
+        raise ConfigError(f"data.val_path={cfg.data.val_path} holds {tokens} validation tokens, less than one "
+                          f"train.seq_len={cfg.train.seq_len} window and its next token: prepare it with "
+                          f"--val-fraction 1 (every document held out) or more text.")
+    return path
+
+
 def check_data(cfg: Config) -> None:
     """The data a run will read, checked without reading tokens: a set ``data.path`` is a prepared folder (or a
     blend of them, of one tokenizer) whose tokenizer loads and fits ``model.vocab_size`` and whose train split holds
     a ``train.seq_len`` window; for the default corpus, its tokenizer exists and its cache can be written (rank 0
-    prepares it on first use)."""
+    prepares it on first use). A ``data.val_path`` is checked against it (``val_folder``)."""
     d = cfg.data
     if d.source != "files":
         return
@@ -167,12 +185,18 @@ def check_data(cfg: Config) -> None:
         for part in data.parts:  # rank 0 reads them for the unigram baseline
             if part.meta["format"] >= 3:
                 read_counts(part.path, "train", part.meta)
+        if d.val_path:
+            val_folder(cfg, data.meta)
         return
     path = ensure_prepared(d.path or None, d.tokenizer, d.val_fraction, check_only=True)
     if not (path / "meta.json").is_file():  # the default corpus, not prepared yet
         load_tokenizer(d.tokenizer)
+        if d.val_path:  # its size now; its tokenizer against the corpus once prepared (the trainer's val_folder)
+            val_folder(cfg, read_meta(ensure_prepared(d.val_path, option="data.val_path")))
         return
     meta = read_meta(path)  # meta.json only: the ranks open the token files
+    if d.val_path:
+        val_folder(cfg, meta)
     load_tokenizer(meta["tokenizer"], path)
     _check_vocab(cfg, int(meta["vocab_size"]))
     check_fits(path, "train", int(meta["train_tokens"]), cfg.train.seq_len)
@@ -295,6 +319,9 @@ class Trainer:
                 self.train_data = TokenDataset(prepared, "train")
                 self.val_data = TokenDataset(prepared, "val")
             self.data_dir = self.train_data.path  # the tokenizer's folder (a blend's folders share one)
+            if cfg.data.val_path:  # another prepared folder's held-out split
+                self.val_data = TokenDataset(val_folder(cfg, self.train_data.meta), "val")
+                self.notes.append(f"validation: {cfg.data.val_path}'s val split")
             if isinstance(self.train_data, BlendedDataset):
                 self.notes.append(f"data: {self.train_data.describe()}")
             self.tokenizer = load_tokenizer(self.train_data.meta["tokenizer"], self.data_dir)
