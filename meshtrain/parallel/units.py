@@ -1,5 +1,6 @@
 """How the model is cut into sharding units: each transformer block is one, the embedding is one,
-and the final norm with the LM head is one (merged with the embedding when the two are tied).
+and the final norm with the LM head is one (merged with the embedding when the two are tied, except across
+pipeline stages, where each end keeps the tied weight as a unit of its own: ``parallel/tied.py``).
 
 ZeRO reduces and FSDP gathers a unit at a time, so a unit is the grain of communication and of
 overlap; the planner computes the same units from the config to predict bytes exactly.

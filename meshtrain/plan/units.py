@@ -2,7 +2,8 @@
 
 ZeRO reduces and FSDP gathers a unit at a time (``meshtrain/parallel/units.py`` builds the runtime's units from
 the module): each transformer block is one, the embedding is one, and the final norm with the LM head is one
-(merged with the embedding at the end when the two are tied). ``unit_layouts`` gives each unit's name and its
+(merged with the embedding at the end when the two are tied; across pipeline stages the tied weight is a unit of
+its own on both ends). ``unit_layouts`` gives each unit's name and its
 parameters in order on one tensor-parallel rank; the planner's estimate, ``plan/check.py``'s prediction of a
 run and the byte and memory models all read it (``tests/test_planner.py`` holds it equal to the runtime's units).
 """
