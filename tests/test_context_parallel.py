@@ -293,7 +293,7 @@ def test_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="cp_layout must be one of"):
         ContextParallel(Mesh().group("cp"), 0, 32, "striped")
     with pytest.raises(ValueError, match="cp_attention must be one of"):
-        ContextParallel(Mesh().group("cp"), 0, 32, "zigzag", "ulysses")
+        ContextParallel(Mesh().group("cp"), 0, 32, "zigzag", "tree")
     cp = ContextParallel(Mesh().group("cp"), 0, 16, "zigzag")
     with pytest.raises(ValueError, match="must divide 4 query heads"):
         cp.attend(torch.zeros(1, 4, 16, 8), torch.zeros(1, 3, 16, 8), torch.zeros(1, 3, 16, 8))

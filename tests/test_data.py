@@ -275,7 +275,7 @@ def test_val_fallback_keeps_both_splits_non_empty(tmp_path: Path, corpus: Path) 
 def test_prepare_argument_errors(tmp_path: Path, corpus: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"does not exist \(option --src of prepare-data\)"):
         prepare_data(tmp_path / "nope", tmp_path / "o")
-    with pytest.raises(ValueError, match="--val-fraction must be between 0 and 0.5, got 0.7"):
+    with pytest.raises(ValueError, match=r"--val-fraction must be between 0 and 0.5, or 1 .*got 0.7"):
         prepare_data(corpus, tmp_path / "o", val_fraction=0.7)
     with pytest.raises(ValueError, match=r"no files with extensions \.rs"):
         prepare_data(corpus, tmp_path / "o", extensions=(".rs",))
