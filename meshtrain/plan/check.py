@@ -94,8 +94,7 @@ def predict_rank(cfg: Config, world_size: int, coords: dict[str, int]) -> tuple[
         if p.zero in (1, 2) and p.zero_layout == "per_tensor":
             raise ValueError("parallel.zero_layout=per_tensor with parallel.tp > 1 is not modelled: its tp bytes "
                              "depend on which rank owns each norm weight (the byte check covers zero_layout=flat)")
-        n = shard or ndp
-        k = coords["dp"] % (p.dp_shard or dp) * p.cp + coords["cp"]  # this rank's index in the shard group
+        n, k = _shard_slot(cfg, dp, coords)
         norms = norm_elems_held(m, p.tp, layers, first, last, p.zero, n, k, p.ep) + sum(
             _shard_overlap(u, edp if expert_zero else 1, coords["edp"] if expert_zero else 0) for u in expert_units)
         out.update(tp_comm_bytes(m, p.tp, p.sp, tokens, grad_accum=micro, act_bytes=compute_bytes,
@@ -140,8 +139,7 @@ def predict_rank_calls(cfg: Config, world_size: int, coords: dict[str, int]) -> 
     _add(out, dp_family_calls(len(units), p.zero, ndp, t.grad_accum, shard, p.reshard_after_forward,
                               max(1, -(-sum(units) // limit))))
     if p.tp > 1:
-        n = shard or ndp
-        k = coords["dp"] % (p.dp_shard or dp) * p.cp + coords["cp"]
+        n, k = _shard_slot(cfg, dp, coords)
         norms = norm_elems_held(m, p.tp, layers, first, last, p.zero, n, k, p.ep)
         kv = norm_elems_held(m, p.tp, layers, first, last, p.zero, n, k, p.ep, over="tp_kv") \
             if m.kv_heads < p.tp else 0
@@ -178,9 +176,13 @@ def _tied_piece(cfg: Config, dp: int, coords: dict[str, int], schedule, first: b
     emb = math.ceil(m.vocab_size / p.tp) * m.d_model
     if p.zero == 0:
         return emb
-    n = p.dp_shard * p.cp if p.dp_shard else dp * p.cp
-    k = coords["dp"] % (p.dp_shard or dp) * p.cp + coords["cp"]
-    return _shard_overlap(emb, n, k)
+    return _shard_overlap(emb, *_shard_slot(cfg, dp, coords))
+
+
+def _shard_slot(cfg: Config, dp: int, coords: dict[str, int]) -> tuple[int, int]:
+    """(ranks in the ZeRO shard group: dp x cp, or dp_shard x cp for HSDP; this rank's index in it)."""
+    p = cfg.parallel
+    return (p.dp_shard or dp) * p.cp, coords["dp"] % (p.dp_shard or dp) * p.cp + coords["cp"]
 
 
 def _shard_overlap(numel: int, n: int, k: int) -> int:

@@ -150,13 +150,14 @@ def _check_vocab(cfg: Config, data_vocab: int) -> None:
         )
 
 
-def val_folder(cfg: Config, meta: dict) -> Path:
-    """``data.val_path``, checked against the training data's ``meta``: a prepared folder of the same tokenizer whose
-    val split holds a ``train.seq_len`` window. One line naming the option otherwise."""
+def val_folder(cfg: Config, meta: dict | None) -> Path:
+    """``data.val_path``, checked against the training data's ``meta`` (None: not prepared yet, so its size alone):
+    a prepared folder of the same tokenizer whose val split holds a ``train.seq_len`` window. One line naming the
+    option otherwise."""
     path = ensure_prepared(cfg.data.val_path, option="data.val_path")
     theirs = read_meta(path)
     for key in ("tokenizer", "vocab_size", "eos_id"):
-        if theirs[key] != meta[key]:
+        if meta is not None and theirs[key] != meta[key]:
             raise ConfigError(f"data.val_path={cfg.data.val_path} was prepared with another tokenizer than the "
                               f"training data ({key} {theirs[key]!r} against {meta[key]!r}): prepare it with the same "
                               f"--tokenizer (meshtrain prepare-data).")
@@ -176,6 +177,15 @@ def check_data(cfg: Config) -> None:
     d = cfg.data
     if d.source != "files":
         return
+    meta = _check_train_data(cfg)
+    if d.val_path:
+        val_folder(cfg, meta)
+
+
+def _check_train_data(cfg: Config) -> dict | None:
+    """``check_data`` for ``data.path``; returns its meta.json (a blend's first folder's), None for the default
+    corpus not prepared yet."""
+    d = cfg.data
     blend = data_blend(d.path)
     if blend is not None:  # prepared folders, one tokenizer (BlendedDataset checks it; opening reads no tokens)
         data = BlendedDataset([(w, ensure_prepared(f)) for w, f in blend], "train")
@@ -185,18 +195,12 @@ def check_data(cfg: Config) -> None:
         for part in data.parts:  # rank 0 reads them for the unigram baseline
             if part.meta["format"] >= 3:
                 read_counts(part.path, "train", part.meta)
-        if d.val_path:
-            val_folder(cfg, data.meta)
-        return
+        return data.meta
     path = ensure_prepared(d.path or None, d.tokenizer, d.val_fraction, check_only=True)
     if not (path / "meta.json").is_file():  # the default corpus, not prepared yet
         load_tokenizer(d.tokenizer)
-        if d.val_path:  # its size now; its tokenizer against the corpus once prepared (the trainer's val_folder)
-            val_folder(cfg, read_meta(ensure_prepared(d.val_path, option="data.val_path")))
-        return
+        return None  # a data.val_path's tokenizer is checked against it once prepared (the trainer's val_folder)
     meta = read_meta(path)  # meta.json only: the ranks open the token files
-    if d.val_path:
-        val_folder(cfg, meta)
     load_tokenizer(meta["tokenizer"], path)
     _check_vocab(cfg, int(meta["vocab_size"]))
     check_fits(path, "train", int(meta["train_tokens"]), cfg.train.seq_len)
@@ -205,6 +209,7 @@ def check_data(cfg: Config) -> None:
     if meta.get("prompt_field") is not None:  # <split>.prompts.npy: opening a split checks it (memory-mapped)
         for split in ("train", "val"):
             TokenDataset(path, split)
+    return meta
 
 
 # Options that decide a tensor's name or shape: what a checkpoint and the config must agree on to resume.
