@@ -11,6 +11,7 @@ equals the planner's prediction (two all-to-alls per block each way).
 """
 
 import pytest
+import torch
 
 from meshtrain.testing.equivalence import (
     assert_planner_predicts_runs,
@@ -72,3 +73,33 @@ def test_ulysses_with_documents_and_a_window_equals_one_device(short_documents):
 def test_the_planner_predicts_ulysses_bytes(data, short_documents):
     assert_planner_predicts_runs(data)
     assert_planner_predicts_runs(short_documents)
+
+
+def _masks_kept(trainer) -> int:
+    """How many [.., T, T] tensors (the documents' masks) one forward of this rank's first rows keeps for backward."""
+    t = trainer.cfg.train.seq_len
+    kept: set[int] = set()
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() >= 2 and tuple(x.shape[-2:]) == (t, t):
+            kept.add(x.untyped_storage().data_ptr())
+        return x
+
+    batch = trainer.local_batch(trainer.train_data, 0)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        trainer.model(batch.inputs, docs=batch.docs)
+    return len(kept)
+
+
+def _masks_worker(rank: int, world_size: int, data: str, overrides: list[str]) -> int:
+    return run_layout(data, overrides, extra=_masks_kept)["extra"]
+
+
+def test_a_forward_keeps_one_mask_of_its_documents(short_documents):
+    """The whole-sequence mask of the documents is built once per forward and shared by the blocks, as on one
+    device, not once per layer (``ulysses.WholeSequenceMasks``): 4 layers, cp2, one mask kept for backward on
+    each rank. The single-device model keeps one too."""
+    over = [*BASE, "train.attention_mask=document", "train.steps=1", "model.n_layers=4", "parallel.cp=2",
+            "model.sliding_window=12"]
+    assert spawn(_masks_worker, 2, args=(short_documents, over), timeout=300) == [1, 1]
+    assert _masks_worker(0, 1, short_documents, [o for o in over if o != "parallel.cp=2"]) == 1

@@ -43,7 +43,7 @@ from meshtrain.config import CP_ATTENTIONS as ATTENTIONS
 from meshtrain.config import CP_LAYOUTS as LAYOUTS
 from meshtrain.mesh import AxisGroup, Mesh
 from meshtrain.model.layers import Documents
-from meshtrain.parallel.ulysses import UlyssesAttention
+from meshtrain.parallel.ulysses import UlyssesAttention, WholeSequenceMasks
 
 _TAG_KV, _TAG_DKV = 71, 72  # the two ring streams between the same pair of ranks must not be confused
 
@@ -480,11 +480,12 @@ def apply_context_parallel(model: nn.Module, mesh: Mesh, seq_len: int, layout: s
     model.rope_sin = model.rope_sin[pos]
     # ulysses: the order the all-to-all lines the sequence up in, every cp rank's tokens in turn
     order = torch.cat([rank_positions(r, group.size, seq_len, layout) for r in range(group.size)])
+    masks = WholeSequenceMasks()  # one per model: a forward builds its documents' mask once
     for block in model.layers.values():
         attn = block.attention
         if isinstance(attn.core, ContextParallelAttention | UlyssesAttention):
             raise ValueError("context parallelism is already applied to this model.")
-        attn.core = UlyssesAttention(group, order, attn.core) if attention == "ulysses" \
+        attn.core = UlyssesAttention(group, order, attn.core, masks) if attention == "ulysses" \
             else ContextParallelAttention(cp)
     return cp
 

@@ -16,6 +16,8 @@ instead of K/V cp - 1 times, in two collectives instead of cp - 1 steps, and its
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -74,15 +76,40 @@ def _heads_to_seq(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     return got.transpose(0, 1).reshape(b, cp * hg, tt // cp, d)
 
 
+class WholeSequenceMasks:
+    """The whole-sequence attention mask of one forward's documents, built by the first block that asks and handed
+    to the others, as the single-device model builds it once per forward (``layers.Documents``): every block
+    building its own would keep one [B, 1, T, T] mask per layer for backward. Held by weak reference, keyed on the
+    forward's ``Documents``: it lives as long as autograd keeps it (to that forward's backward) and no longer; a
+    forward without grad, or under full recompute, keeps none and each block builds it again."""
+
+    def __init__(self) -> None:
+        self._key: tuple[weakref.ref, int] | None = None  # (the forward's Documents, the window)
+        self._bias: weakref.ref | None = None
+
+    def of(self, docs: Documents, dtype: torch.dtype, window: int) -> Documents:
+        """``docs`` (this rank's view of the forward's documents) with the whole sequence's mask in ``dtype``, each
+        token attending within ``window`` too (0: no window)."""
+        same = self._key is not None and self._key[0]() is docs and self._key[1] == window
+        bias = self._bias() if same and self._bias is not None else None
+        if bias is not None and bias.dtype == dtype:
+            return Documents(docs.ids, bias)
+        whole = Documents.of(docs.ids, docs.ids.shape[1], dtype, window)
+        self._key, self._bias = (weakref.ref(docs), window), weakref.ref(whole.bias)
+        return whole
+
+
 class UlyssesAttention(nn.Module):
     """The attention core under ``cp_attention=ulysses`` (swapped in for ``CausalAttention``).
 
     ``order`` [T]: the sequence position of each token as the all-to-all lines them up (cp rank 0's tokens in its
-    local order, then rank 1's, ...); ``core``: the plain core, over whole sequences."""
+    local order, then rank 1's, ...); ``core``: the plain core, over whole sequences; ``masks``: the mask of the
+    documents, shared by every layer's core (one ``WholeSequenceMasks`` per model)."""
 
-    def __init__(self, group: AxisGroup, order: torch.Tensor, core: CausalAttention) -> None:
+    def __init__(self, group: AxisGroup, order: torch.Tensor, core: CausalAttention,
+                 masks: WholeSequenceMasks) -> None:
         super().__init__()
-        self.group, self.core, self.window = group, core, core.window
+        self.group, self.core, self.window, self.masks = group, core, core.window, masks
         natural = bool(torch.equal(order, torch.arange(order.numel())))
         # None when the chunks already arrive in sequence order (the contiguous layout)
         self.to_sequence = None if natural else torch.argsort(order)  # gathered index of each position
@@ -101,7 +128,7 @@ class UlyssesAttention(nn.Module):
         if self.to_sequence is not None:
             full = full.index_select(2, self.to_sequence.to(full.device))
         qh, kh, vh = full.split([hq // cp, hkv // cp, hkv // cp], dim=1)
-        whole = Documents.of(docs.ids, docs.ids.shape[1], qh.dtype, self.window) if docs is not None else None
+        whole = self.masks.of(docs, qh.dtype, self.window) if docs is not None else None
         y = self.core(qh, kh, vh, docs=whole)
         if self.to_gathered is not None:
             y = y.index_select(2, self.to_gathered.to(y.device))
