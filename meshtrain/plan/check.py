@@ -224,7 +224,8 @@ def layout_of(cfg: Config, world_size: int):
     return Layout(dp=resolve_dp(cfg, world_size), tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero,
                   dp_shard=p.dp_shard, sp=p.sp, schedule=p.schedule if p.pp > 1 else "1f1b",
                   virtual=p.virtual_stages if p.pp > 1 else 1,
-                  microbatches=p.microbatches if p.pp > 1 else t.grad_accum, recompute=t.recompute)
+                  microbatches=p.microbatches if p.pp > 1 else t.grad_accum, recompute=t.recompute,
+                  cp_attention=p.cp_attention if p.cp > 1 else "ring")
 
 
 def predict_step_time(cfg: Config, world_size: int, hw: Hardware):

@@ -16,7 +16,7 @@ import json
 import math
 import sys
 
-from meshtrain.config import REDUCE_DTYPES, SCHEDULES, ArgumentParser, ConfigError, check_output_file
+from meshtrain.config import CP_ATTENTIONS, REDUCE_DTYPES, SCHEDULES, ArgumentParser, ConfigError, check_output_file
 from meshtrain.plan.book import DEFAULT_REVISION, MIXED_REVISIONS
 from meshtrain.plan.explain import explain, format_table, why_best
 from meshtrain.plan.figure import plot_comm_vs_compute
@@ -51,6 +51,10 @@ def check_search_flags(args: argparse.Namespace) -> None:
     unknown = [s for s in schedules if s not in SCHEDULES]
     if not schedules or unknown:
         raise ValueError(f"--schedules takes some of {', '.join(SCHEDULES)}; got {', '.join(unknown) or 'none'}.")
+    attns = [a for a in args.cp_attention.split(",") if a]
+    if not attns or set(attns) - set(CP_ATTENTIONS):
+        raise ValueError(f"--cp-attention takes some of {', '.join(CP_ATTENTIONS)}, e.g. --cp-attention ring,ulysses; "
+                         f"got {args.cp_attention or 'none'}.")
     if args.top < 1 or args.max_pp < 1:
         raise ValueError(f"--top and --max-pp must be >= 1, got {args.top} and {args.max_pp}.")
     if not (math.isfinite(args.train_tokens) and args.train_tokens >= 0):
@@ -151,6 +155,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--tp", type=_ints, help="tensor-parallel sizes to try, e.g. 4,8")
     ap.add_argument("--pp", type=_ints, help="pipeline sizes to try")
     ap.add_argument("--cp", type=_ints, default=(1, 2, 4), help="context-parallel sizes to try")
+    ap.add_argument("--cp-attention", default="ring,ulysses",
+                    help="context-parallel attentions to try (parallel.cp_attention): some of ring, allgather, ulysses")
     ap.add_argument("--zero", type=_ints, default=(0, 1, 2, 3), help="ZeRO stages to try")
     ap.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES), help="pipeline schedules to try")
     ap.add_argument("--max-pp", type=int, default=16)
@@ -211,6 +217,7 @@ def main(argv: list[str]) -> int:
         if not args.json:
             print(f"wrote {args.plot}")
     opts = SearchOptions(tps=args.tp, pps=args.pp, cps=args.cp, zeros=args.zero,
+                         cp_attentions=tuple(a for a in args.cp_attention.split(",") if a),
                          schedules=tuple(s for s in args.schedules.split(",") if s), max_pp=args.max_pp,
                          hsdp=not args.no_hsdp)
     result = search(problem, opts)

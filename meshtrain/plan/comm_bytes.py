@@ -186,12 +186,13 @@ def pp_p2p_bytes(tokens: int, d_model: int, tp: int = 1, sp: bool = False, hidde
 def cp_ring_bytes(tokens: int, cfg: ModelConfig, cp: int, tp: int = 1, act_bytes: int = 2) -> dict[str, int]:
     """Ring attention (context parallelism) per block per microbatch, ``tokens`` = this rank's tokens (already
     1/cp of the sequence): forward passes the key/value chunk cp-1 times round the ring; backward passes
-    it again plus the key/value gradients. Bytes sent per rank by phase; each step overlaps the attention
-    on the chunk it already holds."""
+    it again plus the key/value gradients' accumulators (fp32, as the runtime keeps them). Bytes sent per rank by
+    phase (``cp_comm_bytes``' ring send, split by phase); each step overlaps the attention on the chunk it already
+    holds."""
     if cp <= 1:
         return {"fwd": 0, "bwd": 0}
-    kv = tokens * 2 * (cfg.kv_heads // max(1, min(tp, cfg.kv_heads))) * cfg.head_dim * act_bytes
-    return {"fwd": (cp - 1) * kv, "bwd": 2 * (cp - 1) * kv}
+    kv = tokens * 2 * (cfg.kv_heads // max(1, min(tp, cfg.kv_heads))) * cfg.head_dim
+    return {"fwd": (cp - 1) * kv * act_bytes, "bwd": (cp - 1) * kv * (act_bytes + 4)}
 
 
 def cp_comm_bytes(cfg: ModelConfig, cp: int, tp: int, tokens: int, attention: str = "ring", layers: int = 1,

@@ -66,8 +66,12 @@ def sharding(layout: Layout, model: ModelConfig, seq_len: int) -> list[str]:
         f"gradients                   dW{w('layers embed mlp', grads)}" + unreduced,
         f"optimizer state (AdamW)     m,v{w('layers embed mlp', optim)}",
     ]
-    if layout.cp > 1:
-        lines.append(f"ring attention              K,V{w('batch seq kv_heads head_dim', inside)} passed round S")
+    if layout.cp > 1 and layout.cp_attention == "ulysses":
+        lines.append(f"ulysses attention           Q,K,V{w('batch seq heads head_dim', inside)} all-to-all over S: "
+                     f"every position, 1/S of the heads")
+    elif layout.cp > 1:
+        how = "passed round S" if layout.cp_attention == "ring" else "all-gathered over S"
+        lines.append(f"{layout.cp_attention + ' attention':<28}K,V{w('batch seq kv_heads head_dim', inside)} {how}")
     if model.moe_experts:  # experts are whole per rank (not split by tp), sharded over ep inside dp x cp
         # The router's expert dimension indexes scores every rank computes for all experts: never sharded.
         router = w("layers embed")[:-1] + ", E]"
@@ -121,7 +125,7 @@ def explain(problem: Problem, result: SearchResult, top: int = 3, why: bool = Tr
     out.append("")
     total = st.total
     parts = [("compute (matmuls, attention, recompute)", st.compute), ("TP/SP collectives", st.tp),
-             ("CP ring (not hidden)", st.cp), ("pipeline p2p waits", st.p2p), ("pipeline bubble", st.bubble),
+             ("CP exchanges (not hidden)", st.cp), ("pipeline p2p waits", st.p2p), ("pipeline bubble", st.bubble),
              ("DP/ZeRO comm (exposed)", st.dp), ("optimizer step", st.optimizer)]
     days = (f"; {problem.train_tokens:.3g} tokens in "
             f"{days_for_tokens(problem.train_tokens, problem.batch_tokens, total):.1f} days"
@@ -141,7 +145,7 @@ def explain(problem: Problem, result: SearchResult, top: int = 3, why: bool = Tr
     return "\n".join(out)
 
 
-_PARTS = (("compute", "compute"), ("tp", "TP/SP collectives"), ("cp", "CP ring"), ("ep", "expert all-to-alls"),
+_PARTS = (("compute", "compute"), ("tp", "TP/SP collectives"), ("cp", "CP exchanges"), ("ep", "expert all-to-alls"),
           ("p2p", "pipeline sends"), ("bubble", "pipeline bubble"), ("dp", "exposed DP/ZeRO communication"),
           ("optimizer", "optimizer step"))
 
@@ -154,10 +158,12 @@ def _layout_diff(a: Layout, b: Layout) -> str:
         return "all of dp" if field == "dp_shard" and v == 0 else str(v)
 
     out = []
-    for field in ("dp", "tp", "pp", "cp", "ep", "zero", "dp_shard", "sp", "schedule", "virtual", "microbatches",
-                  "recompute"):
+    for field in ("dp", "tp", "pp", "cp", "cp_attention", "ep", "zero", "dp_shard", "sp", "schedule", "virtual",
+                  "microbatches", "recompute"):
         va, vb = getattr(a, field), getattr(b, field)
         if field in ("schedule", "virtual") and a.pp == 1 and b.pp == 1:
+            continue
+        if field == "cp_attention" and a.cp == 1 and b.cp == 1:
             continue
         if va != vb:
             out.append(f"{field} {show(field, va)} (not {show(field, vb)})")

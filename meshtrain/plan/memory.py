@@ -138,11 +138,14 @@ def activation_elems_per_token(cfg: ModelConfig, recompute: str = "none", tp: in
     raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
 
 
-def masked_attention(cfg: ModelConfig, seq_len: int, documents: bool, cp: int = 1) -> bool:
+def masked_attention(cfg: ModelConfig, seq_len: int, documents: bool, cp: int = 1, cp_attention: str = "ring"
+                     ) -> bool:
     """Whether attention takes a mask kept for backward: documents (``train.attention_mask=document``) or a sliding
-    window shorter than the ``seq_len``-token sequences, on whole sequences (context parallelism, ``cp`` > 1,
-    rebuilds its blocks' masks from the ids and keeps none)."""
-    return cp == 1 and (documents or 0 < cfg.sliding_window < seq_len)
+    window shorter than the ``seq_len``-token sequences, on whole sequences: one device, or Ulysses' cores, which
+    attend over every position of their heads (ring and all-gather context parallelism, ``cp`` > 1, rebuild their
+    blocks' masks from the ids and keep none)."""
+    whole = cp == 1 or cp_attention == "ulysses"
+    return whole and (documents or 0 < cfg.sliding_window < seq_len)
 
 
 def mask_elems(tokens: float, seq_len: int, masked: bool) -> float:

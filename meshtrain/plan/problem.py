@@ -68,7 +68,8 @@ class Problem:
 @dataclass(frozen=True)
 class Layout:
     """One way to lay the job on the cluster. ``microbatches`` are the pipeline microbatches when pp > 1,
-    else the gradient-accumulation steps; ``dp_shard`` 0 shards ZeRO over all of dp (else HSDP groups)."""
+    else the gradient-accumulation steps; ``dp_shard`` 0 shards ZeRO over all of dp (else HSDP groups);
+    ``cp_attention`` is how context parallelism exchanges attention's inputs (``parallel.cp_attention``)."""
 
     dp: int
     tp: int = 1
@@ -82,6 +83,7 @@ class Layout:
     virtual: int = 1
     microbatches: int = 1
     recompute: str = "none"
+    cp_attention: str = "ring"  # parallel.cp_attention: ring | allgather | ulysses (only read when cp > 1)
 
     @property
     def world(self) -> int:
@@ -100,7 +102,7 @@ class Layout:
         if self.tp > 1:
             parts.append(f"tp{self.tp}" + ("+sp" if self.sp else ""))
         if self.cp > 1:
-            parts.append(f"cp{self.cp}")
+            parts.append(f"cp{self.cp}" + (f"({self.cp_attention})" if self.cp_attention != "ring" else ""))
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         if self.pp > 1:

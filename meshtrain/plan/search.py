@@ -35,6 +35,9 @@ class SearchOptions:
     tps: tuple[int, ...] | None = None  # default: powers of two up to hw.tp_max that divide heads/kv/hidden
     pps: tuple[int, ...] | None = None  # default: 1, 2, 4, ... up to min(max_pp, layers)
     cps: tuple[int, ...] = (1, 2, 4)
+    # parallel.cp_attention values tried for cp > 1; allgather only on request (--cp-attention): it moves what the
+    # ring does, exposed, so the model never ranks it first, and it would add a third of the search
+    cp_attentions: tuple[str, ...] = ("ring", "ulysses")
     zeros: tuple[int, ...] = (0, 1, 2, 3)
     schedules: tuple[str, ...] = DEFAULT_SCHEDULES
     recomputes: tuple[str, ...] = ("none", "selective", "full")
@@ -103,11 +106,12 @@ def candidate_layouts(problem: Problem, opts: SearchOptions | None = None,
                 eps = [e for e in _pow2_divisors(dp * cp, 1, cfg.moe_experts) if cfg.moe_experts % e == 0] \
                     if cfg.moe_experts else [1]  # experts are sharded over ranks carved out of dp x cp
                 sps = (False, True) if tp > 1 and T % tp == 0 else (False,)
-                for sp, ep, rc in itertools.product(sps, eps, opts.recomputes):
+                attns = _cp_attentions(problem, tp, cp, opts, reject)
+                for sp, ep, rc, attn in itertools.product(sps, eps, opts.recomputes, attns):
                     if pp == 1:
                         for accum in _divisors(rows):
                             for zero, shard in _zero_options(dp, opts, pp):
-                                out.append(Layout(dp, tp, 1, cp, ep, zero, shard, sp, "1f1b", 1, accum, rc))
+                                out.append(Layout(dp, tp, 1, cp, ep, zero, shard, sp, "1f1b", 1, accum, rc, attn))
                         continue
                     for sched in opts.schedules:
                         v = DEFAULT_VIRTUAL[sched]
@@ -124,7 +128,23 @@ def candidate_layouts(problem: Problem, opts: SearchOptions | None = None,
                                        "sequences")
                                 continue
                             for zero, shard in _zero_options(dp, opts, pp):
-                                out.append(Layout(dp, tp, pp, cp, ep, zero, shard, sp, sched, v, m, rc))
+                                out.append(Layout(dp, tp, pp, cp, ep, zero, shard, sp, sched, v, m, rc, attn))
+    return out
+
+
+def _cp_attentions(problem: Problem, tp: int, cp: int, opts: SearchOptions, reject) -> list[str]:
+    """The ``opts.cp_attentions`` the runtime runs at this tp and cp ("ring" alone without cp): Ulysses needs each
+    tp rank's query and key/value heads to split over cp (``config._check_context_and_experts``)."""
+    if cp == 1:
+        return ["ring"]
+    cfg = problem.model
+    hq, hkv = cfg.n_heads // tp, max(cfg.kv_heads // tp, 1)
+    out = []
+    for attn in opts.cp_attentions:
+        if attn == "ulysses" and (hq % cp or hkv % cp):
+            reject(f"ulysses needs cp to divide each tp rank's query and key/value heads ({hq} and {hkv} at tp {tp})")
+            continue
+        out.append(attn)
     return out
 
 
@@ -173,6 +193,8 @@ def to_config(problem: Problem, layout: Layout) -> Config:
     t.attention_mask = "document" if problem.documents else "causal"
     p.dp, p.tp, p.pp, p.cp, p.ep = layout.dp, layout.tp, layout.pp, layout.cp, layout.ep
     p.zero, p.dp_shard, p.sp = layout.zero, layout.dp_shard, layout.sp
+    if layout.cp > 1:
+        p.cp_attention = layout.cp_attention
     if layout.pp > 1:
         p.schedule, p.microbatches, p.virtual_stages = layout.schedule, layout.microbatches, layout.virtual
     return cfg

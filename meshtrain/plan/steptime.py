@@ -118,9 +118,23 @@ def axis_features(cfg: ModelConfig, lay: Layout, t: float) -> list[float]:
 
 
 def _axes_used(lay: Layout, cfg: ModelConfig) -> list[str]:
-    return [axis for axis, on in (("tp", lay.tp > 1), ("cp", lay.cp > 1), ("moe", bool(cfg.moe_experts) and lay.ep > 1),
+    cp_axis = "cp" if lay.cp_attention == "ring" else f"cp_{lay.cp_attention}"  # each CP attention's own work
+    return [axis for axis, on in (("tp", lay.tp > 1), (cp_axis, lay.cp > 1),
+                                  ("moe", bool(cfg.moe_experts) and lay.ep > 1),
                                   ("zero3", lay.zero == 3 and lay.dp * lay.cp > 1),
                                   ("zb", lay.pp > 1 and lay.schedule in ("zb-h1", "dualpipev"))) if on]
+
+
+def _axis_work(hw: Hardware, lay: Layout, cfg: ModelConfig) -> list[tuple[float, float, float, float]]:
+    """The measured terms of each axis ``lay`` uses (``_axis_terms``); a profile calibrated before the all-gather and
+    Ulysses attentions had runs of their own prices them as the ring's (``cp``)."""
+    out = []
+    for axis in _axes_used(lay, cfg):
+        if axis not in hw.axis_block_s and axis.startswith("cp_"):
+            axis = "cp"
+        if axis in hw.axis_block_s:
+            out.append(_axis_terms(hw.axis_block_s[axis]))
+    return out
 
 
 def axis_block_time(hw: Hardware, lay: Layout, cfg: ModelConfig, t: float) -> float:
@@ -128,15 +142,14 @@ def axis_block_time(hw: Hardware, lay: Layout, cfg: ModelConfig, t: float) -> fl
     rank and microbatch, as ``--calibrate`` measured it through ``parallelize()`` (``hw.axis_block_s``; empty for the
     datasheet presets): TP's autograd functions, ring attention's per-chunk attention and merges, MoE routing and
     the expert exchange's bookkeeping, ZeRO-3's flat-buffer gathers and reshards, a zero-bubble schedule's split
-    backward (input gradients first, weight gradients deferred). Per axis: a part per block call, one per
+    backward (input gradients first, weight gradients deferred); context parallelism's by its attention (``cp``
+    for the ring, ``cp_allgather``, ``cp_ulysses``). Per axis: a part per block call, one per
     activation element (``t x d_model``) and one per parameter of the block (the rank's tp share); the part per
     microbatch is ``axis_microbatch_time``."""
     total = 0.0
     per_elem, per_param = t * cfg.d_model, block_params(cfg) / lay.tp
-    for axis in _axes_used(lay, cfg):
-        if axis in hw.axis_block_s:
-            call, elem, _, param = _axis_terms(hw.axis_block_s[axis])
-            total += call + elem * per_elem + param * per_param
+    for call, elem, _, param in _axis_work(hw, lay, cfg):
+        total += call + elem * per_elem + param * per_param
     return total
 
 
@@ -144,7 +157,7 @@ def axis_microbatch_time(hw: Hardware, lay: Layout, cfg: ModelConfig) -> float:
     """Seconds per microbatch forward + backward of the runtime work of ``lay``'s axes outside the blocks (TP's
     vocab-parallel embedding, head and loss, ...): the third term of ``hw.axis_block_s``, charged to the stage
     holding the head."""
-    return sum(_axis_terms(hw.axis_block_s[axis])[2] for axis in _axes_used(lay, cfg) if axis in hw.axis_block_s)
+    return sum(terms[2] for terms in _axis_work(hw, lay, cfg))
 
 
 def gpu_kernel_time(hw: Hardware, features: dict[str, float], params: float) -> float:
@@ -206,7 +219,7 @@ class StageAction:
 
 def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
     """The slowest stage's forward and backward for ``t`` tokens per rank: matmuls (roofline), recomputation,
-    and the collectives on the critical path (TP/SP, EP all-to-alls, the CP ring not hidden by attention)."""
+    and the collectives on the critical path (TP/SP, EP all-to-alls, CP's exchanges: ``cp_block_time``)."""
     cfg, hw, prec = problem.model, problem.hw, problem.precision
     T, tp, cp = problem.seq_len, lay.tp, lay.cp
     C, eff = hw.bf16_flops, (1.0 if hw.measured_steps else problem.efficiency)  # a measured rate is reached
@@ -278,16 +291,43 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
     if lay.recompute == "full":
         ep_b += ep_f
 
-    # --- context parallelism: ring transfers hidden behind attention where they fit
+    # --- context parallelism: the ring's transfers hidden behind attention where they fit, the others exposed
     cp_link = group_link(hw, cp, tp, 1)
     ring = cp_ring_bytes(t, cfg, cp, tp, prec.act)
     attn_f = t * attention_flops_per_token(cfg, T) / cfg.n_layers / tp / (C * eff)
-    hide = attn_f if overlaps(hw, problem.devices) else 0.0  # what attention can hide of the ring
-    hops = max(cp - 1, 1)  # each hop a send and a receive (two counted calls); backward passes K/V and dK/dV
-    cp_f = layers_max * max(0.0, op_time(hw, "send", ring["fwd"], cp_link, hops, 2 * hops) - hide) if cp > 1 else 0.0
-    cp_b = layers_max * max(0.0, op_time(hw, "send", ring["bwd"], cp_link, 2 * hops, 4 * hops) - 2 * hide) \
-        if cp > 1 else 0.0
+    cp_f, cp_b = (layers_max * x for x in cp_block_time(problem, lay, t, cp_link, attn_f))
+    if lay.recompute == "full":
+        cp_b += cp_f  # the recomputed forward exchanges again
     return StageAction(blocks, f_c, b_c, tp_f, tp_b, ep_f, ep_b, cp_f, cp_b, tp_link, cp_link, ring, attn_f)
+
+
+def cp_block_time(problem: Problem, lay: Layout, t: int, link: Link, attn_f: float) -> tuple[float, float]:
+    """Seconds of one block's context-parallel exchanges on the critical path for ``t`` tokens per rank (forward,
+    backward), by ``lay.cp_attention`` (the bytes and calls are ``comm_bytes.cp_comm_bytes`` / ``cp_calls``'):
+
+    - ring: K/V round the ring in cp - 1 hops (a send and a receive each), and in backward again with the dK/dV
+      accumulators, each hop beside the attention on the chunk already held: only what attention (``attn_f``
+      forward, twice that backward) cannot hide is exposed;
+    - allgather: one all-gather of K/V before attention forward, one reduce-scatter of the fp32 dK/dV after it
+      backward, both exposed (attention waits for the whole K/V);
+    - ulysses: two all-to-alls forward (q, k and v packed; the output back) and the same two reversed backward,
+      exposed: the core needs every position of its heads, and the block its output."""
+    cfg, hw, prec, cp, tp = problem.model, problem.hw, problem.precision, lay.cp, lay.tp
+    if cp <= 1:
+        return 0.0, 0.0
+    kv = 2 * t * max(cfg.kv_heads // tp, 1) * cfg.head_dim  # this rank's K and V elements (whole kv heads)
+    if lay.cp_attention == "ulysses":
+        qkv_out = (2 * t * (cfg.n_heads // tp) * cfg.head_dim + kv) * prec.act  # q, k, v one way, the output back
+        one_way = op_time(hw, "all_to_all", qkv_out, link, calls=2)
+        return one_way, one_way
+    if lay.cp_attention == "allgather":
+        return (op_time(hw, "all_gather", cp * kv * prec.act, link),
+                op_time(hw, "reduce_scatter", cp * kv * 4, link))
+    ring = cp_ring_bytes(t, cfg, cp, tp, prec.act)
+    hide = attn_f if overlaps(hw, problem.devices) else 0.0  # what attention can hide of the ring
+    hops = cp - 1  # each hop a send and a receive (two counted calls); backward passes K/V and dK/dV
+    return (max(0.0, op_time(hw, "send", ring["fwd"], link, hops, 2 * hops) - hide),
+            max(0.0, op_time(hw, "send", ring["bwd"], link, 2 * hops, 4 * hops) - 2 * hide))
 
 
 def pipeline_time(problem: Problem, lay: Layout, t: int, act: StageAction, step: StepTime) -> tuple[float, list[int]]:
@@ -431,9 +471,11 @@ def memory(problem: Problem, lay: Layout, t: int, act: StageAction, units: list[
     if lay.zero == 3:
         # current + prefetched unit, and its gradient packed for the reduce-scatter
         mem["zero3_gathered"] = max(units) * (2 * prec.gather + prec.reduce)
-    masked = masked_attention(cfg, problem.seq_len, problem.documents, lay.cp)
+    masked = masked_attention(cfg, problem.seq_len, problem.documents, lay.cp, lay.cp_attention)
+    # the mask covers whole rows: T per token on one device, cp x T per local token under Ulysses
+    mask_len = problem.seq_len * (lay.cp if lay.cp_attention == "ulysses" else 1)
     mem["activations"] = activation_bytes(cfg, t, act.layers, lay.recompute, tp, lay.sp, prec.act, inflight,
-                                          masked=masked, seq_len=problem.seq_len) \
+                                          masked=masked, seq_len=mask_len) \
         + t * cfg.d_model * prec.act * inflight  # each stage's input hidden state
     mem["logits"] = logits_bytes(t, -(-cfg.vocab_size // tp), prec.act)  # on the last stage
     return mem
@@ -488,13 +530,7 @@ def _collectives(problem: Problem, lay: Layout, t: int, layers: int, tp_link: Li
         calls = per_step * (2 if (lay.recompute == "full" and phase == "fwd") else 1)
         out.append(Collective("tp", op, f"{phase}: {what}", lay.tp, nbytes, op_time(problem.hw, op, nbytes, tp_link),
                               calls, "yes"))
-    if lay.cp > 1:
-        for phase, factor in (("fwd", 1.0), ("bwd", 2.0)):
-            hops = int(factor) * (lay.cp - 1)
-            sec = op_time(problem.hw, "send", ring[phase], cp_link, hops, 2 * hops)
-            hidden = sec <= factor * attn_f
-            out.append(Collective("cp", "send", f"{phase}: ring K/V ({lay.cp - 1} hops)", lay.cp, ring[phase], sec,
-                                  per_step, "overlapped" if hidden else "partly"))
+    out += _cp_collectives(problem, lay, t, cp_link, ring, attn_f, per_step)
     if kv := kv_grad_elems(problem, lay, layers):
         nbytes = kv * prec.grad
         out.append(Collective("tp_kv", "all_reduce", "step end: shared kv heads' gradients", lay.tp // cfg.kv_heads,
@@ -530,4 +566,35 @@ def _collectives(problem: Problem, lay: Layout, t: int, layers: int, tp_link: Li
             crit = "overlapped (backward), last bucket exposed"
             what = "gradients" if group != "dp_replicate" else "gradient shards across replicas"
         out.append(Collective(group, op, what, n, per_unit, op_time(problem.hw, op, per_unit, link), calls, crit))
+    return out
+
+
+def _cp_collectives(problem: Problem, lay: Layout, t: int, link: Link, ring: dict[str, int], attn_f: float,
+                    per_step: int) -> list[Collective]:
+    """Context parallelism's rows of ``_collectives``, by ``lay.cp_attention`` (``cp_block_time``)."""
+    if lay.cp <= 1:
+        return []
+    cfg, hw, prec, cp, tp = problem.model, problem.hw, problem.precision, lay.cp, lay.tp
+    again = 2 if lay.recompute == "full" else 1  # forward exchanges rerun by the recomputed forward
+    kv = 2 * t * max(cfg.kv_heads // tp, 1) * cfg.head_dim
+    if lay.cp_attention == "ulysses":
+        q = t * (cfg.n_heads // tp) * cfg.head_dim * prec.act
+        rows = [("fwd", "q, k, v: heads for positions", q + kv * prec.act, again),
+                ("fwd", "output: positions for heads", q, again),
+                ("bwd", "output's gradient", q, 1), ("bwd", "q, k, v gradients", q + kv * prec.act, 1)]
+        return [Collective("cp", "all_to_all", f"{phase}: {what}", cp, nbytes,
+                           op_time(hw, "all_to_all", nbytes, link), per_step * n, "yes")
+                for phase, what, nbytes, n in rows]
+    if lay.cp_attention == "allgather":
+        return [Collective("cp", "all_gather", "fwd: K/V of the whole sequence", cp, cp * kv * prec.act,
+                           op_time(hw, "all_gather", cp * kv * prec.act, link), per_step * again, "yes"),
+                Collective("cp", "reduce_scatter", "bwd: dK/dV (fp32)", cp, cp * kv * 4,
+                           op_time(hw, "reduce_scatter", cp * kv * 4, link), per_step, "yes")]
+    out = []
+    for phase, factor in (("fwd", 1.0), ("bwd", 2.0)):
+        hops = int(factor) * (cp - 1)
+        sec = op_time(hw, "send", ring[phase], link, hops, 2 * hops)
+        hidden = sec <= factor * attn_f
+        out.append(Collective("cp", "send", f"{phase}: ring K/V ({cp - 1} hops)", cp, ring[phase], sec,
+                              per_step * (again if phase == "fwd" else 1), "overlapped" if hidden else "partly"))
     return out
