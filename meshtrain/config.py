@@ -88,6 +88,7 @@ class ModelConfig:
     moe_hidden: int = 0  # hidden size of each expert's SwiGLU; 0: the dense rule (hidden_dim)
     moe_capacity_factor: float = 0.0  # 0: dropless; > 0: each expert takes at most cf * tokens * k / E
     moe_aux_loss_coef: float = 0.01  # load-balancing loss weight (0 disables it)
+    moe_z_loss_coef: float = 0.0  # router z-loss weight (ST-MoE: mean of logsumexp(router logits)^2); 0: off
     moe_bias_update_rate: float = 0.0  # > 0: aux-loss-free balancing, router bias nudged by this per step
 
     @property
@@ -669,6 +670,8 @@ def _check_moe(m: ModelConfig) -> None:
     _need(m.moe_hidden >= 0, "model.moe_hidden must be >= 0 (0: the dense MLP's hidden size).")
     _need(m.moe_capacity_factor >= 0, "model.moe_capacity_factor must be >= 0 (0: dropless).")
     _need(m.moe_aux_loss_coef >= 0, "model.moe_aux_loss_coef must be >= 0 (0 disables the balancing loss).")
+    _need(m.moe_z_loss_coef >= 0, "model.moe_z_loss_coef must be >= 0 (0 disables the router z-loss; ST-MoE "
+          "uses 0.001).")
     _need(m.moe_bias_update_rate >= 0, "model.moe_bias_update_rate must be >= 0 (0 disables bias balancing).")
 
 

@@ -35,6 +35,10 @@ STEPS = 5
 BASE = [*run_overrides(STEPS), "model.moe_experts=4", "model.moe_top_k=2"]
 AUX: list[str] = []  # the default: moe_aux_loss_coef=0.01
 BIAS = ["model.moe_aux_loss_coef=0", "model.moe_bias_update_rate=0.01"]
+# The router z-loss (ST-MoE's weight) beside the aux loss. At 0.01 one embedding entry of 8,224 (a token absent from
+# step 1, whose first gradients are near AdamW's eps) differs by 2.4e-5 after 5 steps, in dp4 and in cp2 x dp2
+# alike, with every loss, grad norm and step-1 gradient within 3e-7: the rounding sensitivity the fuzz notes.
+Z = ["model.moe_z_loss_coef=0.001"]
 
 LAYOUTS_2 = [
     ("ep2", ["parallel.ep=2", *AUX]),
@@ -46,6 +50,7 @@ LAYOUTS_2 = [
     ("ep1 tp2 sp", ["parallel.tp=2", "parallel.sp=true", *AUX]),
     ("ep2 no clipping", ["parallel.ep=2", "train.grad_clip=0", *AUX]),
     ("ep2 renormalised gates", ["parallel.ep=2", "model.moe_renormalize=true", *AUX]),  # Mixtral's router
+    ("ep2 accum z-loss", ["parallel.ep=2", "train.grad_accum=2", *Z]),
 ]
 # A capacity is per local token group, so it depends on the layout: ep=2 must drop exactly what plain
 # data parallelism over the same two token groups drops.
@@ -64,6 +69,8 @@ LAYOUTS_4 = [
     ("ep2 x pp2 1f1b", ["parallel.ep=2", "parallel.pp=2", "parallel.microbatches=2", *AUX]),
     ("ep2 x pp2 zb-h1", ["parallel.ep=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.schedule=zb-h1",
                          *AUX]),
+    ("ep2 x tp2 sp z-loss", ["parallel.ep=2", "parallel.tp=2", "parallel.sp=true", *Z]),
+    ("ep2 x cp2 z-loss", ["parallel.ep=2", "parallel.cp=2", *Z]),
 ]
 
 
@@ -71,7 +78,7 @@ def _run(data, overrides, out=None):
     res = run_layout(data, [*BASE, *overrides], out)
     records = res.pop("records")
     res.update(loads=[r["expert_load"] for r in records], aux=[r["aux_loss"] for r in records],
-               dropped=[r.get("moe_dropped") for r in records])
+               z=[r.get("z_loss") for r in records], dropped=[r.get("moe_dropped") for r in records])
     return res
 
 
@@ -82,6 +89,8 @@ def _worker(rank, world_size, data, layouts):
 def _assert_equal(name, got, ref):
     assert got["loads"] == ref["loads"], f"{name}: routing differs: {got['loads']} vs {ref['loads']}"
     assert got["aux"] == pytest.approx(ref["aux"], rel=1e-5), name
+    assert (got["z"][0] is None) == (ref["z"][0] is None) and (got["z"][0] is None or got["z"] == pytest.approx(
+        ref["z"], rel=1e-5)), (name, got["z"], ref["z"])
     assert got["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5), name  # experts counted once
     assert_same_run(name, got, ref)
 
@@ -122,6 +131,10 @@ def test_reference_runs_route_and_balance(reference):
     assert bias["aux"] == [0.0] * STEPS
     assert bias["loads"][0] == aux["loads"][0]  # the bias starts at zero ...
     assert bias["loads"][1:] != aux["loads"][1:]  # ... then changes which experts are chosen
+    z = reference(Z)  # the z-loss: reported per step, absent without it, and it changes the training
+    assert aux["z"] == [None] * STEPS and all(v > 0 for v in z["z"])
+    later = zip(z["losses"][1:], aux["losses"][1:], strict=True)
+    assert z["losses"][0] == aux["losses"][0] and all(a != b for a, b in later)
     renormalised = reference(["model.moe_renormalize=true", *AUX])  # Mixtral's gates: another model from step 1
     assert renormalised["loads"][0] == aux["loads"][0] and abs(renormalised["losses"][0] - aux["losses"][0]) > 1e-4
 

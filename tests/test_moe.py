@@ -122,6 +122,35 @@ def _router_grad_without_aux(layer: MoEFeedForward, x: torch.Tensor) -> torch.Te
     return plain.router.weight.grad
 
 
+def test_router_z_loss_value_and_its_injected_gradient_match_an_explicit_loss():
+    """The router z-loss, coef x mean over tokens of logsumexp(logits)^2: its value (``z_sum``) and its injected
+    gradient on the router and the input equal those of the loss written out and differentiated by autograd; the
+    halves of a batch, with ``global_tokens`` set, add up to the whole; and it moves the router's gradient."""
+    coef = 0.1
+    layer = _moe(moe_aux_loss_coef=0.0, moe_z_loss_coef=coef)
+    x = _x(3, 16).requires_grad_(True)
+    layer(x).square().sum().backward()
+    logits = x.detach().reshape(-1, 32) @ layer.router.weight.detach().t()
+    assert layer.z_sum.item() == pytest.approx(coef * float(torch.logsumexp(logits, -1).square().mean()), rel=1e-5)
+
+    plain = _moe(moe_aux_loss_coef=0.0)
+    plain.load_state_dict(layer.state_dict())
+    x2 = x.detach().clone().requires_grad_(True)
+    explicit = coef * torch.logsumexp(x2.reshape(-1, 32) @ plain.router.weight.t(), -1).square().mean()
+    (plain(x2).square().sum() + explicit).backward()
+    torch.testing.assert_close(layer.router.weight.grad, plain.router.weight.grad, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-8)
+    assert (layer.router.weight.grad - _router_grad_without_aux(layer, x.detach())).abs().max() > 1e-4
+
+    halves = _moe(moe_aux_loss_coef=0.0, moe_z_loss_coef=coef)
+    halves.load_state_dict(layer.state_dict())
+    halves.global_tokens = 3 * 16
+    halves(x.detach()[:1]).square().sum().backward()
+    halves(x.detach()[1:]).square().sum().backward()
+    assert float(halves.z_sum) == pytest.approx(float(layer.z_sum), rel=1e-6)
+    torch.testing.assert_close(halves.router.weight.grad, layer.router.weight.grad, rtol=1e-5, atol=1e-8)
+
+
 def test_aux_loss_is_a_sum_over_sequences_so_batch_splits_do_not_change_it():
     layer = _moe()
     x = _x(4, 16)

@@ -25,6 +25,11 @@
   block output in forward; in backward it adds d(aux)/d(probs) = coef x E x f_se / (T x B) to the router
   probabilities' gradient (B = sequences in the optimizer step), so the trainer's loss plumbing, gradient
   accumulation and pipeline stages need no change.
+- **Router z-loss** (ST-MoE, Zoph et al. 2022; Megatron's ``--moe-z-loss-coeff``; ``moe_z_loss_coef``): coef x
+  the mean over the step's tokens of logsumexp(router logits)^2, per MoE layer. It keeps the router's logits
+  small, where bf16 rounds them less and the softmax does not saturate. Its gradient, 2 x coef x z x softmax / N
+  per token (N = the tokens in the optimizer step, ``global_tokens``), is injected into the router logits the same
+  way; per token, so no layout changes it and no collective is needed.
 - **Aux-loss-free balancing** (DeepSeek-V3, ``moe_bias_update_rate`` > 0): a per-expert bias buffer is
   added to the scores for the top-k *selection only* (never to the gate weights) and, after every
   optimizer step, moved by rate x sign(mean load - load_e) with the loads counted over the whole global
@@ -37,10 +42,11 @@ Hooks a distributed transformation sets (``meshtrain/parallel/expert.py``); None
 - ``seq_reduce(counts)``: sums per-sequence expert counts in place over the ranks that split each
   sequence (context parallelism, and tensor parallelism with sequence parallelism), because f_se needs
   the whole sequence;
-- ``global_sequences``: the number of sequences in the optimizer step (default: this call's batch).
+- ``global_sequences`` / ``global_tokens``: the sequences and tokens in the optimizer step (default: this call's).
 
 Each call also accumulates, for the trainer's metrics and the bias update, the tokens routed to each
-expert (``load``), the aux loss value (``aux_sum``) and the dropped assignments, during training forwards
+expert (``load``), the aux and z-loss values (``aux_sum``, ``z_sum``) and the dropped assignments, during training
+forwards
 only (not in eval, not in an activation recomputation in backward, which would count twice).
 """
 
@@ -72,11 +78,12 @@ def _in_backward() -> bool:
 
 
 class _AuxLossGrad(torch.autograd.Function):
-    """Identity on the block output; in backward also hands the router probabilities the gradient of
-    the auxiliary loss (a constant computed in forward), as if the loss had been added to the objective."""
+    """Identity on the block output; in backward also hands ``target`` (the router probabilities, or its logits) the
+    gradient of an auxiliary loss (a constant computed in forward), as if the loss had been added to the
+    objective."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, probs: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, out: torch.Tensor, target: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         ctx.grad = grad
         return out
 
@@ -92,7 +99,7 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         self.n_experts, self.top_k, self.renormalize = cfg.moe_experts, cfg.moe_top_k, cfg.moe_renormalize
         self.capacity_factor = cfg.moe_capacity_factor
-        self.aux_loss_coef = cfg.moe_aux_loss_coef
+        self.aux_loss_coef, self.z_loss_coef = cfg.moe_aux_loss_coef, cfg.moe_z_loss_coef
         self.bias_update_rate = cfg.moe_bias_update_rate
         self.router = nn.Linear(cfg.d_model, cfg.moe_experts, bias=False)
         self.experts = nn.ModuleDict({str(e): FeedForward(cfg, cfg.expert_hidden) for e in range(cfg.moe_experts)})
@@ -103,13 +110,18 @@ class MoEFeedForward(nn.Module):
         self.dispatch: Callable[[torch.Tensor, torch.Tensor, MoEFeedForward], torch.Tensor] | None = None
         self.seq_reduce: Callable[[torch.Tensor], None] | None = None
         self.global_sequences: int | None = None
+        self.global_tokens: int | None = None
         self.reset_stats()
 
     # ------------------------------------------------------------------ routing
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(probs [N, E] fp32, chosen experts [N, k], gate weights [N, k]) for tokens [N, D]."""
-        probs = self.router(flat).float().softmax(-1)
+        return self.route_logits(self.router(flat).float())
+
+    def route_logits(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``route`` from the router's fp32 logits [N, E]."""
+        probs = logits.softmax(-1)
         with torch.no_grad():
             scores = probs + self.expert_bias if self.bias_update_rate > 0 else probs
             choice = scores.topk(self.top_k, dim=-1).indices
@@ -137,7 +149,8 @@ class MoEFeedForward(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         n, k = flat.shape[0], self.top_k
-        probs, choice, gates = self.route(flat)
+        logits = self.router(flat).float()
+        probs, choice, gates = self.route_logits(logits)
         expert = choice.reshape(-1)  # assignment i belongs to token i // k
         keep = self.within_capacity(expert, n)
         slots = torch.arange(n * k, device=x.device) if keep is None else keep.nonzero().squeeze(1)
@@ -152,7 +165,19 @@ class MoEFeedForward(nn.Module):
             out = out + self.shared_experts(flat)
         if self.training and not _in_backward():
             out = self._account(out, probs, expert, shape, n * k - slots.numel())
+            out = self._z_loss(out, logits)
         return out.view(shape)
+
+    def _z_loss(self, out: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The router z-loss's gradient attached to ``out``, its value added to ``z_sum``."""
+        if self.z_loss_coef <= 0 or not torch.is_grad_enabled():
+            return out
+        z = torch.logsumexp(logits.detach(), dim=-1)  # [N]
+        scale = self.z_loss_coef / (self.global_tokens or logits.shape[0])
+        value = scale * (z * z).sum()  # this rank's part of the objective's z term
+        self.z_sum = value if self.z_sum is None else self.z_sum + value
+        grad = (2 * scale * z).unsqueeze(-1) * logits.detach().softmax(-1)  # d(scale x z^2) / d logits
+        return _AuxLossGrad.apply(out, logits, grad)
 
     def _account(self, out: torch.Tensor, probs: torch.Tensor, expert: torch.Tensor, shape: torch.Size,
                  dropped: int) -> torch.Tensor:
@@ -183,6 +208,7 @@ class MoEFeedForward(nn.Module):
         """Forget the counts of the last optimizer step."""
         self.load: torch.Tensor | None = None  # assignments routed to each expert (before capacity drops)
         self.aux_sum: torch.Tensor | None = None
+        self.z_sum: torch.Tensor | None = None
         self.dropped = 0
 
     @torch.no_grad()

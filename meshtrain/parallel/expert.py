@@ -119,16 +119,19 @@ class ExpertParallel:
 
         Returns ``expert_load`` (per layer, tokens routed to each expert over the global batch, before
         capacity drops), ``moe_imbalance`` (the largest max/mean load over the layers), ``aux_loss`` (the
-        aux term added to the objective, summed over layers) and, with a capacity, ``moe_dropped``.
+        aux term added to the objective, summed over layers), with ``model.moe_z_loss_coef`` ``z_loss`` (the
+        router z-loss term, summed over layers) and, with a capacity, ``moe_dropped``.
         """
         n, e = self.n_layers, self.n_experts
-        vec = torch.zeros(n * e + 2, dtype=torch.float64)
+        vec = torch.zeros(n * e + 3, dtype=torch.float64)
         blocks = moe_blocks(self.model)
         for i, moe in blocks.items():
             if moe.load is not None:
                 vec[i * e: (i + 1) * e] = moe.load.double().cpu()
             if moe.aux_sum is not None:
-                vec[-2] += float(moe.aux_sum)
+                vec[-3] += float(moe.aux_sum)
+            if moe.z_sum is not None:
+                vec[-2] += float(moe.z_sum)
             vec[-1] += moe.dropped
         total = torch.tensor(comm.all_reduce_scalars(vec.tolist(), self.token_group, device=self.mesh.device),
                              dtype=torch.float64)
@@ -138,8 +141,10 @@ class ExpertParallel:
             moe.reset_stats()
         mean = loads.mean(1)
         imbalance = float((loads.max(1).values / mean.clamp(min=1e-12)).max()) if float(mean.min()) > 0 else 0.0
-        rec: dict[str, object] = {"aux_loss": float(total[-2]), "moe_imbalance": imbalance,
+        rec: dict[str, object] = {"aux_loss": float(total[-3]), "moe_imbalance": imbalance,
                                   "expert_load": loads.round().long().tolist()}
+        if self.model.cfg.moe_z_loss_coef > 0:
+            rec["z_loss"] = float(total[-2])
         if any(moe.capacity_factor > 0 for moe in blocks.values()):
             rec["moe_dropped"] = int(total[-1])
         return rec
@@ -162,8 +167,9 @@ class ExpertParallel:
 
 
 def apply_expert_parallel(model: nn.Module, mesh: Mesh, sp: bool = False,
-                          global_sequences: int | None = None) -> ExpertParallel:
-    """Shard every MoE block's experts over ``mesh.group("ep")`` (in place) and set the token hooks."""
+                          global_sequences: int | None = None, global_tokens: int | None = None) -> ExpertParallel:
+    """Shard every MoE block's experts over ``mesh.group("ep")`` (in place) and set the token hooks; the optimizer
+    step's sequences and tokens normalise the aux and z losses."""
     cfg = model.cfg
     ep = mesh.group("ep")
     local = cfg.moe_experts // ep.size
@@ -171,7 +177,7 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh, sp: bool = False,
     split = [a for a in ("cp", "tp") if mesh.size(a) > 1 and (a == "cp" or sp)]  # who cuts each sequence
     seq_group = mesh.group(*split) if split else None
     for moe in moe_blocks(model).values():
-        moe.global_sequences = global_sequences
+        moe.global_sequences, moe.global_tokens = global_sequences, global_tokens
         if seq_group is not None:
             moe.seq_reduce = lambda t, g=seq_group: comm.all_reduce(t, g)
         if ep.size > 1:

@@ -303,7 +303,8 @@ def parallelize(model: Llama, mesh: Mesh, cfg: Config) -> Parallel:
         if mesh.size("tp") > 1 else None
     cp = apply_context_parallel(model, mesh, t.seq_len, p.cp_layout, p.cp_attention) if mesh.size("cp") > 1 \
         else None
-    moe = apply_expert_parallel(model, mesh, sp=p.sp, global_sequences=t.global_batch) \
+    moe = apply_expert_parallel(model, mesh, sp=p.sp, global_sequences=t.global_batch,
+                                global_tokens=t.global_batch * t.seq_len) \
         if cfg.model.moe_experts else None
     schedule = partition = wgrad = stages = tied = None
     if mesh.size("pp") > 1:

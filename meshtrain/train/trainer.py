@@ -624,7 +624,8 @@ class Trainer:
                           f"MFU {np.median([r['mfu'] for r in records]):.1%}")
                 if "expert_load" in last_rec:  # tokens routed to each expert in the last step, per layer
                     log.write(f"experts: last step's tokens per expert by layer {last_rec['expert_load']}, "
-                              f"busiest/mean {last_rec['moe_imbalance']:.2f}, aux loss {last_rec['aux_loss']:.4f}")
+                              f"busiest/mean {last_rec['moe_imbalance']:.2f}, aux loss {last_rec['aux_loss']:.4f}"
+                              + (f", z-loss {last_rec['z_loss']:.4f}" if "z_loss" in last_rec else ""))
             if self.step == t.steps and t.sample_tokens and self.tokenizer is not None and \
                     self.parallel.sampler() is None:
                 log.write("(no sample under pipeline or context parallelism: run `meshtrain generate --ckpt` on the "
