@@ -43,7 +43,8 @@ from meshtrain.plan.check import step_time_check  # noqa: E402
 from meshtrain.plan.hardware import get_hardware  # noqa: E402
 
 MOE = ["model.moe_experts=4", "model.moe_top_k=2"]
-# (name, processes, overrides of configs/small.yaml): every axis, two pipeline schedules, 2 and 4 processes.
+# (name, processes, overrides of configs/small.yaml): every axis (cp with each attention), two pipeline schedules,
+# 2 and 4 processes.
 LAYOUTS: list[tuple[str, int, list[str]]] = [
     ("dp2 zero0", 2, ["parallel.zero=0"]),
     ("dp2 zero1", 2, ["parallel.zero=1"]),
@@ -55,6 +56,8 @@ LAYOUTS: list[tuple[str, int, list[str]]] = [
     ("pp2 interleaved(v2) m4", 2, ["parallel.pp=2", "parallel.schedule=interleaved", "parallel.microbatches=4",
                                    "parallel.virtual_stages=2"]),
     ("cp2", 2, ["parallel.cp=2"]),
+    ("cp2 allgather", 2, ["parallel.cp=2", "parallel.cp_attention=allgather"]),
+    ("cp2 ulysses", 2, ["parallel.cp=2", "parallel.cp_attention=ulysses"]),
     ("moe dp2 ep2", 2, [*MOE, "parallel.ep=2"]),
     ("dp4 zero1", 4, ["parallel.zero=1"]),
     ("dp2 tp2+sp", 4, ["parallel.tp=2", "parallel.sp=true"]),

@@ -187,14 +187,16 @@ AXIS_RUNS = {"base": ["parallel.zero=0"], "tp": ["parallel.tp=2", "parallel.sp=t
              "moe": ["model.moe_experts=4", "model.moe_top_k=2", "parallel.ep=2"], "zero3": ["parallel.zero=3"],
              "zb": ["parallel.pp=2", "parallel.schedule=zb-h1", "parallel.microbatches=4"]}
 # Which terms of ``steptime.axis_features`` (0 per block call, 1 per activation element, 2 per microbatch, 3 per block
-# parameter) each axis's work can have, from what its runtime does: four sizes fitted to four free terms fit their
-# noise (TP's extrapolated to +47% on the demo model). TP: autograd functions per call, activation copies, the
-# vocab-parallel embedding/head/loss once per microbatch; ring CP: chunk merges of activations; MoE: routing of
-# tokens, the per-expert loop; ZeRO-3: flat-buffer gathers and frees of the block's parameters; zero-bubble: the
-# deferred weight gradients (their activations and parameters); all-gather CP: its per-chunk attention over the
-# gathered K/V; Ulysses: the packing, reordering and slicing of q, k, v and the output around its all-to-alls.
-AXIS_TERMS = {"tp": (0, 1, 2), "cp": (0, 1), "cp_allgather": (0, 1), "cp_ulysses": (0, 1), "moe": (0, 1, 2),
-              "zero3": (0, 3), "zb": (0, 1, 3)}
+# parameter, 4 per attention score) each axis's work can have, from what its runtime does: four sizes fitted to four
+# free terms fit their noise (TP's extrapolated to +47% on the demo model). TP: autograd functions per call,
+# activation copies, the vocab-parallel embedding/head/loss once per microbatch; MoE: routing of tokens, the
+# per-expert loop; ZeRO-3: flat-buffer gathers and frees of the block's parameters; zero-bubble: the deferred weight
+# gradients (their activations and parameters); context parallelism: ring and all-gather attention run each chunk
+# pair's attention and its online-softmax merge apart (scores, activations), Ulysses packs, reorders and slices q,
+# k, v and the output around its all-to-alls (activations). Without the score term the ring's work, fitted at
+# 128-256 tokens, came out 3x too small on the demo model's 8 heads (cp2 predicted 31% fast).
+AXIS_TERMS = {"tp": (0, 1, 2), "cp": (0, 1, 4), "cp_allgather": (0, 1, 4), "cp_ulysses": (0, 1, 4),
+              "moe": (0, 1, 2), "zero3": (0, 3), "zb": (0, 1, 3)}
 
 
 def _axis_configs() -> dict[tuple[str, str], list[str]]:
@@ -253,14 +255,15 @@ def measure_axis_work(hw: Hardware, steps: int = 4, rounds: int = 7) -> tuple[di
             extra = (secs[(size, name)] - secs[base]) - (pred[(size, name)] - pred[base])
             lay = layout_of(cfg, 2)
             t = tokens_per_microbatch(cfg.train.global_batch, cfg.train.seq_len, lay)
-            points.append(([f * lay.microbatches for f in axis_features(cfg.model, lay, t)], extra))
+            points.append(([f * lay.microbatches for f in axis_features(cfg.model, lay, t, cfg.train.seq_len)], extra))
             lines.append(f"  {name:<12} {size:<5} measured {secs[(size, name)] * 1e3:6.1f} ms (plain DP "
                          f"{secs[base] * 1e3:6.1f}), predicted {pred[(size, name)] * 1e3:6.1f} ms "
                          f"({pred[base] * 1e3:6.1f}): {extra * 1e3:+.2f} ms")
         out[name] = fit_axis_work(points, AXIS_TERMS[name])
         lines.append(f"  {name:<12} fitted: {out[name][0] * 1e3:.2f} ms per block call + "
                      f"{out[name][1] * 1e9:.2f} ns per activation element + {out[name][2] * 1e3:.2f} ms per "
-                     f"microbatch + {out[name][3] * 1e9:.2f} ns per block parameter")
+                     f"microbatch + {out[name][3] * 1e9:.2f} ns per block parameter + {out[name][4] * 1e9:.2f} ns per "
+                     f"attention score")
     return out, lines
 
 

@@ -15,13 +15,16 @@ SEED, LAYOUTS, WORLD = 0, 16, 4
 
 def test_the_sample_spans_the_options():
     """The sample is not a handful of near-identical layouts: it has every axis above 1, ZeRO levels, a pipeline
-    schedule that splits backward, recompute, MoE with expert parallelism and kv heads fewer than tp."""
-    drawn = " ".join(o for _, overrides in random_layouts(SEED, LAYOUTS, WORLD) for o in overrides)
+    schedule that splits backward, recompute, MoE with expert parallelism, kv heads fewer than tp, Ulysses attention,
+    Gemma's GeGLU, and embeddings tied across pipeline stages."""
+    layouts = random_layouts(SEED, LAYOUTS, WORLD)
+    drawn = " ".join(o for _, overrides in layouts for o in overrides)
     for want in ("parallel.pp=2", "parallel.tp=2", "parallel.cp=2", "parallel.ep=2", "parallel.zero=3",
                  "parallel.sp=true", "train.recompute=full", "train.recompute=selective", "model.moe_experts=4",
-                 "model.n_kv_heads=1"):
+                 "model.n_kv_heads=1", "parallel.cp_attention=ulysses", "model.mlp_activation=gelu_tanh"):
         assert want in drawn, want
     assert "zb-h1" in drawn or "dualpipev" in drawn
+    assert any({"parallel.pp=2", "model.tie_embeddings=true"} <= set(overrides) for _, overrides in layouts)
 
 
 def test_random_layouts_equal_one_device(tmp_path_factory):

@@ -101,20 +101,26 @@ def tokens_per_microbatch(sequences: int, seq_len: int, lay: Layout) -> int:
     return sequences // lay.dp // lay.microbatches * seq_len // lay.cp
 
 
-def _axis_terms(work: float | list[float]) -> tuple[float, float, float, float]:
+AXIS_TERM_COUNT = 5  # per block call, activation element, microbatch, block parameter, attention score
+
+
+def _axis_terms(work: float | list[float]) -> tuple[float, ...]:
     """An ``axis_block_s`` entry as (s per block call, s per activation element, s per microbatch, s per parameter of
-    a block); older profiles hold a number (per block call) or the first terms."""
+    a block, s per attention score); older profiles hold a number (per block call) or the first terms."""
     if isinstance(work, (int, float)):
-        return float(work), 0.0, 0.0, 0.0
-    return tuple([*map(float, work), 0.0, 0.0, 0.0][:4])  # type: ignore[return-value]
+        work = [work]
+    return tuple([*map(float, work), *[0.0] * AXIS_TERM_COUNT][:AXIS_TERM_COUNT])
 
 
-def axis_features(cfg: ModelConfig, lay: Layout, t: float) -> list[float]:
-    """What one microbatch of ``t`` tokens per rank exposes to each term of an axis's runtime work on a rank running
-    ``blocks`` blocks: [block calls, activation elements of them (t x d_model each), 1, the parameters of them (this
-    rank's tp share)]. ``calibrate.measure_axis_work`` fits the terms on these, ``axis_block_time`` prices them."""
+def axis_features(cfg: ModelConfig, lay: Layout, t: float, seq_len: int) -> list[float]:
+    """What one microbatch of ``t`` tokens per rank (of ``seq_len``-token sequences) exposes to each term of an axis's
+    runtime work on a rank running ``blocks`` blocks: [block calls, activation elements of them (t x d_model each),
+    1, the parameters of them (this rank's tp share), the causal attention scores they compute (t x seq_len / 2 per
+    head of the rank's)]. ``calibrate.measure_axis_work`` fits the terms on these, ``axis_block_time`` prices
+    them."""
     blocks = cfg.n_layers / lay.pp
-    return [blocks, blocks * t * cfg.d_model, 1.0, blocks * block_params(cfg) / lay.tp]
+    return [blocks, blocks * t * cfg.d_model, 1.0, blocks * block_params(cfg) / lay.tp,
+            blocks * t * seq_len / 2 * cfg.n_heads / lay.tp]
 
 
 def _axes_used(lay: Layout, cfg: ModelConfig) -> list[str]:
@@ -125,7 +131,7 @@ def _axes_used(lay: Layout, cfg: ModelConfig) -> list[str]:
                                   ("zb", lay.pp > 1 and lay.schedule in ("zb-h1", "dualpipev"))) if on]
 
 
-def _axis_work(hw: Hardware, lay: Layout, cfg: ModelConfig) -> list[tuple[float, float, float, float]]:
+def _axis_work(hw: Hardware, lay: Layout, cfg: ModelConfig) -> list[tuple[float, ...]]:
     """The measured terms of each axis ``lay`` uses (``_axis_terms``); a profile calibrated before the all-gather and
     Ulysses attentions had runs of their own prices them as the ring's (``cp``)."""
     out = []
@@ -137,19 +143,21 @@ def _axis_work(hw: Hardware, lay: Layout, cfg: ModelConfig) -> list[tuple[float,
     return out
 
 
-def axis_block_time(hw: Hardware, lay: Layout, cfg: ModelConfig, t: float) -> float:
+def axis_block_time(hw: Hardware, lay: Layout, cfg: ModelConfig, t: float, seq_len: int) -> float:
     """Seconds per block forward + backward of the parallel runtime's own work for ``lay``'s axes on ``t`` tokens per
     rank and microbatch, as ``--calibrate`` measured it through ``parallelize()`` (``hw.axis_block_s``; empty for the
     datasheet presets): TP's autograd functions, ring attention's per-chunk attention and merges, MoE routing and
     the expert exchange's bookkeeping, ZeRO-3's flat-buffer gathers and reshards, a zero-bubble schedule's split
     backward (input gradients first, weight gradients deferred); context parallelism's by its attention (``cp``
-    for the ring, ``cp_allgather``, ``cp_ulysses``). Per axis: a part per block call, one per
-    activation element (``t x d_model``) and one per parameter of the block (the rank's tp share); the part per
-    microbatch is ``axis_microbatch_time``."""
+    for the ring, ``cp_allgather``, ``cp_ulysses``: the per-chunk attention and merges grow with the scores). Per
+    axis: a part per block call, one per activation element (``t x d_model``), one per parameter of the block (the
+    rank's tp share) and one per attention score (``axis_features``); the part per microbatch is
+    ``axis_microbatch_time``."""
+    _, per_elem, _, per_param, per_score = axis_features(cfg, replace(lay, pp=1), t, seq_len)
+    blocks = cfg.n_layers
     total = 0.0
-    per_elem, per_param = t * cfg.d_model, block_params(cfg) / lay.tp
-    for call, elem, _, param in _axis_work(hw, lay, cfg):
-        total += call + elem * per_elem + param * per_param
+    for call, elem, _, param, score in _axis_work(hw, lay, cfg):
+        total += call + (elem * per_elem + param * per_param + score * per_score) / blocks
     return total
 
 
@@ -247,7 +255,7 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
         t_layer = layer_compute_time(cfg, t, T, C, hw.hbm_bw, tp, eff, prec.act, prec.act)
         t_head = t * head_flops / tp / (C * eff)
         redo_s = 2 * max(redo, 0.0) * t * prec.act / hw.hbm_bw  # HBM-bound
-    t_layer += axis_block_time(hw, lay, cfg, t) / 3  # the parallel runtime's own work, a third of it forward
+    t_layer += axis_block_time(hw, lay, cfg, t, T) / 3  # the parallel runtime's own work, a third of it forward
     t_head += axis_microbatch_time(hw, lay, cfg) / 3
     stage_f = [blocks[s] * t_layer + (t_head if s == n_stages - 1 else 0.0) for s in range(n_stages)]
     f_c = max(stage_f)

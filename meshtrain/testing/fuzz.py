@@ -1,11 +1,13 @@
 """Random valid layouts against one device: the equivalence matrix's blind spots, found by sampling.
 
-The equivalence files test layouts someone thought of. Options combine: a schedule with a recompute mode, a
-ZeRO level with HSDP groups and expert parallelism, kv heads fewer than tp with SP. ``random_layouts(seed, n,
-world)`` draws ``n`` layouts from every parallel option that must not change the result (and a few model
-shapes), keeps those ``validate_layout`` accepts for ``world`` ranks, and ``check_random_layouts`` compares each
-with the single-device run, as every equivalence test does. Its first run found zero-bubble schedules under
-recompute training on wrong weight gradients (``pipeline/wgrad.py``), which no hand-written layout had combined.
+The equivalence files test layouts someone thought of. Options combine: a schedule with a recompute mode, a ZeRO
+level with HSDP groups and expert parallelism, kv heads fewer than tp with SP, Ulysses or all-gather attention with
+tp and ZeRO, embeddings tied across pipeline stages, Gemma's GeGLU and scaled embedding with experts.
+``random_layouts(seed, n, world)`` draws ``n`` layouts from every parallel option that must not change the result
+(and a few model shapes), keeps those ``validate_layout`` accepts for ``world`` ranks, and ``check_random_layouts``
+compares each with the single-device run, as every equivalence test does. Its first run found zero-bubble schedules
+under recompute training on wrong weight gradients (``pipeline/wgrad.py``), which no hand-written layout had
+combined.
 
 What it compares: every step's loss and grad norm, the step-1 gradient of every tensor and the last step's
 validation loss (LOSS_RTOL, GRAD_RTOL), and that the layout really ran (mesh, bytes on every axis, pipeline
@@ -71,7 +73,7 @@ def random_overrides(rng: random.Random, world: int) -> list[str]:
         o["parallel.sp"], o["parallel.sp_regather"] = "true", rng.choice(["true", "false"])
     if cp > 1:
         o["parallel.cp_layout"] = rng.choice(["zigzag", "contiguous"])
-        o["parallel.cp_attention"] = rng.choice(["ring", "allgather"])
+        o["parallel.cp_attention"] = rng.choice(["ring", "allgather", "ulysses"])
     if pp > 1:
         schedule = rng.choice(SCHEDULES)
         o["parallel.schedule"], o["parallel.microbatches"] = schedule, rng.choice([2, 4])
@@ -84,9 +86,14 @@ def random_overrides(rng: random.Random, world: int) -> list[str]:
     o["train.recompute"] = rng.choice(["none", "full", "selective"])
     if rng.random() < 0.3:
         o["model.d_model"], o["model.n_heads"] = 64, 8
-    o["model.n_kv_heads"] = rng.choice([1, 2, 4])
-    if pp == 1 and rng.random() < 0.3:
+    # Ulysses splits each tp rank's kv heads over cp: draw only kv head counts it can run with
+    ulysses = o.get("parallel.cp_attention") == "ulysses"
+    kv = [k for k in (1, 2, 4) if not ulysses or (k >= tp and (k // tp) % cp == 0)]
+    o["model.n_kv_heads"] = rng.choice(kv or [1, 2, 4])
+    if rng.random() < 0.3:  # with pp > 1 the weight lives on both end stages (parallel/tied.py)
         o["model.tie_embeddings"] = "true"
+    if rng.random() < 0.2:  # Gemma's GeGLU and scaled embedding
+        o["model.mlp_activation"], o["model.embed_scale"] = "gelu_tanh", "true"
     if rng.random() < 0.35:
         o["model.moe_experts"], o["model.moe_top_k"] = 4, rng.choice([1, 2])
         if rng.random() < 0.4:
