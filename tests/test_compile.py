@@ -51,6 +51,7 @@ LAYOUTS_2 = [
     ("tp2+sp+full", ["parallel.tp=2", "parallel.sp=true", "train.recompute=full"]),
     ("tp2+selective", ["parallel.tp=2", "train.recompute=selective"]),
     ("cp2+full", ["parallel.cp=2", "train.recompute=full"]),
+    ("cp2 ulysses", ["parallel.cp=2", "parallel.cp_attention=ulysses"]),
     ("pp2 zb-h1", ["parallel.pp=2", "parallel.microbatches=2", "parallel.schedule=zb-h1"]),
     ("ep2+full (MoE)", ["parallel.ep=2", "model.moe_experts=4", "model.moe_top_k=2", "train.recompute=full"]),
     # Qwen3's and Qwen2's attention: per-head q and k norms with wide heads, and q, k, v biases (rope_theta 100: the
