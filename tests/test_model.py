@@ -79,6 +79,29 @@ def test_flops_per_token_against_torchtitans_count():
     assert round(flops_per_token(bench, 2048, causal=False) / flops_per_token(bench, 2048), 3) == 1.079
 
 
+def test_a_sliding_window_counts_only_the_keys_in_it():
+    """MFU's FLOPs count the (query, key) pairs a window keeps, brute-forced from the attention mask: with the book's
+    continuous average (T/2 causal, not (T+1)/2) the mask's exact count per query is ``keys_per_query`` + w / 2T. A
+    window as long as the sequence is causal; the trainer's and the planner's MFU read ``flops_per_token``."""
+    from dataclasses import replace
+
+    from meshtrain.model.layers import document_mask
+    from meshtrain.plan.flops import attention_flops_per_token, keys_per_query, mfu
+
+    for t, w in ((64, 12), (64, 1), (64, 63), (256, 100), (64, 64), (64, 0)):
+        kept = int(document_mask(torch.zeros(1, t, dtype=torch.long), w).sum())
+        edge = (w if 0 < w < t else t) / (2 * t)
+        assert kept / t == pytest.approx(keys_per_query(t, True, w) + edge, rel=1e-12), (t, w)
+    cfg = ModelConfig(vocab_size=257, d_model=64, n_layers=3, n_heads=8, n_kv_heads=2, max_seq_len=256)
+    windowed = replace(cfg, sliding_window=16)
+    attn = 4 * (16 - 16 * 16 / (2 * 256)) * 8 * 8 * 3  # 4 x keys x heads x head_dim x layers
+    assert attention_flops_per_token(cfg, 256, window=16) == attn
+    assert flops_per_token(windowed, 256) == flops_per_token(cfg, 256) - 3 * (attention_flops_per_token(cfg, 256)
+                                                                              - attn)
+    assert mfu(1e3, windowed, 256, 1e12) < mfu(1e3, cfg, 256, 1e12)
+    assert flops_per_token(replace(cfg, sliding_window=256), 256) == flops_per_token(cfg, 256)
+
+
 def test_bf16_autocast_runs_and_is_close():
     model = build_model(CFG, seed=0)
     x = torch.randint(0, 257, (2, 16))

@@ -74,19 +74,33 @@ def matmul_params(cfg: ModelConfig) -> int:
     return pc.attention + pc.active_mlp + cfg.vocab_size * cfg.d_model
 
 
-def attention_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
-    """Forward FLOPs of QK^T and AV per token: 2 matmuls x 2 FLOPs x T x (n_heads x head_dim) per layer."""
-    full = 4.0 * seq_len * cfg.n_heads * cfg.head_dim * cfg.n_layers
-    return full / 2 if causal else full
+def keys_per_query(seq_len: int, causal: bool = True, window: int = 0) -> float:
+    """Keys a query attends to, on average over a ``seq_len``-token sequence: T for full attention, T/2 causal (the
+    book's, as a continuous average), and with a sliding ``window`` w < T (each token sees itself and the w - 1
+    before it) w - w^2 / (2T): the first w queries see their prefix, the rest w keys each."""
+    if not causal:
+        return float(seq_len)
+    if 0 < window < seq_len:
+        return window - window * window / (2.0 * seq_len)
+    return seq_len / 2.0
+
+
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True, window: int = 0) -> float:
+    """Forward FLOPs of QK^T and AV per token: 2 matmuls x 2 FLOPs x (n_heads x head_dim) per layer for each key a
+    query attends to (``keys_per_query``)."""
+    return 4.0 * keys_per_query(seq_len, causal, window) * cfg.n_heads * cfg.head_dim * cfg.n_layers
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, training: bool = True, causal: bool = True) -> float:
     """Model FLOPs per token: forward 2N + attention; training x3 (backward is twice forward).
 
-    Recomputation is not counted: MFU measures useful model FLOPs, not hardware FLOPs. ``causal=False`` counts the
-    whole T x T square, as torchtitan and the PaLM formula do: only for comparing with their MFU.
+    Recomputation is not counted: MFU measures useful model FLOPs, not hardware FLOPs. A ``model.sliding_window``
+    shorter than the sequence counts the keys in the window only: the scores outside it are no model work, whatever
+    a kernel computes and masks. ``causal=False`` counts the whole T x T square, as torchtitan and the PaLM formula
+    do: only for comparing with their MFU. The planner's step-time model prices what the kernels run
+    (``layer_flops``: causal attention, window or not).
     """
-    fwd = 2.0 * matmul_params(cfg) + attention_flops_per_token(cfg, seq_len, causal)
+    fwd = 2.0 * matmul_params(cfg) + attention_flops_per_token(cfg, seq_len, causal, cfg.sliding_window)
     return 3.0 * fwd if training else fwd
 
 
