@@ -109,7 +109,9 @@ def _worker(rank, world_size, data, layouts):
     for name, overrides in layouts:
         out[name] = run_layout(data, [*BASE, *overrides], run_dir(data, world_size, name), extra=attention_flops)
         flops[name] = out[name].pop("extra")
-    memory = {a: _attention_saved_bytes(world_size, a) for a in ("ring", "allgather")}
+    # Ulysses splits the tiny model's 2 kv heads over cp: cp2 only
+    memory = {a: _attention_saved_bytes(world_size, a) for a in ("ring", "allgather", "ulysses")
+              if a != "ulysses" or world_size == 2}
     return out, flops, memory
 
 
@@ -357,11 +359,16 @@ def test_attention_activation_memory_falls_as_one_over_cp(world2, world4):
     sdpa = _attention_saved_bytes(1, attention=None)
     ring = {1: [one], 2: [w[2]["ring"] for w in world2], 4: [w[2]["ring"] for w in world4]}
     ag = {2: [w[2]["allgather"] for w in world2], 4: [w[2]["allgather"] for w in world4]}
-    print(f"attention saved bytes per rank: plain SDPA cp=1 {sdpa}; ring {ring}; allgather {ag}")
+    uly = [w[2]["ulysses"] for w in world2]
+    print(f"attention saved bytes per rank: plain SDPA cp=1 {sdpa}; ring {ring}; allgather {ag}; ulysses cp2 {uly}")
     for cp in (2, 4):
         for b in ring[cp]:
             assert abs(b / one - 1 / cp) <= 0.15 / cp, (cp, b, one)
         assert min(ag[cp]) > max(ring[cp])  # allgather keeps every rank's K/V for backward
+    # Ulysses keeps 1/cp of the heads over the whole sequence, 1/cp of one device's bytes, and its attention output
+    # twice: in head order for SDPA's backward and back in sequence order for wo's (the planner counts both)
+    d_model = load_config("tiny").model.d_model
+    assert uly == [sdpa // 2 + MEM_B * MEM_T // 2 * d_model * 4] * 2, (uly, sdpa)
 
 
 @pytest.mark.slow

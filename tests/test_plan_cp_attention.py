@@ -16,7 +16,7 @@ from meshtrain.config import ModelConfig, load_config
 from meshtrain.plan.check import layout_of
 from meshtrain.plan.comm_bytes import cp_calls, cp_comm_bytes
 from meshtrain.plan.hardware import Hardware, get_hardware
-from meshtrain.plan.memory import run_precision
+from meshtrain.plan.memory import activation_elems_per_token, run_precision
 from meshtrain.plan.problem import Layout, Problem
 from meshtrain.plan.search import SearchOptions, emit_yaml, search
 from meshtrain.plan.steptime import evaluate
@@ -125,3 +125,22 @@ def test_cli_cp_attention_flag(capsys):
     assert cli.main(["plan", "--model", "llama3-8b", "--cp-attention", "ring,zigzag"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--cp-attention takes some of ring, allgather, ulysses" in err[0]
+
+
+def test_ulysses_memory_counts_its_second_output_and_its_whole_sequence_mask():
+    """Ulysses keeps its attention output twice (measured in ``tests/test_context_parallel.py``), and with documents
+    the mask of its whole sequences, cp x T per local token, once per forward; the ring keeps no mask."""
+    problem = _problem(_cpu())
+    t = 8 // 2 * 1024 // 4  # tokens per rank and microbatch at dp2 x cp4
+    ring, uly = (evaluate(problem, Layout(dp=2, cp=4, cp_attention=a)).memory["activations"]
+                 for a in ("ring", "ulysses"))
+    assert uly - ring == t * MODEL.n_layers * MODEL.n_heads * MODEL.head_dim * 2
+    docs = replace(problem, documents=True)
+    ring_d, uly_d = (evaluate(docs, Layout(dp=2, cp=4, cp_attention=a)).memory["activations"]
+                     for a in ("ring", "ulysses"))
+    per_token = [activation_elems_per_token(MODEL, "none", masked=m) for m in (False, True)]  # SDPA with a mask
+    mask = t * 4 * 1024  # t x cp x T elements
+    assert ring_d == ring and uly_d - uly == (mask + t * MODEL.n_layers * (per_token[1] - per_token[0])) * 2
+    full = [evaluate(problem, Layout(dp=2, cp=4, cp_attention=a, recompute="full")).memory["activations"]
+            for a in ("ring", "ulysses")]
+    assert full[0] == full[1]

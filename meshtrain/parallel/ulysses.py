@@ -63,17 +63,19 @@ class _HeadsToSeq(torch.autograd.Function):
 def _seq_to_heads(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     cp = group.size
     b, h, t, d = x.shape
-    parts = x.view(b, cp, h // cp, t, d).transpose(0, 1)  # [cp, B, H/cp, t, D]: head group j for rank j
+    parts = x.unflatten(1, (cp, h // cp)).transpose(0, 1)  # [cp, B, H/cp, t, D]: head group j for rank j (a view)
     got = _all_to_all(parts, group)  # [cp, B, H/cp, t, D]: rank j's tokens of this rank's head group
     return got.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * t, d)
 
 
 def _heads_to_seq(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """[B, H/cp, cp * t, D] -> [B, H, t, D] laid out as [B, t, H, D] in memory, as SDPA lays out its output: the
+    attention's transpose back and reshape for ``wo`` are then views, and ``wo`` keeps no copy of its input."""
     cp = group.size
     b, hg, tt, d = x.shape
     parts = x.view(b, hg, cp, tt // cp, d).permute(2, 0, 1, 3, 4)  # [cp, B, H/cp, t, D]: rank j's tokens
     got = _all_to_all(parts, group)  # [cp, B, H/cp, t, D]: head group j of this rank's tokens
-    return got.transpose(0, 1).reshape(b, cp * hg, tt // cp, d)
+    return got.permute(1, 3, 0, 2, 4).reshape(b, tt // cp, cp * hg, d).transpose(1, 2)
 
 
 class WholeSequenceMasks:
@@ -111,9 +113,10 @@ class UlyssesAttention(nn.Module):
         super().__init__()
         self.group, self.core, self.window, self.masks = group, core, core.window, masks
         natural = bool(torch.equal(order, torch.arange(order.numel())))
-        # None when the chunks already arrive in sequence order (the contiguous layout)
-        self.to_sequence = None if natural else torch.argsort(order)  # gathered index of each position
-        self.to_gathered = None if natural else order  # position of each gathered index
+        # None when the chunks already arrive in sequence order (the contiguous layout); buffers, not state: layout
+        # constants like the RoPE tables
+        self.register_buffer("to_sequence", None if natural else torch.argsort(order), persistent=False)
+        self.register_buffer("to_gathered", None if natural else order.clone(), persistent=False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 docs: Documents | None = None) -> torch.Tensor:

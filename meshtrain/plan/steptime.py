@@ -485,6 +485,10 @@ def memory(problem: Problem, lay: Layout, t: int, act: StageAction, units: list[
     mem["activations"] = activation_bytes(cfg, t, act.layers, lay.recompute, tp, lay.sp, prec.act, inflight,
                                           masked=masked, seq_len=mask_len) \
         + t * cfg.d_model * prec.act * inflight  # each stage's input hidden state
+    if lay.cp > 1 and lay.cp_attention == "ulysses" and lay.recompute == "none":
+        # Ulysses keeps its attention output twice: in head order for SDPA's backward, in sequence order for wo's
+        # (tests/test_context_parallel.py measures it)
+        mem["activations"] += t * act.layers * cfg.n_heads * cfg.head_dim / tp * prec.act * inflight
     mem["logits"] = logits_bytes(t, -(-cfg.vocab_size // tp), prec.act)  # on the last stage
     return mem
 
