@@ -97,9 +97,9 @@ def test_search_tries_ulysses_where_the_heads_split_and_emits_it(tmp_path):
 
 
 def test_calibrated_axis_work_per_attention():
-    """A profile measures each attention's own runtime work (``cp`` for the ring, ``cp_allgather``, ``cp_ulysses``);
-    one calibrated before those had runs of their own prices them as the ring's. The work can grow with the
-    attention scores (the ring's per-chunk attention and merges)."""
+    """A profile measures the ring's runtime work (``cp``, which all-gather attention shares) and Ulysses'
+    (``cp_ulysses``); one calibrated before Ulysses had a run of its own prices it as the ring's. The work can grow
+    with the attention scores (the ring's per-chunk attention and merges)."""
     problem = _problem(_cpu())
     lay = Layout(dp=2, cp=4, cp_attention="ulysses")
     plain = evaluate(problem, lay).step.compute
@@ -109,6 +109,8 @@ def test_calibrated_axis_work_per_attention():
     assert evaluate(old, lay).step.compute - plain == pytest.approx(L * 1e-3, rel=1e-9)
     assert evaluate(new, lay).step.compute - plain == pytest.approx(L * 4e-4, rel=1e-9)
     assert evaluate(new, replace(lay, cp_attention="ring")).step.compute - plain == pytest.approx(L * 1e-3, rel=1e-9)
+    assert evaluate(new, replace(lay, cp_attention="allgather")).step.compute - plain == pytest.approx(L * 1e-3,
+                                                                                                      rel=1e-9)
     # the fifth term is per causal attention score the rank computes: its tokens x T / 2 per head, per block
     scored = replace(problem, hw=replace(problem.hw, axis_block_s={"cp": [0.0, 0.0, 0.0, 0.0, 2e-9]}))
     t = 8 // 2 * 1024 // 4

@@ -132,8 +132,9 @@ def _axes_used(lay: Layout, cfg: ModelConfig) -> list[str]:
 
 
 def _axis_work(hw: Hardware, lay: Layout, cfg: ModelConfig) -> list[tuple[float, ...]]:
-    """The measured terms of each axis ``lay`` uses (``_axis_terms``); a profile calibrated before the all-gather and
-    Ulysses attentions had runs of their own prices them as the ring's (``cp``)."""
+    """The measured terms of each axis ``lay`` uses (``_axis_terms``). All-gather attention is priced as the ring's
+    (``cp``: the same per-chunk attention and merges; ``calibrate.AXIS_TERMS``), and so is Ulysses by a profile
+    calibrated before it had a run of its own."""
     out = []
     for axis in _axes_used(lay, cfg):
         if axis not in hw.axis_block_s and axis.startswith("cp_"):
