@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# The demo: a small Llama on the Python standard library's own source, under 5 minutes on 2 CPU cores:
+# The demo: a small Llama on the Python standard library's own source, about 5 minutes on 2 CPU cores:
 # the planner picks a layout for this machine (calibrated once), it trains on one process per core, then
 # compares prediction and measurement and writes runs/small/report.md (meshtrain demo; docs/training.md).
 # The demo starts fresh each time (a real run continues with train.resume=true instead).
