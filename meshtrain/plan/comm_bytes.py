@@ -183,6 +183,12 @@ def pp_p2p_bytes(tokens: int, d_model: int, tp: int = 1, sp: bool = False, hidde
     return tokens * d_model * hidden_bytes // (tp if sp else 1)
 
 
+def cp_block_elems(cfg: ModelConfig, tokens: int, tp: int = 1) -> tuple[int, int]:
+    """(query elements, key + value elements) one tp rank's ``tokens`` give one block's attention: the payloads every
+    context-parallel attention moves. A rank holds whole kv heads (tp > kv heads: one, replicated)."""
+    return tokens * (cfg.n_heads // tp) * cfg.head_dim, 2 * tokens * max(cfg.kv_heads // tp, 1) * cfg.head_dim
+
+
 def cp_ring_bytes(tokens: int, cfg: ModelConfig, cp: int, tp: int = 1, act_bytes: int = 2) -> dict[str, int]:
     """Ring attention (context parallelism) per block per microbatch, ``tokens`` = this rank's tokens (already
     1/cp of the sequence): forward passes the key/value chunk cp-1 times round the ring; backward passes
@@ -191,7 +197,7 @@ def cp_ring_bytes(tokens: int, cfg: ModelConfig, cp: int, tp: int = 1, act_bytes
     holds."""
     if cp <= 1:
         return {"fwd": 0, "bwd": 0}
-    kv = tokens * 2 * (cfg.kv_heads // max(1, min(tp, cfg.kv_heads))) * cfg.head_dim
+    _, kv = cp_block_elems(cfg, tokens, tp)
     return {"fwd": (cp - 1) * kv * act_bytes, "bwd": (cp - 1) * kv * (act_bytes + 4)}
 
 
@@ -207,10 +213,9 @@ def cp_comm_bytes(cfg: ModelConfig, cp: int, tp: int, tokens: int, attention: st
     the forward's transfers."""
     if cp <= 1:
         return {}
-    kv = 2 * tokens * max(cfg.kv_heads // tp, 1) * cfg.head_dim  # tp > kv heads: one head per rank
+    q, kv = cp_block_elems(cfg, tokens, tp)
     n = layers * micro
     if attention == "ulysses":
-        q = tokens * (cfg.n_heads // tp) * cfg.head_dim
         return {("cp", "all_to_all"): n * (2 * q + kv) * kv_bytes * (3 if recompute else 2)}
     if attention == "ring":
         b = n * (cp - 1) * kv * ((3 if recompute else 2) * kv_bytes + 4)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 
 from meshtrain.config import ModelConfig
 from meshtrain.plan.comm_bytes import (
+    cp_block_elems,
     cp_ring_bytes,
     dp_family_bytes,
     ep_all_to_all_bytes,
@@ -119,8 +120,14 @@ def axis_features(cfg: ModelConfig, lay: Layout, t: float, seq_len: int) -> list
     head of the rank's)]. ``calibrate.measure_axis_work`` fits the terms on these, ``axis_block_time`` prices
     them."""
     blocks = cfg.n_layers / lay.pp
-    return [blocks, blocks * t * cfg.d_model, 1.0, blocks * block_params(cfg) / lay.tp,
-            blocks * t * seq_len / 2 * cfg.n_heads / lay.tp]
+    elems, params, scores = _block_sizes(cfg, lay, t, seq_len)
+    return [blocks, blocks * elems, 1.0, blocks * params, blocks * scores]
+
+
+def _block_sizes(cfg: ModelConfig, lay: Layout, t: float, seq_len: int) -> tuple[float, float, float]:
+    """One block's (activation elements, parameters of the rank's tp share, causal attention scores of the rank's
+    heads) for ``t`` tokens per rank: what ``axis_features`` counts per block."""
+    return t * cfg.d_model, block_params(cfg) / lay.tp, t * seq_len / 2 * cfg.n_heads / lay.tp
 
 
 def _axes_used(lay: Layout, cfg: ModelConfig) -> list[str]:
@@ -154,11 +161,10 @@ def axis_block_time(hw: Hardware, lay: Layout, cfg: ModelConfig, t: float, seq_l
     axis: a part per block call, one per activation element (``t x d_model``), one per parameter of the block (the
     rank's tp share) and one per attention score (``axis_features``); the part per microbatch is
     ``axis_microbatch_time``."""
-    _, per_elem, _, per_param, per_score = axis_features(cfg, replace(lay, pp=1), t, seq_len)
-    blocks = cfg.n_layers
+    per_elem, per_param, per_score = _block_sizes(cfg, lay, t, seq_len)
     total = 0.0
     for call, elem, _, param, score in _axis_work(hw, lay, cfg):
-        total += call + (elem * per_elem + param * per_param + score * per_score) / blocks
+        total += call + elem * per_elem + param * per_param + score * per_score
     return total
 
 
@@ -324,9 +330,9 @@ def cp_block_time(problem: Problem, lay: Layout, t: int, link: Link, attn_f: flo
     cfg, hw, prec, cp, tp = problem.model, problem.hw, problem.precision, lay.cp, lay.tp
     if cp <= 1:
         return 0.0, 0.0
-    kv = 2 * t * max(cfg.kv_heads // tp, 1) * cfg.head_dim  # this rank's K and V elements (whole kv heads)
+    q, kv = cp_block_elems(cfg, t, tp)
     if lay.cp_attention == "ulysses":
-        qkv_out = (2 * t * (cfg.n_heads // tp) * cfg.head_dim + kv) * prec.act  # q, k, v one way, the output back
+        qkv_out = (2 * q + kv) * prec.act  # q, k, v one way, the output back
         one_way = op_time(hw, "all_to_all", qkv_out, link, calls=2)
         return one_way, one_way
     if lay.cp_attention == "allgather":
@@ -589,12 +595,11 @@ def _cp_collectives(problem: Problem, lay: Layout, t: int, link: Link, ring: dic
         return []
     cfg, hw, prec, cp, tp = problem.model, problem.hw, problem.precision, lay.cp, lay.tp
     again = 2 if lay.recompute == "full" else 1  # forward exchanges rerun by the recomputed forward
-    kv = 2 * t * max(cfg.kv_heads // tp, 1) * cfg.head_dim
+    q_elems, kv = cp_block_elems(cfg, t, tp)
     if lay.cp_attention == "ulysses":
-        q = t * (cfg.n_heads // tp) * cfg.head_dim * prec.act
-        rows = [("fwd", "q, k, v: heads for positions", q + kv * prec.act, again),
-                ("fwd", "output: positions for heads", q, again),
-                ("bwd", "output's gradient", q, 1), ("bwd", "q, k, v gradients", q + kv * prec.act, 1)]
+        q, qkv = q_elems * prec.act, (q_elems + kv) * prec.act
+        rows = [("fwd", "q, k, v: heads for positions", qkv, again), ("fwd", "output: positions for heads", q, again),
+                ("bwd", "output's gradient", q, 1), ("bwd", "q, k, v gradients", qkv, 1)]
         return [Collective("cp", "all_to_all", f"{phase}: {what}", cp, nbytes,
                            op_time(hw, "all_to_all", nbytes, link), per_step * n, "yes")
                 for phase, what, nbytes, n in rows]
