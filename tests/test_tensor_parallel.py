@@ -195,13 +195,59 @@ def _gather_linear_worker(rank, world_size):
             gathered = comm.METER.snapshot()["tp"]["all_gather"]["bytes"]
             out[(bf16, regather)] = ((y, ref[..., rows]), (xs.grad, ref_x.grad[:, seq]),
                                      (layer.weight.grad, ref_w.grad[rows]), gathered)
+    out["backward order"] = _regather_backward_order(x[:, seq], w[rows], c[:, :, rows], group)
     return out
+
+
+def _regather_backward_order(x, w, c, group):
+    """What a re-gathering column-parallel layer's backward does, in order: its collectives' launches and waits
+    and its matmuls (by output shape)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    events, handles = [], {}
+
+    class Matmuls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.mm.default:
+                events.append(("mm", tuple(result.shape)))
+            return result
+
+    def logged(name, fn):
+        def call(*args, **kwargs):
+            handle = fn(*args, **kwargs)
+            handles[id(handle)] = name
+            events.append((name, "start" if kwargs.get("async_op") else "blocking"))
+            return handle
+        return call
+
+    real_wait = comm.Handle.wait
+    patched = {"all_gather": comm.all_gather, "reduce_scatter": comm.reduce_scatter}
+    layer = ColumnParallelLinear(w.clone(), group, sp=True, regather=True)
+    xs = x.clone().requires_grad_()
+    y = layer(xs)
+    try:
+        for name, fn in patched.items():
+            setattr(comm, name, logged(name, fn))
+        comm.Handle.wait = lambda h: (events.append((handles.get(id(h)), "wait")), real_wait(h))[1]
+        with Matmuls():
+            (y * c).sum().backward()
+    finally:
+        comm.Handle.wait = real_wait
+        for name, fn in patched.items():
+            setattr(comm, name, fn)
+    return events
 
 
 def test_column_parallel_regather_equals_one_device():
     results = spawn(_gather_linear_worker, 2, timeout=120)
     full = 2 * 8 * 16  # the gathered input's elements
     for rank, out in enumerate(results):
+        # Backward overlaps each collective with a matmul (Megatron's async TP communication): the re-gather
+        # with the input-gradient matmul ([B·T, D] = [16, 16]), the input gradient's reduce-scatter with the
+        # weight-gradient matmul ([6, 16], this rank's rows).
+        assert out.pop("backward order") == [("all_gather", "start"), ("mm", (16, 16)), ("reduce_scatter", "start"),
+                                             ("all_gather", "wait"), ("mm", (6, 16)), ("reduce_scatter", "wait")]
         for (bf16, regather), (*pairs, gathered) in out.items():
             rtol = 2e-2 if bf16 else 1e-5  # bf16 keeps 8 mantissa bits; fp32 differs by summation order only
             for what, (got, want) in zip(("output", "input grad", "weight grad"), pairs, strict=True):

@@ -83,21 +83,38 @@ class _ReduceFromTP(torch.autograd.Function):
         return g, None
 
 
+# Collectives work on dim 0; the sequence is dim 1 of [B, T, D]. The shards travel as they are ([B, T/tp, D] each,
+# stacked to [tp, B, T/tp, D]) and one copy puts the gathered sequence in order (a view when B = 1), so no rank
+# transposes its shard to [T/tp, B, D] first; the reduce-scatter's result is this rank's [B, T/tp, D] as it is.
+
+
 def _all_gather_seq(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-    # Collectives work on dim 0; the sequence is dim 1 of [B, T, D].
-    xt = x.transpose(0, 1).contiguous()
-    out = xt.new_empty((xt.shape[0] * group.size, *xt.shape[1:]))
-    comm.all_gather(out, xt, group)
-    return out.transpose(0, 1)
+    x = x.contiguous()
+    out = x.new_empty((group.size * x.shape[0], *x.shape[1:]))
+    comm.all_gather(out, x, group)
+    return _in_sequence_order(out, group.size)
+
+
+def _in_sequence_order(stacked: torch.Tensor, n: int) -> torch.Tensor:
+    """[n·B, T/n, ...] (rank r's shard at rows r·B..) -> [B, T, ...]."""
+    return stacked.unflatten(0, (n, -1)).transpose(0, 1).flatten(1, 2)
 
 
 def _reduce_scatter_seq(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-    xt = x.transpose(0, 1).contiguous()
-    if xt.shape[0] % group.size:
-        raise ValueError(f"sequence length {xt.shape[0]} is not divisible by tp={group.size} (parallel.sp)")
-    out = xt.new_empty((xt.shape[0] // group.size, *xt.shape[1:]))
-    comm.reduce_scatter(out, xt, group)
-    return out.transpose(0, 1)
+    out, handle = _start_reduce_scatter_seq(x, group)
+    handle.wait()
+    return out
+
+
+def _start_reduce_scatter_seq(x: torch.Tensor, group: AxisGroup) -> tuple[torch.Tensor, comm.Handle]:
+    """(this rank's sequence shard of the sum of ``x`` over ``group``, the handle to wait on before reading it)."""
+    n, seq = group.size, x.shape[1]
+    if seq % n:
+        raise ValueError(f"sequence length {seq} is not divisible by tp={n} (parallel.sp)")
+    # [n·B, T/n, ...], rank r's part at rows r·B..
+    stacked = x.unflatten(1, (n, seq // n)).transpose(0, 1).flatten(0, 1).contiguous()
+    out = x.new_empty((x.shape[0], seq // n, *x.shape[2:]))
+    return out, comm.reduce_scatter(out, stacked, group, async_op=True)
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -131,10 +148,12 @@ class _GatherLinear(torch.autograd.Function):
 
     Forward all-gathers the sequence and multiplies, like ``F.linear(gather_seq(x), w)``, but saves the
     [B, T/tp, D] shard instead of the gathered [B, T, D] input the weight gradient needs: backward
-    gathers it again, started before the input-gradient matmul so the two overlap, then computes the
-    weight gradient and reduce-scatters the input gradient. Under autocast the shard is saved (and
-    re-gathered) in the compute dtype, which is all the matmuls read of it. Under a zero-bubble pipeline's I
-    action (``wgrad`` armed) the gathered input is stashed for W instead of the weight gradient computed."""
+    gathers it again, started before the input-gradient matmul so the two overlap, then starts the input
+    gradient's reduce-scatter and computes the weight gradient while it runs (Megatron's asynchronous
+    tensor-parallel communication: each backward collective has a matmul to hide behind). Under autocast the
+    shard is saved (and re-gathered) in the compute dtype, which is all the matmuls read of it. Under a
+    zero-bubble pipeline's I action (``wgrad`` armed) the gathered input is stashed for W instead of the weight
+    gradient computed."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group: AxisGroup,
@@ -151,19 +170,21 @@ class _GatherLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         shard, w = ctx.saved_tensors
-        xt = shard.transpose(0, 1).contiguous()
-        full = xt.new_empty((xt.shape[0] * ctx.group.size, *xt.shape[1:]))
-        gathering = comm.all_gather(full, xt, ctx.group, async_op=True)
+        shard = shard.contiguous()
+        stacked = shard.new_empty((ctx.group.size * shard.shape[0], *shard.shape[1:]))
+        gathering = comm.all_gather(stacked, shard, ctx.group, async_op=True)
         grad_in = g.matmul(w.to(g.dtype))  # under the all-gather
+        grad_x, scattering = _start_reduce_scatter_seq(grad_in.to(ctx.x_dtype), ctx.group)
         gathering.wait()
-        full = full.transpose(0, 1)
+        full = _in_sequence_order(stacked, ctx.group.size)
         if ctx.wgrad is not None and ctx.wgrad.armed():
             ctx.wgrad.put(ctx.param, full, g)  # W computes g^T full, as below
             grad_w = None
-        else:
+        else:  # under the reduce-scatter
             grad_w = g.reshape(-1, g.shape[-1]).t().matmul(full.reshape(-1, full.shape[-1]).to(g.dtype))
             grad_w = grad_w.to(ctx.w_dtype)
-        return _reduce_scatter_seq(grad_in.to(ctx.x_dtype), ctx.group), grad_w, None, None
+        scattering.wait()
+        return grad_x, grad_w, None, None
 
 
 @torch.compiler.disable  # as deferred_linear: the backward reads whether the store is armed
