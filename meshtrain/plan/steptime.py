@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 
 from meshtrain.config import ModelConfig
 from meshtrain.plan.comm_bytes import (
+    TP_BESIDE_MATMUL,
     cp_block_elems,
     cp_ring_bytes,
     dp_family_bytes,
@@ -282,7 +283,7 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
     # --- tensor parallelism: every collective on the critical path
     tp_link = group_link(hw, tp, 1)
     tp_f = tp_b = 0.0
-    for _, op, nbytes, phase in tp_layer_collectives(t, d, tp, lay.sp, prec.act):
+    for _, op, nbytes, phase in tp_layer_collectives(t, d, tp, lay.sp, prec.act, mlp_tp=not cfg.moe_experts):
         dt = op_time(hw, op, nbytes, tp_link) * layers_max
         if phase == "fwd":
             tp_f += dt
@@ -295,6 +296,8 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
         tp_b += op_time(hw, "all_reduce", t * d * prec.act, tp_link, metered=3 if lay.sp else 1)
     if lay.recompute == "full":
         tp_b += tp_f  # the recomputed forward repeats its collectives
+    if overlaps(hw, problem.devices):
+        tp_b -= layers_max * sum(tp_hidden_backward(problem, lay, t, tp_link, C * eff).values())
 
     # --- expert parallelism: dispatch and combine all-to-alls on the critical path, per MoE block
     ep_link = group_link(hw, lay.ep, tp, 1)
@@ -314,6 +317,41 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
     if lay.recompute == "full":
         cp_b += cp_f  # the recomputed forward exchanges again
     return StageAction(blocks, f_c, b_c, tp_f, tp_b, ep_f, ep_b, cp_f, cp_b, tp_link, cp_link, ring, attn_f)
+
+
+def matmul_rate(problem: Problem) -> float:
+    """FLOP/s the step time's matmuls run at: the peak at the problem's efficiency, or a calibrated profile's
+    measured rate as it is."""
+    hw = problem.hw
+    return hw.bf16_flops * (1.0 if hw.measured_steps else problem.efficiency)
+
+
+def tp_column_matmul_time(cfg: ModelConfig, t: int, tp: int, rate: float) -> dict[str, float]:
+    """Seconds of one forward matmul of each column-parallel layer of a block ({"attention": fused QKV, "mlp": fused
+    gate/up}) on ``t`` tokens at ``rate`` FLOP/s: this rank's output columns (its query heads and kv heads, one
+    replicated kv head where tp > kv heads; its share of the hidden units) by d_model. Its input-gradient and
+    weight-gradient matmuls in backward cost the same FLOPs each."""
+    qkv = (cfg.n_heads // tp + 2 * max(cfg.kv_heads // tp, 1)) * cfg.head_dim
+    return {"attention": 2.0 * t * cfg.d_model * qkv / rate,
+            "mlp": 2.0 * t * cfg.d_model * 2 * cfg.hidden_dim / tp / rate}
+
+
+def tp_hidden_backward(problem: Problem, lay: Layout, t: int, link: Link, rate: float) -> dict[str, float]:
+    """Seconds of one block's SP backward collectives hidden behind a matmul where the hardware runs both at once
+    (``overlaps``), by ``tp_layer_collectives``' name: a column layer's re-gather under its input-gradient matmul,
+    its input gradient's reduce-scatter under its weight-gradient matmul (``comm_bytes.TP_BESIDE_MATMUL``), each
+    hidden up to that matmul's time (``tp_column_matmul_time`` at ``rate``). Nothing without SP: the runtime's
+    input-gradient all-reduce follows both matmuls."""
+    cfg, prec = problem.model, problem.precision
+    if not lay.sp or lay.tp <= 1:
+        return {}
+    matmul = tp_column_matmul_time(cfg, t, lay.tp, rate)
+    out = {}
+    for what, op, nbytes, phase in tp_layer_collectives(t, cfg.d_model, lay.tp, lay.sp, prec.act,
+                                                        mlp_tp=not cfg.moe_experts):
+        if phase == "bwd" and what in TP_BESIDE_MATMUL:
+            out[what] = min(op_time(problem.hw, op, nbytes, link), matmul[TP_BESIDE_MATMUL[what]])
+    return out
 
 
 def cp_block_time(problem: Problem, lay: Layout, t: int, link: Link, attn_f: float) -> tuple[float, float]:
@@ -545,10 +583,14 @@ def _collectives(problem: Problem, lay: Layout, t: int, layers: int, tp_link: Li
     mc = lay.microbatches
     out: list[Collective] = []
     per_step = mc * layers * lay.virtual  # block-level calls per step on this rank
-    for what, op, nbytes, phase in tp_layer_collectives(t, cfg.d_model, lay.tp, lay.sp, prec.act):
+    hidden = tp_hidden_backward(problem, lay, t, tp_link, matmul_rate(problem)) \
+        if overlaps(problem.hw, problem.devices) else {}
+    for what, op, nbytes, phase in tp_layer_collectives(t, cfg.d_model, lay.tp, lay.sp, prec.act,
+                                                        mlp_tp=not cfg.moe_experts):
         calls = per_step * (2 if (lay.recompute == "full" and phase == "fwd") else 1)
-        out.append(Collective("tp", op, f"{phase}: {what}", lay.tp, nbytes, op_time(problem.hw, op, nbytes, tp_link),
-                              calls, "yes"))
+        sec = op_time(problem.hw, op, nbytes, tp_link)
+        where = "yes" if what not in hidden else "overlapped" if hidden[what] >= sec else "partly"
+        out.append(Collective("tp", op, f"{phase}: {what}", lay.tp, nbytes, sec, calls, where))
     out += _cp_collectives(problem, lay, t, cp_link, ring, attn_f, per_step)
     if kv := kv_grad_elems(problem, lay, layers):
         nbytes = kv * prec.grad

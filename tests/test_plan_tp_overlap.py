@@ -1,0 +1,101 @@
+"""The planner's tensor-parallel backward overlap: with SP, a column-parallel layer re-gathers its input under its
+input-gradient matmul and reduce-scatters its input gradient under its weight-gradient matmul (``_GatherLinear``;
+``tests/test_tensor_parallel.py`` checks the runtime's order). Where the hardware runs communication beside compute
+(``steptime.overlaps``) the step time hides each of them up to that matmul's time; where it cannot, or without SP,
+all are on the critical path. Planner arithmetic only: no process starts."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from meshtrain.config import ModelConfig
+from meshtrain.plan.comm_bytes import TP_BESIDE_MATMUL, tp_layer_collectives
+from meshtrain.plan.hardware import Hardware, get_hardware
+from meshtrain.plan.memory import run_precision
+from meshtrain.plan.network import group_link
+from meshtrain.plan.problem import Layout, Problem
+from meshtrain.plan.steptime import evaluate, op_time
+
+MODEL = ModelConfig(d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=257, max_seq_len=1024)
+BW, CALL, FLOPS = 1e9, 3e-5, 1e11
+REGATHERS = ["attention in (seq re-gather)", "attention in grad", "mlp in (seq re-gather)", "mlp in grad"]
+
+
+def _host(cores: int, bw: float = BW) -> Hardware:
+    """8 processes on ``cores`` cores: with 8 no core is idle for communication beside compute, with 16 one is."""
+    return Hardware("cpu-test", "test", FLOPS, 8e9, 2e10, bw, bw, 8, 8, tp_max=8, intra_latency=0.0,
+                    inter_latency=0.0, cores=cores, call_s=CALL, source="test")
+
+
+def _problem(hw: Hardware, model: ModelConfig = MODEL, sequences: int = 8, seq_len: int = 1024) -> Problem:
+    return Problem(replace(model, max_seq_len=seq_len), seq_len, sequences, hw, 1, precision=run_precision("bf16"))
+
+
+def _matmul_s(model: ModelConfig, t: int, tp: int, rate: float) -> dict[str, float]:
+    """One forward matmul of the fused QKV and of the fused gate/up on a tp rank, written out."""
+    qkv_columns = (model.n_heads // tp + 2 * max(model.kv_heads // tp, 1)) * model.head_dim
+    return {"attention": 2 * t * model.d_model * qkv_columns / rate,
+            "mlp": 2 * t * model.d_model * 2 * model.hidden_dim // tp / rate}
+
+
+@pytest.mark.parametrize("bw", [BW, BW / 10])
+def test_sp_backward_hides_each_collective_up_to_its_matmul(bw):
+    """The tp time with an idle core for communication is the busy host's less, per block and microbatch, each of the
+    four collectives' time or its matmul's, whichever is less: at 1 GB/s the collectives are the shorter (wholly
+    hidden), at 0.1 GB/s the matmuls (partly hidden)."""
+    lay = Layout(tp=4, dp=2, sp=True, microbatches=2)
+    busy, idle = evaluate(_problem(_host(8, bw)), lay), evaluate(_problem(_host(16, bw)), lay, with_collectives=True)
+    t = 8 // 2 // 2 * 1024  # tokens per microbatch on a rank
+    problem = _problem(_host(16, bw))
+    link = group_link(problem.hw, 4, 1)
+    matmul = _matmul_s(MODEL, t, 4, FLOPS * problem.efficiency)
+    comm = {what: op_time(problem.hw, op, nbytes, link)
+            for what, op, nbytes, _ in tp_layer_collectives(t, MODEL.d_model, 4, True, 2) if what in REGATHERS}
+    hidden = {what: min(sec, matmul[TP_BESIDE_MATMUL[what]]) for what, sec in comm.items()}
+    assert sorted(hidden) == sorted(REGATHERS)
+    assert busy.step.tp - idle.step.tp == pytest.approx(2 * MODEL.n_layers * sum(hidden.values()), rel=1e-9)
+    fully = all(hidden[w] == comm[w] for w in REGATHERS)
+    assert fully == (bw == BW) and (fully or all(hidden[w] < comm[w] for w in REGATHERS))
+    marks = {c.what.removeprefix("bwd: "): c.critical for c in idle.collectives if c.axis == "tp"}
+    assert {marks[w] for w in REGATHERS} == {"overlapped" if fully else "partly"}
+    assert {m for w, m in marks.items() if w not in REGATHERS} == {"yes"}
+
+
+def test_nothing_hides_without_sp_or_an_idle_core():
+    """Without SP the input gradient's all-reduce follows both matmuls; on a host whose cores all compute, nothing
+    runs beside them: the step's tp time is the same either way."""
+    for lay in (Layout(tp=4, dp=2, sp=False, microbatches=2),):
+        assert evaluate(_problem(_host(8)), lay).step.tp == evaluate(_problem(_host(16)), lay).step.tp
+    sp = Layout(tp=4, dp=2, sp=True, microbatches=2)
+    rows = evaluate(_problem(_host(8)), sp, with_collectives=True).collectives
+    assert {c.critical for c in rows if c.axis == "tp"} == {"yes"}
+
+
+def test_a_moe_block_has_no_mlp_collectives_to_price_or_hide():
+    """A MoE block's MLP is not split by tp: its tp collectives are the attention's alone (``tp_comm_bytes``'
+    ``mlp_tp=False``), in the step time and in explain's rows."""
+    moe = replace(MODEL, moe_experts=4, moe_top_k=2)
+    lay = Layout(tp=4, dp=2, sp=True, microbatches=2)
+    est = evaluate(_problem(_host(8), moe), lay, with_collectives=True)
+    whats = {c.what.split(": ", 1)[1] for c in est.collectives if c.axis == "tp"}
+    assert whats and not any(w.startswith("mlp") for w in whats)
+    dense = evaluate(_problem(_host(8)), lay)
+    t, link = 8 // 2 // 2 * 1024, group_link(_host(8), 4, 1)
+    mlp = sum(op_time(_host(8), op, nbytes, link) for what, op, nbytes, _ in
+              tp_layer_collectives(t, MODEL.d_model, 4, True, 2) if what.startswith("mlp"))
+    assert dense.step.tp - est.step.tp == pytest.approx(2 * MODEL.n_layers * mlp, rel=1e-9)
+
+
+def test_on_an_h100_node_the_mlp_hides_its_sp_backward_collectives_and_attention_part_of_its_own():
+    """Llama-3 8B's shape at tp=8 on one H100 node, an 8K-token microbatch: a 67 MB activation takes NVLink 145 us,
+    the rank's gate/up matmul 324 us and its QKV matmul (6 of 48 heads' columns) 69 us: the MLP's two are hidden,
+    the attention's partly, and explain says so."""
+    llama = ModelConfig(d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_hidden=14336,
+                        max_seq_len=8192)
+    hw = get_hardware("h100")
+    problem = Problem(llama, 8192, 8, hw, 1, precision=run_precision("bf16"))
+    est = evaluate(problem, Layout(dp=1, tp=8, sp=True, microbatches=8), with_collectives=True)
+    marks = {c.what.removeprefix("bwd: "): c.critical for c in est.collectives if c.axis == "tp"}
+    assert [marks[w] for w in REGATHERS] == ["partly", "partly", "overlapped", "overlapped"]
