@@ -246,6 +246,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.recv_ahead < 0:
         ap.error("--recv-ahead must be >= 0 (0: every receive at the step's start)")
+    if args.batch % args.microbatches:
+        ap.error(f"--batch {args.batch} must be a multiple of --microbatches {args.microbatches}")
     backend = _backend(args.world)
     results = spawn(_worker, args.world, args=(args,), timeout=3000, backend=backend)
     if args.dump:

@@ -112,8 +112,9 @@ def _torch(args, sp: bool, world: int):
         bplan = {
             # The block's input arrives as a plain tensor (seq layout); converting it once per module makes
             # the column-parallel matmuls share one input collective (forward gather / backward reduction).
-            "attention": PrepareModuleInput(input_layouts=(seq, None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
+            # (attention's inputs: x, cos, sin, the KV cache and the documents; only x is distributed)
+            "attention": PrepareModuleInput(input_layouts=(seq, None, None, None, None),
+                                            desired_input_layouts=(Replicate(), None, None, None, None)),
             "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
             "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=seq),
