@@ -261,7 +261,7 @@ def measure_axis_work(hw: Hardware, steps: int = 4, rounds: int = 7) -> tuple[di
             lines.append(f"  {name:<12} {size:<5} measured {secs[(size, name)] * 1e3:6.1f} ms (plain DP "
                          f"{secs[base] * 1e3:6.1f}), predicted {pred[(size, name)] * 1e3:6.1f} ms "
                          f"({pred[base] * 1e3:6.1f}): {extra * 1e3:+.2f} ms")
-        out[name] = fit_axis_work(points, AXIS_TERMS[name])
+        out[name] = fit_axis_work(points, AXIS_TERMS[name], noise=[secs[(size, name)] for size in AXIS_SIZES])
         lines.append(f"  {name:<12} fitted: {out[name][0] * 1e3:.2f} ms per block call + "
                      f"{out[name][1] * 1e9:.2f} ns per activation element + {out[name][2] * 1e3:.2f} ms per "
                      f"microbatch + {out[name][3] * 1e9:.2f} ns per block parameter + {out[name][4] * 1e9:.2f} ns per "

@@ -262,6 +262,32 @@ def test_axis_work_fit_separates_its_terms():
     shrinking = [([2, 2e5, 1.0, 0.0], 6e-3), ([2, 8e5, 1.0, 0.0], 2e-3), ([4, 4e5, 1.0, 0.0], 5e-3)]
     assert all(v >= 0 for v in fit_axis_work(shrinking)) and fit_axis_work(shrinking)[1] == 0.0
     assert fit_axis_work([([2, 2e5, 1.0, 1.0], -3e-3), ([4, 4e5, 1.0, 1.0], -1e-3)]) == [0.0] * 4
+    assert fit_axis_work(points, noise=[0.05] * 4) == pytest.approx([a, b, c, d])  # exact data: any weighting
+
+
+def test_axis_work_fit_weighs_each_figure_by_the_steps_it_is_measured_against():
+    """A figure is a difference of two measured steps, so its noise is a share of those steps, not of itself. The
+    ring's four figures of a real calibration (2026-11-28 00:35 UTC, this machine; verbatim): the deep size's +0.63
+    ms, half the small size's though it runs twice the blocks, is a difference lost in its 63 ms steps. Weighed by
+    each figure itself (the old fit) it decides the fit, and the per-score work comes out 0 (cp2 was then predicted
+    30% fast); weighed by the steps, the per-score term is kept, near the 14.8 ns/score of the previous calibration."""
+    from meshtrain.calibrate import _axis_configs
+    from meshtrain.config import load_config
+    from meshtrain.plan.check import layout_of
+    from meshtrain.plan.costfit import fit_axis_work
+    from meshtrain.plan.steptime import axis_features, tokens_per_microbatch
+
+    measured = {"small": (2.53, 36.4), "large": (25.57, 102.9), "deep": (0.63, 63.2), "wide": (4.45, 58.6)}  # ms
+    points, steps = [], []
+    for size, (extra, step) in measured.items():
+        cfg = load_config(None, _axis_configs()[(size, "cp")])
+        lay = layout_of(cfg, 2)
+        t = tokens_per_microbatch(cfg.train.global_batch, cfg.train.seq_len, lay)
+        points.append((axis_features(cfg.model, lay, t, cfg.train.seq_len), extra * 1e-3))
+        steps.append(step * 1e-3)
+    assert fit_axis_work(points, (0, 1, 4))[4] == 0.0
+    weighed = fit_axis_work(points, (0, 1, 4), noise=steps)
+    assert 8e-9 < weighed[4] < 15e-9, weighed
 
 
 def test_check_run_compares_calls(tmp_path):

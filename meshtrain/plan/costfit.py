@@ -149,25 +149,35 @@ def fit_collective_ops(samples: list[tuple[str, float, float, float]]) -> dict[s
     return out
 
 
-def fit_axis_work(points: list[tuple[list[float], float]], allowed: tuple[int, ...] | None = None) -> list[float]:
+def fit_axis_work(points: list[tuple[list[float], float]], allowed: tuple[int, ...] | None = None,
+                  noise: list[float] | None = None) -> list[float]:
     """Non-negative coefficients of one axis's runtime work from (features, seconds) measurements
     (``calibrate.measure_axis_work``: features = ``steptime.axis_features`` x microbatches, seconds per step): of
     every subset of the ``allowed`` terms (default all), the non-negative least-squares fit with the least squared
-    relative error; the others 0; all 0 when nothing positive fits."""
-    usable = [(x, y) for x, y in points if y > 0]
+    error, each point's residual divided by its ``noise`` scale; the others 0; all 0 when nothing positive fits.
+
+    ``noise``: what each point's figure is measured against, the axis run's step seconds (the figure is a difference
+    of two such steps, so its noise is a share of them). Without it, each residual is relative to the figure itself
+    and only positive figures count: a figure near zero, a difference lost in the steps' noise, then outweighs every
+    other point (one such point of four once set the ring's per-score work to 0 and predicted cp2 30% fast)."""
+    if noise is None:
+        usable = [(x, y, y) for x, y in points if y > 0]
+    else:
+        usable = [(x, y, scale) for (x, y), scale in zip(points, noise, strict=True)]
     k = len(points[0][0]) if points else 0
     terms = tuple(range(k)) if allowed is None else allowed
-    best, best_err = [0.0] * k, float(len(usable))  # all 0: every point's relative error is -1
+    b = np.array([y / scale for _, y, scale in usable])
+    best, best_err = [0.0] * k, float((b ** 2).sum())  # all 0
     if not usable:
         return best
     for n in range(1, len(terms) + 1):
         for cols in itertools.combinations(terms, n):
-            a = np.array([[x[c] / y for c in cols] for x, y in usable])
-            sol, *_ = np.linalg.lstsq(a, np.ones(len(usable)), rcond=None)
+            a = np.array([[x[c] / scale for c in cols] for x, _, scale in usable])
+            sol, *_ = np.linalg.lstsq(a, b, rcond=None)
             if (sol < 0).any():
                 continue
-            err = float(((a @ sol - 1.0) ** 2).sum())
-            if err < best_err - 1e-12:
+            err = float(((a @ sol - b) ** 2).sum())
+            if err < best_err - 1e-12 * max(best_err, 1e-30):
                 best, best_err = [0.0] * k, err
                 for c, v in zip(cols, sol, strict=True):
                     best[c] = float(v)
