@@ -1,7 +1,8 @@
 """The step-time and memory estimate of one layout, per optimizer step on the critical rank:
 
 - each pipeline stage action costs its matmul time (roofline of FLOPs at ``efficiency`` x peak and HBM
-  traffic) plus its tensor-parallel collectives (on the critical path) plus the ring-attention transfers not
+  traffic) plus its tensor-parallel collectives (on the critical path, less what SP's backward runs beside its
+  column layers' matmuls where the hardware overlaps: ``tp_hidden_backward``) plus the ring-attention transfers not
   hidden behind attention; backward is twice forward, plus a forward for full recompute;
 - the pipeline is run by the simulator (``plan/simulator.py``) with those costs and the p2p
   time of one activation: its makespan holds the bubble and the p2p waits; without pp it is microbatches x
