@@ -239,7 +239,8 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
     and the collectives on the critical path (TP/SP, EP all-to-alls, CP's exchanges: ``cp_block_time``)."""
     cfg, hw, prec = problem.model, problem.hw, problem.precision
     T, tp, cp = problem.seq_len, lay.tp, lay.cp
-    C, eff = hw.bf16_flops, (1.0 if hw.measured_steps else problem.efficiency)  # a measured rate is reached
+    C = hw.bf16_flops
+    eff = matmul_rate(problem) / C  # a calibrated profile's measured rate is reached as it is
     d = cfg.d_model
 
     # --- compute of one stage action (the slowest stage; interleaved ranks run v chunks of it)
@@ -298,7 +299,7 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
     if lay.recompute == "full":
         tp_b += tp_f  # the recomputed forward repeats its collectives
     if overlaps(hw, problem.devices):
-        tp_b -= layers_max * sum(tp_hidden_backward(problem, lay, t, tp_link, C * eff).values())
+        tp_b -= layers_max * sum(tp_hidden_backward(problem, lay, t, tp_link, matmul_rate(problem)).values())
 
     # --- expert parallelism: dispatch and combine all-to-alls on the critical path, per MoE block
     ep_link = group_link(hw, lay.ep, tp, 1)
