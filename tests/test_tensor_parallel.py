@@ -195,13 +195,21 @@ def _gather_linear_worker(rank, world_size):
             gathered = comm.METER.snapshot()["tp"]["all_gather"]["bytes"]
             out[(bf16, regather)] = ((y, ref[..., rows]), (xs.grad, ref_x.grad[:, seq]),
                                      (layer.weight.grad, ref_w.grad[rows]), gathered)
-    out["backward order"] = _regather_backward_order(x[:, seq], w[rows], c[:, :, rows], group)
+        # Without SP: every rank holds the whole input and gets the whole (all-reduced) input gradient.
+        xf = x.clone().requires_grad_()
+        layer = ColumnParallelLinear(w[rows].clone(), group, sp=False)
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            y = layer(xf)
+        (y.float() * c[:, :, rows]).sum().backward()
+        out[("no sp", bf16)] = ((y, ref[..., rows]), (xf.grad, ref_x.grad), (layer.weight.grad, ref_w.grad[rows]))
+    out["backward order"] = _backward_order(x[:, seq], w[rows], c[:, :, rows], group, sp=True)
+    out["backward order, no sp"] = _backward_order(x, w[rows], c[:, :, rows], group, sp=False)
     return out
 
 
-def _regather_backward_order(x, w, c, group):
-    """What a re-gathering column-parallel layer's backward does, in order: its collectives' launches and waits
-    and its matmuls (by output shape)."""
+def _backward_order(x, w, c, group, sp):
+    """What a column-parallel layer's backward does, in order (re-gathering under ``sp``): its collectives'
+    launches and waits and its matmuls (by output shape)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     events, handles = [], {}
@@ -222,8 +230,8 @@ def _regather_backward_order(x, w, c, group):
         return call
 
     real_wait = comm.Handle.wait
-    patched = {"all_gather": comm.all_gather, "reduce_scatter": comm.reduce_scatter}
-    layer = ColumnParallelLinear(w.clone(), group, sp=True, regather=True)
+    patched = {"all_gather": comm.all_gather, "reduce_scatter": comm.reduce_scatter, "all_reduce": comm.all_reduce}
+    layer = ColumnParallelLinear(w.clone(), group, sp=sp, regather=True)
     xs = x.clone().requires_grad_()
     y = layer(xs)
     try:
@@ -248,6 +256,15 @@ def test_column_parallel_regather_equals_one_device():
         # weight-gradient matmul ([6, 16], this rank's rows).
         assert out.pop("backward order") == [("all_gather", "start"), ("mm", (16, 16)), ("reduce_scatter", "start"),
                                              ("all_gather", "wait"), ("mm", (6, 16)), ("reduce_scatter", "wait")]
+        # Without SP, the input gradient's all-reduce with the weight-gradient matmul.
+        assert out.pop("backward order, no sp") == [("mm", (16, 16)), ("all_reduce", "start"), ("mm", (6, 16)),
+                                                    ("all_reduce", "wait")]
+        for bf16 in (False, True):
+            rtol = 2e-2 if bf16 else 1e-5
+            for what, (got, want) in zip(("output", "input grad", "weight grad"), out.pop(("no sp", bf16)),
+                                         strict=True):
+                err = (got.float() - want.float()).norm() / want.float().norm()
+                assert got.dtype == want.dtype and err <= rtol, (rank, bf16, "no sp", what, float(err))
         for (bf16, regather), (*pairs, gathered) in out.items():
             rtol = 2e-2 if bf16 else 1e-5  # bf16 keeps 8 mantissa bits; fp32 differs by summation order only
             for what, (got, want) in zip(("output", "input grad", "weight grad"), pairs, strict=True):

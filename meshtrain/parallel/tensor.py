@@ -187,6 +187,44 @@ class _GatherLinear(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
+class _CopyLinear(torch.autograd.Function):
+    """f and column-parallel matmul in one (no SP): ``F.linear(copy_to_tp(x), w)``, whose backward starts the input
+    gradient's all-reduce as soon as that gradient is computed and computes the weight gradient while it runs
+    (Megatron's asynchronous tensor-parallel communication), where ``copy_to_tp``'s all-reduce could only start
+    after the whole linear backward. Autocast and a zero-bubble pipeline's ``wgrad`` as ``_GatherLinear``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group: AxisGroup,
+                wgrad: WeightGradStore | None = None) -> torch.Tensor:
+        dev = x.device.type
+        cast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        xc, w = (x, weight) if cast is None else (x.to(cast), weight.to(cast))
+        ctx.group, ctx.x_dtype, ctx.w_dtype = group, x.dtype, weight.dtype
+        ctx.param, ctx.wgrad = weight, wgrad
+        ctx.save_for_backward(xc, w)
+        return F.linear(xc, w)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, w = ctx.saved_tensors
+        grad_x = g.matmul(w.to(g.dtype)).to(ctx.x_dtype)  # a fresh tensor: reduced in place
+        reducing = comm.all_reduce(grad_x, ctx.group, async_op=True)
+        if ctx.wgrad is not None and ctx.wgrad.armed():
+            ctx.wgrad.put(ctx.param, x, g)
+            grad_w = None
+        else:  # under the all-reduce
+            grad_w = g.reshape(-1, g.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]).to(g.dtype))
+            grad_w = grad_w.to(ctx.w_dtype)
+        reducing.wait()
+        return grad_x, grad_w, None, None
+
+
+@torch.compiler.disable  # as deferred_linear: the backward reads whether the store is armed
+def _deferred_copy_linear(x: torch.Tensor, weight: torch.Tensor, group: AxisGroup,
+                          wgrad: WeightGradStore) -> torch.Tensor:
+    return _CopyLinear.apply(x, weight, group, wgrad)
+
+
 @torch.compiler.disable  # as deferred_linear: the backward reads whether the store is armed
 def _deferred_gather_linear(x: torch.Tensor, weight: torch.Tensor, group: AxisGroup,
                             wgrad: WeightGradStore) -> torch.Tensor:
@@ -256,10 +294,12 @@ class Sharder:
 
 
 class ColumnParallelLinear(nn.Module, Deferrable):
-    """y[..., out/tp] = enter(x) @ W[rows of this rank]^T. ``enter`` is f (or the SP all-gather); with SP and
-    ``regather`` (``parallel.sp_regather``) backward gathers the sequence shard again instead of keeping the
-    gathered input (``_GatherLinear``). In a zero-bubble pipeline (``wgrad`` set) W computes the weight gradient
-    (a bias's, a sum over tokens, comes with the input gradient). ``bias``: this rank's rows of it, or None."""
+    """y[..., out/tp] = enter(x) @ W[rows of this rank]^T. ``enter`` is f (or the SP all-gather). Without SP the
+    input gradient's all-reduce runs beside the weight-gradient matmul (``_CopyLinear``); with SP and ``regather``
+    (``parallel.sp_regather``) backward gathers the sequence shard again instead of keeping the gathered input,
+    each collective beside a matmul (``_GatherLinear``). In a zero-bubble pipeline (``wgrad`` set) W computes the
+    weight gradient (a bias's, a sum over tokens, comes with the input gradient). ``bias``: this rank's rows of it,
+    or None."""
 
     def __init__(self, weight: torch.Tensor, group: AxisGroup, sp: bool, regather: bool = False,
                  bias: torch.Tensor | None = None) -> None:
@@ -273,10 +313,12 @@ class ColumnParallelLinear(nn.Module, Deferrable):
 
     def matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """enter(x) @ weight^T, for this layer's weight or a fused one (QKV, gate/up) sharing its entry."""
-        if self.regather and self.group.size > 1:
+        if self.group.size > 1 and (self.regather or not self.sp):
+            fused, deferred = (_GatherLinear, _deferred_gather_linear) if self.sp else \
+                (_CopyLinear, _deferred_copy_linear)
             if self.wgrad is not None:
-                return _deferred_gather_linear(x, weight, self.group, self.wgrad)
-            return _GatherLinear.apply(x, weight, self.group)
+                return deferred(x, weight, self.group, self.wgrad)
+            return fused.apply(x, weight, self.group)
         if self.wgrad is not None:
             return deferred_linear(self.enter(x), weight, self.wgrad)
         return F.linear(self.enter(x), weight)
