@@ -146,9 +146,10 @@ def tp_comm_bytes(cfg: ModelConfig, tp: int, sp: bool, tokens: int, grad_accum: 
     return {k: v for k, v in out.items() if v}
 
 
-# The SP backward collectives a column-parallel layer runs beside its own matmuls (``parallel/tensor.py``'s
-# ``_GatherLinear``, with ``sp_regather``): the re-gather of its input under the input-gradient matmul, then the
-# input gradient's reduce-scatter under the weight-gradient matmul. By ``tp_layer_collectives``' names: the layer.
+# The backward collectives a column-parallel layer runs beside its own matmuls (``parallel/tensor.py``): with SP
+# (``_GatherLinear``, with ``sp_regather``) the re-gather of its input under the input-gradient matmul, then the
+# input gradient's reduce-scatter under the weight-gradient matmul; without SP (``_CopyLinear``) the input gradient's
+# all-reduce under the weight-gradient matmul. By ``tp_layer_collectives``' names: the layer.
 TP_BESIDE_MATMUL = {"attention in (seq re-gather)": "attention", "attention in grad": "attention",
                     "mlp in (seq re-gather)": "mlp", "mlp in grad": "mlp"}
 
@@ -161,10 +162,10 @@ def tp_layer_collectives(tokens: int, d_model: int, tp: int, sp: bool, act_bytes
     Without SP: all-reduce after the attention and after the MLP (row-parallel outputs) in forward, and of
     the input gradients of both column-parallel entries in backward. With SP each becomes a reduce-scatter
     plus an all-gather of the same activation (the same wire bytes), and with ``sp_regather`` backward all-gathers
-    each column-parallel input again. Seed 000 counts them all on the critical path; with SP and ``sp_regather``
-    the runtime runs two per column layer beside its matmuls (``TP_BESIDE_MATMUL``), which the step time hides
-    where the hardware overlaps (``steptime.tp_hidden_backward``). Summed over layers this is ``tp_comm_bytes``
-    without its embedding, head, loss and norm terms.
+    each column-parallel input again. Seed 000 counts them all on the critical path; the runtime runs a column
+    layer's backward ones (with SP and ``sp_regather`` two, without SP one) beside its matmuls
+    (``TP_BESIDE_MATMUL``), which the step time hides where the hardware overlaps (``steptime.tp_hidden_backward``).
+    Summed over layers this is ``tp_comm_bytes`` without its embedding, head, loss and norm terms.
 
     Dtypes as ``tp_comm_bytes``: every activation and gradient is ``act_bytes`` per element (the compute dtype).
     ``mlp_tp=False`` (a MoE block, as ``tp_comm_bytes``): the attention's collectives only.

@@ -1,7 +1,7 @@
 """The step-time and memory estimate of one layout, per optimizer step on the critical rank:
 
 - each pipeline stage action costs its matmul time (roofline of FLOPs at ``efficiency`` x peak and HBM
-  traffic) plus its tensor-parallel collectives (on the critical path, less what SP's backward runs beside its
+  traffic) plus its tensor-parallel collectives (on the critical path, less what backward runs beside its
   column layers' matmuls where the hardware overlaps: ``tp_hidden_backward``) plus the ring-attention transfers not
   hidden behind attention; backward is twice forward, plus a forward for full recompute;
 - the pipeline is run by the simulator (``plan/simulator.py``) with those costs and the p2p
@@ -339,13 +339,13 @@ def tp_column_matmul_time(cfg: ModelConfig, t: int, tp: int, rate: float) -> dic
 
 
 def tp_hidden_backward(problem: Problem, lay: Layout, t: int, link: Link, rate: float) -> dict[str, float]:
-    """Seconds of one block's SP backward collectives hidden behind a matmul where the hardware runs both at once
-    (``overlaps``), by ``tp_layer_collectives``' name: a column layer's re-gather under its input-gradient matmul,
-    its input gradient's reduce-scatter under its weight-gradient matmul (``comm_bytes.TP_BESIDE_MATMUL``), each
-    hidden up to that matmul's time (``tp_column_matmul_time`` at ``rate``). Nothing without SP: the runtime's
-    input-gradient all-reduce follows both matmuls."""
+    """Seconds of one block's TP backward collectives hidden behind a matmul where the hardware runs both at once
+    (``overlaps``), by ``tp_layer_collectives``' name (``comm_bytes.TP_BESIDE_MATMUL``): with SP a column layer's
+    re-gather under its input-gradient matmul and its input gradient's reduce-scatter under its weight-gradient
+    matmul; without SP its input gradient's all-reduce under its weight-gradient matmul. Each is hidden up to that
+    matmul's time (``tp_column_matmul_time`` at ``rate``)."""
     cfg, prec = problem.model, problem.precision
-    if not lay.sp or lay.tp <= 1:
+    if lay.tp <= 1:
         return {}
     matmul = tp_column_matmul_time(cfg, t, lay.tp, rate)
     out = {}
