@@ -11,14 +11,17 @@ Theirs is what a user tuning DTensor TP would write (``parallelize_module``):
   (Shard(1) -> Replicate) before attention and feed-forward; ``loss_parallel`` on both rows.
 
 Ours runs with ``parallel.sp_regather`` as configured by default (column-parallel inputs gathered again in
-backward); the third row compares that with keeping the gathered inputs (ours against ours), which is
-what re-gathering costs in time. The script first counts the DTensor side's collectives in one step and
-asserts its input collectives are one per block entry, like ours; in every round it asserts both sides
-computed the same run (first-step loss within 1e-5 relative, every step within 1e-3: fp32 summation order
-differs, so trajectories drift apart slowly). Rounds alternate ours/theirs/theirs/ours, a barrier precedes
-every timed step (and a device sync on CUDA); the device is the machine's (CUDA + NCCL with a GPU per
-rank, else CPU + gloo). Reported: the median over rounds of ours/theirs (median step over median step,
-the slowest rank's), and the per-round min-max; ``--runs`` repeats it in fresh process groups.
+backward); the third row compares that with keeping the gathered inputs (ours against ours), which is what
+re-gathering costs in time. The fourth (ours against ours, no SP) compares the column-parallel layers'
+input-gradient all-reduce started beside the weight-gradient matmul (``_CopyLinear``) with the same layers built
+from separate pieces, ``copy_to_tp`` then ``F.linear``, whose all-reduce starts after both matmuls. The script
+first counts the DTensor side's collectives in one step and asserts its input collectives are one per block entry,
+like ours; in every round it asserts both sides computed the same run (first-step loss within 1e-5 relative, every
+step within 1e-3: fp32 summation order differs, so trajectories drift apart slowly). Rounds alternate
+ours/theirs/theirs/ours, a barrier precedes every timed step (and a device sync on CUDA); the device is the
+machine's (CUDA + NCCL with a GPU per rank, else CPU + gloo). Reported: the median over rounds of ours/theirs
+(median step over median step, the slowest rank's), and the per-round min-max; ``--runs`` repeats it in fresh
+process groups.
 
     python benchmarks/tp_vs_torch.py [--steps 14] [--warmup 4] [--rounds 5] [--runs 1] [--d-model 256]
 """
@@ -36,7 +39,7 @@ from meshtrain import comm
 from meshtrain.config import ModelConfig, ParallelConfig, TrainConfig
 from meshtrain.mesh import Mesh
 from meshtrain.model.llama import build_model
-from meshtrain.parallel.tensor import apply_tensor_parallel
+from meshtrain.parallel.tensor import ColumnParallelLinear, VocabParallelHead, apply_tensor_parallel, copy_to_tp
 from meshtrain.rules import rules_for
 from meshtrain.train.data import SyntheticDataset
 from meshtrain.train.optim import build_adamw, model_params
@@ -45,7 +48,20 @@ ROWS = {
     "tp": "TP vs DTensor TP + PrepareModuleInput",
     "sp": "TP + SP (re-gather) vs DTensor TP + SequenceParallel",
     "regather": "TP + SP re-gather vs TP + SP kept inputs (ours vs ours)",
+    "async": "TP input-grad all-reduce beside the weight-grad matmul vs after it (ours vs ours)",
 }
+
+
+class _AfterLinear(ColumnParallelLinear):
+    """The column-parallel layer from separate pieces: f, then the matmul (its backward all-reduces the input
+    gradient after the linear's whole backward)."""
+
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp(x, self.group), weight)
+
+
+class _AfterLinearHead(VocabParallelHead):
+    matmul = _AfterLinear.matmul
 
 
 def _cfg(args) -> ModelConfig:
@@ -58,12 +74,19 @@ def _batches(args, device: torch.device):
     return [tuple(t.to(device) for t in data.batch(0, s, args.batch, args.seq)) for s in range(args.steps)]
 
 
-def _ours(args, sp: bool, regather: bool, world: int):
-    """Build our TP model; returns one training step (-> loss) per batch."""
+def _ours(args, sp: bool, regather: bool, world: int, after_linear: bool = False):
+    """Build our TP model (``after_linear``: its column-parallel layers from separate pieces, ``_AfterLinear``);
+    returns one training step (-> loss) per batch."""
     device = bench_device()
     model = build_model(_cfg(args), seed=0).to(device)
     tp = apply_tensor_parallel(model, Mesh(tp=world, device=device), rules_for(ParallelConfig(tp=world, sp=sp)),
                                sp=sp, sp_regather=regather)
+    if after_linear:
+        swap = {ColumnParallelLinear: _AfterLinear, VocabParallelHead: _AfterLinearHead}
+        columns = [m for m in model.modules() if type(m) in swap]
+        assert len(columns) == 5 * args.layers + 1, len(columns)  # wq, wk, wv, w1, w3 a block, and the head
+        for m in columns:
+            m.__class__ = swap[type(m)]
     params = model_params(model, tp.placements)
     opt = build_adamw(params, TrainConfig())
     replicated = [op.tensor for op in params if op.replicas > 1]
@@ -176,10 +199,11 @@ def _their_input_collectives(args, sp: bool, world: int) -> dict[str, int]:
 
 def _run(args, side: str, row: str, world: int) -> tuple[list[float], list[float]]:
     """One side of one row: (step seconds after warm-up, every step's loss)."""
-    if side == "theirs" and row != "regather":
+    if side == "theirs" and row in ("tp", "sp"):
         step = _torch(args, row == "sp", world)
     else:
-        step = _ours(args, sp=row != "tp", regather=not (row == "regather" and side == "theirs"), world=world)
+        step = _ours(args, sp=row in ("sp", "regather"), regather=not (row == "regather" and side == "theirs"),
+                     world=world, after_linear=row == "async" and side == "theirs")
     times, losses = [], []
     for x, y in _batches(args, bench_device()):
         loss, sec = timed_step(lambda x=x, y=y: step(x, y))

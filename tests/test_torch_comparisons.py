@@ -17,7 +17,8 @@ RUNS = {
     "dp_vs_torch.py": (["--layers", "2", "--batch", "2"],
                        ["| DP vs DDP", "| ZeRO-3 vs FSDP2 fully_shard", "both sides computed the same run"]),
     "tp_vs_torch.py": (["--layers", "1", "--batch", "2"],
-                       ["| TP vs DTensor TP", "| TP + SP (re-gather) vs DTensor TP + SequenceParallel"]),
+                       ["| TP vs DTensor TP", "| TP + SP (re-gather) vs DTensor TP + SequenceParallel",
+                        "| TP input-grad all-reduce beside the weight-grad matmul vs after it"]),
     "pp_vs_torch.py": (["--layers", "4", "--batch", "8", "--microbatches", "4", "--schedules", "1f1b,dualpipev"],
                        ["| 1f1b vs Schedule1F1B", "| dualpipev vs ScheduleDualPipeV"]),
 }
