@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from meshtrain.config import ModelConfig
-from meshtrain.plan.comm_bytes import TP_BESIDE_MATMUL, tp_layer_collectives
+from meshtrain.plan.comm_bytes import TP_BESIDE_MATMUL, tp_comm_bytes, tp_layer_collectives
 from meshtrain.plan.hardware import Hardware, get_hardware
 from meshtrain.plan.memory import run_precision
 from meshtrain.plan.network import group_link
@@ -120,3 +120,38 @@ def test_on_an_h100_node_the_mlp_hides_its_sp_backward_collectives_and_attention
     est = evaluate(problem, Layout(dp=1, tp=8, sp=True, microbatches=8), with_collectives=True)
     marks = {c.what.removeprefix("bwd: "): c.critical for c in est.collectives if c.axis == "tp"}
     assert [marks[w] for w in REGATHERS] == ["partly", "partly", "overlapped", "overlapped"]
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_recompute_repeats_the_block_collectives_the_runtime_repeats(sp):
+    """Recompute, full or selective, reruns each block's forward in backward up to the input of its last matmul:
+    every forward tp collective but the MLP's exit runs again (``comm_bytes.tp_comm_bytes``, which the comm meter
+    checks exactly). The step's tp time grows by exactly those, per block and microbatch, and by the same bytes the
+    byte model adds; explain counts them twice. The embedding's and the loss's collectives are not rerun."""
+    hw = _host(8)
+    t = 8 // 2 // 2 * 1024
+    link = group_link(hw, 4, 1)
+    rows = tp_layer_collectives(t, MODEL.d_model, 4, sp, 2)
+    again = [(what, op, nbytes) for what, op, nbytes, phase in rows if phase == "fwd" and what != "mlp out"]
+    assert len(again) == (3 if sp else 1)
+    base = evaluate(_problem(hw), Layout(tp=4, dp=2, sp=sp, microbatches=2)).step.tp
+    extra = 2 * MODEL.n_layers * sum(op_time(hw, op, nbytes, link) for _, op, nbytes in again)
+    more = tp_comm_bytes(MODEL, 4, sp, t, grad_accum=2, act_bytes=2, recompute=True)
+    less = tp_comm_bytes(MODEL, 4, sp, t, grad_accum=2, act_bytes=2)
+    assert sum(more.values()) - sum(less.values()) == 2 * MODEL.n_layers * sum(nbytes for *_, nbytes in again)
+    for recompute in ("selective", "full"):
+        est = evaluate(_problem(hw), Layout(tp=4, dp=2, sp=sp, microbatches=2, recompute=recompute),
+                       with_collectives=True)
+        assert est.step.tp - base == pytest.approx(extra, rel=1e-9), recompute
+        calls = {c.what: c.calls for c in est.collectives if c.axis == "tp"}
+        twice = {f"fwd: {what}" for what, *_ in again}
+        assert {w for w, n in calls.items() if n == 2 * calls["fwd: mlp out"]} == twice, (recompute, calls)
+
+
+def test_recompute_repeats_the_forward_all_to_alls():
+    """An MoE block's forward all-to-alls (counts, dispatch, combine) run again under recompute, full or selective
+    (``comm_bytes.ep_calls``): the step's ep time is the same under both, and more than without."""
+    moe = replace(MODEL, moe_experts=4, moe_top_k=2)
+    ep = {rc: evaluate(_problem(_host(8), moe), Layout(dp=4, ep=4, microbatches=2, recompute=rc)).step.ep
+          for rc in ("none", "selective", "full")}
+    assert ep["selective"] == pytest.approx(ep["full"], rel=1e-12) and ep["selective"] > ep["none"] > 0

@@ -3,7 +3,8 @@
 - each pipeline stage action costs its matmul time (roofline of FLOPs at ``efficiency`` x peak and HBM
   traffic) plus its tensor-parallel collectives (on the critical path, less what backward runs beside its
   column layers' matmuls where the hardware overlaps: ``tp_hidden_backward``) plus the ring-attention transfers not
-  hidden behind attention; backward is twice forward, plus a forward for full recompute;
+  hidden behind attention; backward is twice forward, plus a forward for full recompute, and under recompute
+  (full or selective) the block collectives the rerun forward issues again (``tp_recomputed``, EP's all-to-alls);
 - the pipeline is run by the simulator (``plan/simulator.py``) with those costs and the p2p
   time of one activation: its makespan holds the bubble and the p2p waits; without pp it is microbatches x
   (F + B);
@@ -267,6 +268,9 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
         redo_s = 2 * max(redo, 0.0) * t * prec.act / hw.hbm_bw  # HBM-bound
     t_layer += axis_block_time(hw, lay, cfg, t, T) / 3  # the parallel runtime's own work, a third of it forward
     t_head += axis_microbatch_time(hw, lay, cfg) / 3
+    if cfg.moe_experts and tp > 1 and not lay.sp:
+        # MoE blocks are not split by tp: without SP every tp rank runs them on the same tokens.
+        t_layer += t * 2.0 * param_count(cfg).active_mlp / cfg.n_layers * (1 - 1 / tp) / (C * eff)
     stage_f = [blocks[s] * t_layer + (t_head if s == n_stages - 1 else 0.0) for s in range(n_stages)]
     f_c = max(stage_f)
     layers_max = max(blocks)
@@ -275,20 +279,16 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
         b_c += f_c
     elif lay.recompute == "selective":  # element-wise ops rerun
         b_c += layers_max * redo_s
-    if cfg.moe_experts and tp > 1 and not lay.sp:
-        # MoE blocks are not split by tp: without SP every tp rank runs them on the same tokens.
-        t_layer += t * 2.0 * param_count(cfg).active_mlp / cfg.n_layers * (1 - 1 / tp) / (C * eff)
-        stage_f = [blocks[s] * t_layer + (t_head if s == n_stages - 1 else 0.0) for s in range(n_stages)]
-        f_c = max(stage_f)
-        b_c = 2 * f_c + (f_c if lay.recompute == "full" else 0.0)
 
     # --- tensor parallelism: every collective on the critical path
     tp_link = group_link(hw, tp, 1)
     tp_f = tp_b = 0.0
-    for _, op, nbytes, phase in tp_layer_collectives(t, d, tp, lay.sp, prec.act, mlp_tp=not cfg.moe_experts):
+    for what, op, nbytes, phase in tp_layer_collectives(t, d, tp, lay.sp, prec.act, mlp_tp=not cfg.moe_experts):
         dt = op_time(hw, op, nbytes, tp_link) * layers_max
         if phase == "fwd":
             tp_f += dt
+            if tp_recomputed(lay, what, phase):
+                tp_b += dt
         else:
             tp_b += dt
     if tp > 1:  # embedding output / head input gradient: one more activation each way (under SP a reduce-scatter
@@ -296,8 +296,6 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
         tp_f += op_time(hw, "all_reduce", t * d * prec.act, tp_link, metered=2 if lay.sp else 1) \
             + op_time(hw, "all_reduce", 3 * 4 * t, tp_link, calls=3)
         tp_b += op_time(hw, "all_reduce", t * d * prec.act, tp_link, metered=3 if lay.sp else 1)
-    if lay.recompute == "full":
-        tp_b += tp_f  # the recomputed forward repeats its collectives
     if overlaps(hw, problem.devices):
         tp_b -= layers_max * sum(tp_hidden_backward(problem, lay, t, tp_link, matmul_rate(problem)).values())
 
@@ -308,7 +306,7 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
     # forward: the per-expert counts, dispatch and combine (3 calls); backward: the two row exchanges reversed
     ep_f = layers_max * op_time(hw, "all_to_all", a2a["fwd"], ep_link, calls=2, metered=3)
     ep_b = layers_max * op_time(hw, "all_to_all", a2a["bwd"], ep_link, calls=2)
-    if lay.recompute == "full":
+    if lay.recompute != "none":  # the block's forward runs again in backward, its exchanges with it
         ep_b += ep_f
 
     # --- context parallelism: the ring's transfers hidden behind attention where they fit, the others exposed
@@ -319,6 +317,13 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
     if lay.recompute == "full":
         cp_b += cp_f  # the recomputed forward exchanges again
     return StageAction(blocks, f_c, b_c, tp_f, tp_b, ep_f, ep_b, cp_f, cp_b, tp_link, cp_link, ring, attn_f)
+
+
+def tp_recomputed(lay: Layout, what: str, phase: str) -> bool:
+    """Whether recompute (full or selective) runs block collective ``what`` of ``tp_layer_collectives`` again in
+    backward. The block's forward is rerun up to the last activation backward needs, the input of its final matmul
+    (``comm_bytes.tp_comm_bytes``, which the comm meter checks): every forward collective but the MLP's exit."""
+    return lay.recompute != "none" and phase == "fwd" and what != "mlp out"
 
 
 def matmul_rate(problem: Problem) -> float:
@@ -589,7 +594,7 @@ def _collectives(problem: Problem, lay: Layout, t: int, layers: int, tp_link: Li
         if overlaps(problem.hw, problem.devices) else {}
     for what, op, nbytes, phase in tp_layer_collectives(t, cfg.d_model, lay.tp, lay.sp, prec.act,
                                                         mlp_tp=not cfg.moe_experts):
-        calls = per_step * (2 if (lay.recompute == "full" and phase == "fwd") else 1)
+        calls = per_step * (2 if tp_recomputed(lay, what, phase) else 1)
         sec = op_time(problem.hw, op, nbytes, tp_link)
         where = "yes" if what not in hidden else "overlapped" if hidden[what] >= sec else "partly"
         out.append(Collective("tp", op, f"{phase}: {what}", lay.tp, nbytes, sec, calls, where))
@@ -603,7 +608,7 @@ def _collectives(problem: Problem, lay: Layout, t: int, layers: int, tp_link: Li
         link = group_link(problem.hw, lay.ep, lay.tp, 1)
         for phase in ("fwd", "bwd"):
             for what in ("dispatch", "combine"):
-                calls = per_step * (2 if (lay.recompute == "full" and phase == "fwd") else 1)
+                calls = per_step * (2 if (lay.recompute != "none" and phase == "fwd") else 1)
                 out.append(Collective("ep", "all_to_all", f"{phase}: {what} (tokens x top_k rows)", lay.ep, rows,
                                       op_time(problem.hw, "all_to_all", rows, link), calls, "yes"))
     if lay.pp > 1:
