@@ -43,14 +43,17 @@ from meshtrain.plan.check import step_time_check  # noqa: E402
 from meshtrain.plan.hardware import get_hardware  # noqa: E402
 
 MOE = ["model.moe_experts=4", "model.moe_top_k=2"]
-# (name, processes, overrides of configs/small.yaml): every axis (cp with each attention), two pipeline schedules,
-# 2 and 4 processes.
+# (name, processes, overrides of configs/small.yaml): every axis (cp with each attention; tp with and without SP, and
+# under both recomputes, which rerun its forward collectives), three pipeline schedules, 2 and 4 processes.
 LAYOUTS: list[tuple[str, int, list[str]]] = [
     ("dp2 zero0", 2, ["parallel.zero=0"]),
     ("dp2 zero1", 2, ["parallel.zero=1"]),
     ("dp2 zero3", 2, ["parallel.zero=3"]),
     ("dp2 zero2 accum4", 2, ["parallel.zero=2", "train.grad_accum=4"]),
+    ("tp2", 2, ["parallel.tp=2"]),
     ("tp2+sp", 2, ["parallel.tp=2", "parallel.sp=true"]),
+    ("tp2+sp rc=selective", 2, ["parallel.tp=2", "parallel.sp=true", "train.recompute=selective"]),
+    ("tp2+sp rc=full", 2, ["parallel.tp=2", "parallel.sp=true", "train.recompute=full"]),
     ("pp2 1f1b m4", 2, ["parallel.pp=2", "parallel.schedule=1f1b", "parallel.microbatches=4"]),
     ("pp2 zb-h1 m4", 2, ["parallel.pp=2", "parallel.schedule=zb-h1", "parallel.microbatches=4"]),
     ("pp2 interleaved(v2) m4", 2, ["parallel.pp=2", "parallel.schedule=interleaved", "parallel.microbatches=4",
