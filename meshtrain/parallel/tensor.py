@@ -143,6 +143,21 @@ class _ScatterSeq(torch.autograd.Function):
         return _all_gather_seq(g, ctx.group), None
 
 
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast computes matmuls in on ``x``'s device, or None outside autocast."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+
+
+def _weight_grad_or_defer(ctx, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
+    """A fused column layer's weight gradient g^T x (in the output gradient's dtype, returned in the weight's), or,
+    inside a zero-bubble pipeline's I action (``ctx.wgrad`` armed), None with (weight, x, g) stashed for W."""
+    if ctx.wgrad is not None and ctx.wgrad.armed():
+        ctx.wgrad.put(ctx.param, x, g)
+        return None
+    return g.reshape(-1, g.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]).to(g.dtype)).to(ctx.w_dtype)
+
+
 class _GatherLinear(torch.autograd.Function):
     """SP entry and column-parallel matmul in one, keeping only the sequence shard for backward (Megatron).
 
@@ -158,8 +173,7 @@ class _GatherLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group: AxisGroup,
                 wgrad: WeightGradStore | None = None) -> torch.Tensor:
-        dev = x.device.type
-        cast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        cast = _autocast_dtype(x)
         w = weight if cast is None else weight.to(cast)
         ctx.group, ctx.x_dtype, ctx.w_dtype = group, x.dtype, weight.dtype
         ctx.param, ctx.wgrad = weight, wgrad  # the tensor itself for W (pipeline/wgrad.py: saved ones are aliases)
@@ -176,13 +190,7 @@ class _GatherLinear(torch.autograd.Function):
         grad_in = g.matmul(w.to(g.dtype))  # under the all-gather
         grad_x, scattering = _start_reduce_scatter_seq(grad_in.to(ctx.x_dtype), ctx.group)
         gathering.wait()
-        full = _in_sequence_order(stacked, ctx.group.size)
-        if ctx.wgrad is not None and ctx.wgrad.armed():
-            ctx.wgrad.put(ctx.param, full, g)  # W computes g^T full, as below
-            grad_w = None
-        else:  # under the reduce-scatter
-            grad_w = g.reshape(-1, g.shape[-1]).t().matmul(full.reshape(-1, full.shape[-1]).to(g.dtype))
-            grad_w = grad_w.to(ctx.w_dtype)
+        grad_w = _weight_grad_or_defer(ctx, _in_sequence_order(stacked, ctx.group.size), g)  # under the RS
         scattering.wait()
         return grad_x, grad_w, None, None
 
@@ -196,8 +204,7 @@ class _CopyLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group: AxisGroup,
                 wgrad: WeightGradStore | None = None) -> torch.Tensor:
-        dev = x.device.type
-        cast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        cast = _autocast_dtype(x)
         xc, w = (x, weight) if cast is None else (x.to(cast), weight.to(cast))
         ctx.group, ctx.x_dtype, ctx.w_dtype = group, x.dtype, weight.dtype
         ctx.param, ctx.wgrad = weight, wgrad
@@ -209,12 +216,7 @@ class _CopyLinear(torch.autograd.Function):
         x, w = ctx.saved_tensors
         grad_x = g.matmul(w.to(g.dtype)).to(ctx.x_dtype)  # a fresh tensor: reduced in place
         reducing = comm.all_reduce(grad_x, ctx.group, async_op=True)
-        if ctx.wgrad is not None and ctx.wgrad.armed():
-            ctx.wgrad.put(ctx.param, x, g)
-            grad_w = None
-        else:  # under the all-reduce
-            grad_w = g.reshape(-1, g.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]).to(g.dtype))
-            grad_w = grad_w.to(ctx.w_dtype)
+        grad_w = _weight_grad_or_defer(ctx, x, g)  # under the all-reduce
         reducing.wait()
         return grad_x, grad_w, None, None
 
