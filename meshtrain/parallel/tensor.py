@@ -48,7 +48,7 @@ from meshtrain.model.layers import Documents, compute_dtype, gated
 from meshtrain.model.llama import Attention, Block, FeedForward, attend, heads_with_rope
 from meshtrain.parallel.cross_entropy import lean_cross_entropy
 from meshtrain.parallel.pieces import Placement, Placements, TPSlice
-from meshtrain.parallel.pipeline.wgrad import Deferrable, WeightGradStore, deferred_linear
+from meshtrain.parallel.pipeline.wgrad import Deferrable, WeightGradStore, deferred_linear, weight_grad
 from meshtrain.rules import Rules, check_executable, tp_dim
 
 # ----------------------------------------------------------------------------- the f / g operators
@@ -150,12 +150,12 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
 
 
 def _weight_grad_or_defer(ctx, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
-    """A fused column layer's weight gradient g^T x (in the output gradient's dtype, returned in the weight's), or,
-    inside a zero-bubble pipeline's I action (``ctx.wgrad`` armed), None with (weight, x, g) stashed for W."""
+    """A fused column layer's weight gradient g^T x (``pipeline/wgrad.weight_grad``, as W computes it), or, inside a
+    zero-bubble pipeline's I action (``ctx.wgrad`` armed), None with (weight, x, g) stashed for W."""
     if ctx.wgrad is not None and ctx.wgrad.armed():
         ctx.wgrad.put(ctx.param, x, g)
         return None
-    return g.reshape(-1, g.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]).to(g.dtype)).to(ctx.w_dtype)
+    return weight_grad(x, g, ctx.param)
 
 
 class _GatherLinear(torch.autograd.Function):
@@ -175,7 +175,7 @@ class _GatherLinear(torch.autograd.Function):
                 wgrad: WeightGradStore | None = None) -> torch.Tensor:
         cast = _autocast_dtype(x)
         w = weight if cast is None else weight.to(cast)
-        ctx.group, ctx.x_dtype, ctx.w_dtype = group, x.dtype, weight.dtype
+        ctx.group, ctx.x_dtype = group, x.dtype
         ctx.param, ctx.wgrad = weight, wgrad  # the tensor itself for W (pipeline/wgrad.py: saved ones are aliases)
         ctx.save_for_backward(x if cast is None else x.to(cast), w)
         full = _all_gather_seq(x, group)
@@ -206,7 +206,7 @@ class _CopyLinear(torch.autograd.Function):
                 wgrad: WeightGradStore | None = None) -> torch.Tensor:
         cast = _autocast_dtype(x)
         xc, w = (x, weight) if cast is None else (x.to(cast), weight.to(cast))
-        ctx.group, ctx.x_dtype, ctx.w_dtype = group, x.dtype, weight.dtype
+        ctx.group, ctx.x_dtype = group, x.dtype
         ctx.param, ctx.wgrad = weight, wgrad
         ctx.save_for_backward(xc, w)
         return F.linear(xc, w)

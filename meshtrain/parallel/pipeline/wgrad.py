@@ -41,7 +41,7 @@ class WeightGradStore:
         """The W action: every stashed weight gradient of ``key``, accumulated through autograd."""
         grads: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
         for w, x, g in self.stash.pop(key, []):
-            gw = _weight_grad(x, g, w)
+            gw = weight_grad(x, g, w)
             if id(w) in grads:
                 grads[id(w)] = (w, grads[id(w)][1] + gw)
             else:
@@ -52,7 +52,7 @@ class WeightGradStore:
         self.applied += len(grads)
 
 
-def _weight_grad(x: torch.Tensor, g: torch.Tensor, weight: nn.Parameter) -> torch.Tensor:
+def weight_grad(x: torch.Tensor, g: torch.Tensor, weight: nn.Parameter) -> torch.Tensor:
     """dL/dW = g^T x in the dtype the forward's matmul ran in (the output gradient's: bf16 under autocast, as
     autocast's own linear backward computes it; an fp32 matmul is ~4x slower on a bf16-capable CPU, and slower
     still against a GPU's bf16 tensor cores), returned in the weight's dtype for its fp32 accumulation."""
@@ -77,7 +77,7 @@ class _DeferredLinear(torch.autograd.Function):
         if ctx.store.armed():
             ctx.store.put(ctx.param, x, g)
             return grad_x, None, None
-        return grad_x, _weight_grad(x, g, weight), None
+        return grad_x, weight_grad(x, g, weight), None
 
 
 # Eager under torch.compile (a clean graph break, like the collectives): the backward reads whether the store is
