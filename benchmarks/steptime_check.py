@@ -50,6 +50,7 @@ LAYOUTS: list[tuple[str, int, list[str]]] = [
     ("dp2 zero1", 2, ["parallel.zero=1"]),
     ("dp2 zero3", 2, ["parallel.zero=3"]),
     ("dp2 zero2 accum4", 2, ["parallel.zero=2", "train.grad_accum=4"]),
+    ("dp2 rc=selective", 2, ["parallel.zero=0", "train.recompute=selective"]),
     ("tp2", 2, ["parallel.tp=2"]),
     ("tp2+sp", 2, ["parallel.tp=2", "parallel.sp=true"]),
     ("tp2+sp rc=selective", 2, ["parallel.tp=2", "parallel.sp=true", "train.recompute=selective"]),

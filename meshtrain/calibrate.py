@@ -15,10 +15,10 @@ way a worker does:
    call back to back is the host work of one call (``call_s``), which the planner charges per call;
 3. a large tensor copy (the memory bandwidth, for the planner's HBM-bound terms);
 4. the parallel runtime's own work per axis (``measure_axis_work``): a calibration model trained a few steps through
-   the real ``Trainer`` / ``parallelize()`` on 2 processes as plain DP and with tp+SP, ring cp, MoE+ep, ZeRO-3 and
-   a zero-bubble pipeline (its split backward), at four sizes (more tokens, more blocks, wider blocks); what each
-   axis costs beyond plain DP and beyond what the terms above price for it, per block call, per activation element,
-   per microbatch and per block parameter, is ``Hardware.axis_block_s``.
+   the real ``Trainer`` / ``parallelize()`` on 2 processes as plain DP and with tp+SP, ring cp, MoE+ep, ZeRO-3,
+   a zero-bubble pipeline (its split backward) and selective recompute (its policy), at four sizes (more tokens,
+   more blocks, wider blocks); what each axis costs beyond plain DP and beyond what the terms above price for it,
+   per block call, per activation element, per microbatch and per block parameter, is ``Hardware.axis_block_s``.
 
 More processes than cores share them: the planner slows every process by ``devices / cores`` (``plan/steptime.py``).
 Measuring needs processes and collectives (``meshtrain.testing.spawn``, ``meshtrain.comm``), so this module sits at
@@ -184,7 +184,8 @@ AXIS_SIZES = {"small": ["train.seq_len=128", "model.max_seq_len=128", "train.glo
 AXIS_RUNS = {"base": ["parallel.zero=0"], "tp": ["parallel.tp=2", "parallel.sp=true"], "cp": ["parallel.cp=2"],
              "cp_ulysses": ["parallel.cp=2", "parallel.cp_attention=ulysses"],
              "moe": ["model.moe_experts=4", "model.moe_top_k=2", "parallel.ep=2"], "zero3": ["parallel.zero=3"],
-             "zb": ["parallel.pp=2", "parallel.schedule=zb-h1", "parallel.microbatches=4"]}
+             "zb": ["parallel.pp=2", "parallel.schedule=zb-h1", "parallel.microbatches=4"],
+             "selective": ["parallel.zero=0", "train.recompute=selective"]}
 # Which terms of ``steptime.axis_features`` (0 per block call, 1 per activation element, 2 per microbatch, 3 per block
 # parameter, 4 per attention score) each axis's work can have, from what its runtime does: four sizes fitted to four
 # free terms fit their noise (TP's extrapolated to +47% on the demo model). TP: autograd functions per call,
@@ -192,13 +193,15 @@ AXIS_RUNS = {"base": ["parallel.zero=0"], "tp": ["parallel.tp=2", "parallel.sp=t
 # per-expert loop; ZeRO-3: flat-buffer gathers and frees of the block's parameters; zero-bubble: the deferred weight
 # gradients (their activations and parameters); context parallelism: ring and all-gather attention run each chunk
 # pair's attention and its online-softmax merge apart (scores, activations), Ulysses packs, reorders and slices q,
-# k, v and the output around its all-to-alls (activations). Without the score term the ring's work, fitted at
-# 128-256 tokens, came out 3x too small on the demo model's 8 heads (cp2 predicted 31% fast). All-gather attention
+# k, v and the output around its all-to-alls (activations); selective recompute: its policy, a Python dispatch mode
+# that sees every op of a block's forward and of its rerun (per call), and the element-wise rerun beyond what
+# ``elem_s`` prices (activations). Without the score term the ring's work, fitted at 128-256 tokens, came out 3x too
+# small on the demo model's 8 heads (cp2 predicted 31% fast). All-gather attention
 # runs the ring's per-chunk attention and merges: measured on its own it fitted 15.12 ns per score against the
 # ring's 14.76 (2026-11-27), so it is priced as the ring (``steptime._axis_work``) and the demo's first calibration
 # spends no run on it.
 AXIS_TERMS = {"tp": (0, 1, 2), "cp": (0, 1, 4), "cp_ulysses": (0, 1, 4), "moe": (0, 1, 2), "zero3": (0, 3),
-              "zb": (0, 1, 3)}
+              "zb": (0, 1, 3), "selective": (0, 1)}
 
 
 def _axis_configs() -> dict[tuple[str, str], list[str]]:

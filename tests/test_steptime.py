@@ -233,18 +233,22 @@ def test_axis_work_is_priced_per_block_of_the_axes_used():
     """The runtime's own work per axis (``axis_block_s``, measured by ``--calibrate`` through parallelize) adds its
     seconds to a layout that uses the axis, and nothing to one that does not: a part per block call, one per
     activation element (the rank's tokens per microbatch x d_model), one per microbatch, one per parameter of a
-    block (the rank's tp share); an older profile's single number is per block call."""
+    block (the rank's tp share); an older profile's single number is per block call. Selective recompute's policy
+    (a Python dispatch mode over every op of a block's forward and its rerun) is priced the same way; full
+    recompute, which has no policy, is not."""
     from meshtrain.plan.units import block_params
 
     cfg = replace(load_config("configs/small.yaml").model, vocab_size=257)
-    work = {"tp": [1e-3, 2e-9, 5e-3], "cp": 2e-3, "zero3": [4e-3, 0.0, 0.0, 3e-9]}
+    work = {"tp": [1e-3, 2e-9, 5e-3], "cp": 2e-3, "zero3": [4e-3, 0.0, 0.0, 3e-9], "selective": [6e-3, 7e-9]}
     plain = Problem(cfg, 256, 16, _profile(), 1, precision=MESHTRAIN_BF16)
     priced = replace(plain, hw=replace(_profile(), axis_block_s=work))
     elems = 16 * 256 * cfg.d_model  # the rank's tokens x d_model with dp = 1, one microbatch
     L, P = cfg.n_layers, block_params(cfg)
     for lay, want in ((Layout(dp=2), 0.0), (Layout(dp=1, tp=2, sp=True), L * (1e-3 + 2e-9 * elems) + 5e-3),
                       (Layout(dp=1, cp=2), L * 2e-3), (Layout(dp=2, zero=3), L * (4e-3 + 3e-9 * P)),
-                      (Layout(dp=1, tp=2, sp=True, microbatches=2), L * (2 * 1e-3 + 2e-9 * elems) + 2 * 5e-3)):
+                      (Layout(dp=1, tp=2, sp=True, microbatches=2), L * (2 * 1e-3 + 2e-9 * elems) + 2 * 5e-3),
+                      (Layout(dp=2, recompute="selective"), L * (6e-3 + 7e-9 * elems / 2)),
+                      (Layout(dp=2, recompute="full"), 0.0)):
         extra = evaluate(priced, lay).step.compute - evaluate(plain, lay).step.compute
         assert extra == pytest.approx(want, rel=1e-9, abs=1e-12), lay.describe()
 

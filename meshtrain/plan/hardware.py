@@ -144,9 +144,8 @@ class Hardware:
     call_s: float = 0.0
     # The parallel runtime's own work per block call and microbatch that the single-process steps do not contain
     # (``--calibrate`` times short runs through ``parallelize()`` on 2 processes at four sizes): {"tp", "cp" (ring and
-    # all-gather), "cp_ulysses", "moe", "zero3", "zb": [s per block call, per activation element, per microbatch,
-    # per block parameter, per attention score]}
-    # (``steptime.axis_features``).
+    # all-gather), "cp_ulysses", "moe", "zero3", "zb", "selective" (recompute's policy): [s per block call, per
+    # activation element, per microbatch, per block parameter, per attention score]} (``steptime.axis_features``).
     axis_block_s: dict = field(default_factory=dict)
 
     @property

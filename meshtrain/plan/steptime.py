@@ -25,7 +25,8 @@ calls; parameters and a fixed cost for the optimizer step), divides each process
 processes than cores run (``Hardware.shared_by``), and hides no communication behind compute when every core is busy
 computing (``overlaps``). There every collective costs its op's own measured latency and bandwidth plus the host
 work of each call the comm meter counts (``op_time``; the calls per step are ``comm_bytes.py``'s ``*_calls``), and
-each block of a layout using tp, cp, MoE+ep or ZeRO-3 the runtime's own work that axis adds (``axis_block_time``).
+each block of a layout using tp, cp, MoE+ep, ZeRO-3, a zero-bubble schedule or selective recompute the runtime's
+own work that axis adds (``axis_block_time``).
 """
 
 from __future__ import annotations
@@ -138,7 +139,8 @@ def _axes_used(lay: Layout, cfg: ModelConfig) -> list[str]:
     return [axis for axis, on in (("tp", lay.tp > 1), (cp_axis, lay.cp > 1),
                                   ("moe", bool(cfg.moe_experts) and lay.ep > 1),
                                   ("zero3", lay.zero == 3 and lay.dp * lay.cp > 1),
-                                  ("zb", lay.pp > 1 and lay.schedule in ("zb-h1", "dualpipev"))) if on]
+                                  ("zb", lay.pp > 1 and lay.schedule in ("zb-h1", "dualpipev")),
+                                  ("selective", lay.recompute == "selective")) if on]
 
 
 def _axis_work(hw: Hardware, lay: Layout, cfg: ModelConfig) -> list[tuple[float, ...]]:
@@ -159,7 +161,8 @@ def axis_block_time(hw: Hardware, lay: Layout, cfg: ModelConfig, t: float, seq_l
     rank and microbatch, as ``--calibrate`` measured it through ``parallelize()`` (``hw.axis_block_s``; empty for the
     datasheet presets): TP's autograd functions, ring attention's per-chunk attention and merges, MoE routing and
     the expert exchange's bookkeeping, ZeRO-3's flat-buffer gathers and reshards, a zero-bubble schedule's split
-    backward (input gradients first, weight gradients deferred); context parallelism's by its attention (``cp``
+    backward (input gradients first, weight gradients deferred), selective recompute's policy (a Python dispatch
+    mode over every op of the forward and its rerun); context parallelism's by its attention (``cp``
     for the ring, ``cp_allgather``, ``cp_ulysses``: the per-chunk attention and merges grow with the scores). Per
     axis: a part per block call, one per activation element (``t x d_model``), one per parameter of the block (the
     rank's tp share) and one per attention score (``axis_features``); the part per microbatch is
