@@ -38,19 +38,20 @@ def _problem(hw: Hardware, seq_len: int = 1024, sequences: int = 8, model: Model
 
 
 @pytest.mark.parametrize("attention", ["ring", "allgather", "ulysses"])
-@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_each_attention_costs_its_metered_bytes_and_calls(attention, recompute):
     """With no overlap and no latency, the CP part of the step is exactly its bytes on the wire over the bandwidth
     plus its counted calls' host work, where bytes and calls are the comm meter's model of that attention: a send
     moves its payload once, an all-gather, reduce-scatter or all-to-all (cp-1)/cp of it; a receive is the send's
-    other end (no bytes of its own, a call of its own). Full recompute exchanges the forward's again."""
+    other end (no bytes of its own, a call of its own). Recompute, full or selective, exchanges the forward's
+    again."""
     problem = _problem(_cpu())
     lay = Layout(dp=2, cp=4, microbatches=2, recompute=recompute, cp_attention=attention)
     t = 8 // 2 // 2 * 1024 // 4  # tokens per microbatch per rank
     est = evaluate(problem, lay, with_collectives=True)
-    full = recompute == "full"
-    nbytes = cp_comm_bytes(MODEL, 4, 1, t, attention, MODEL.n_layers, 2, 2, full)
-    calls = cp_calls(4, attention, MODEL.n_layers, 2, full)
+    rerun = recompute != "none"
+    nbytes = cp_comm_bytes(MODEL, 4, 1, t, attention, MODEL.n_layers, 2, 2, rerun)
+    calls = cp_calls(4, attention, MODEL.n_layers, 2, rerun)
     wire = sum(b * (1.0 if op == "send" else 0.0 if op == "recv" else 3 / 4) for (_, op), b in nbytes.items())
     want = wire / BW + sum(calls.values()) * CALL
     assert est.step.cp == pytest.approx(want, rel=1e-9)
@@ -74,6 +75,29 @@ def test_the_ring_hides_behind_attention_where_the_others_cannot():
     # the same profile with idle cores lets attention hide the ring (the CPU ring at 1e11 FLOP/s hides partly)
     idle = _problem(_cpu(cores=64))
     assert evaluate(idle, Layout(dp=2, cp=4)).step.cp < ring.step.cp
+
+
+def test_selective_recompute_reruns_the_ring_with_no_attention_to_hide_behind():
+    """Where the ring hides wholly behind attention (32K tokens on GPUs), full recompute's rerun hides too (its
+    forward computes attention again), but selective keeps attention's outputs, so the rerun's hops are exposed:
+    exactly one forward's ring exchanges per block and microbatch, and explain names them as on the critical path."""
+    from meshtrain.plan.comm_bytes import cp_ring_bytes
+    from meshtrain.plan.network import group_link
+    from meshtrain.plan.steptime import op_time
+
+    hw = get_hardware("h100")
+    model = replace(MODEL, d_model=4096, n_heads=32, n_kv_heads=8)
+    gpu = _problem(hw, 32768, 8, model)
+    cp = 4
+    t = 8 // 2 * 32768 // cp
+    est = {rc: evaluate(gpu, Layout(dp=2, cp=cp, recompute=rc), with_collectives=True)
+           for rc in ("none", "selective", "full")}
+    assert est["none"].step.cp == 0.0 and est["full"].step.cp == 0.0
+    fwd = cp_ring_bytes(t, model, cp, 1, 2)["fwd"]
+    hop = op_time(hw, "send", fwd, group_link(hw, cp, 1, 1), cp - 1, 2 * (cp - 1))
+    assert est["selective"].step.cp == pytest.approx(model.n_layers * hop, rel=1e-9)
+    rows = [c for c in est["selective"].collectives if c.axis == "cp" and c.critical == "yes"]
+    assert len(rows) == 1 and rows[0].seconds == pytest.approx(hop) and rows[0].calls == model.n_layers
 
 
 def test_search_tries_ulysses_where_the_heads_split_and_emits_it(tmp_path):

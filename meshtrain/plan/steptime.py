@@ -4,7 +4,8 @@
   traffic) plus its tensor-parallel collectives (on the critical path, less what backward runs beside its
   column layers' matmuls where the hardware overlaps: ``tp_hidden_backward``) plus the ring-attention transfers not
   hidden behind attention; backward is twice forward, plus a forward for full recompute, and under recompute
-  (full or selective) the block collectives the rerun forward issues again (``tp_recomputed``, EP's all-to-alls);
+  (full or selective) the block collectives the rerun forward issues again (``tp_recomputed``, EP's all-to-alls,
+  CP's exchanges: exposed under selective, which keeps attention's outputs and so has no attention to hide them);
 - the pipeline is run by the simulator (``plan/simulator.py``) with those costs and the p2p
   time of one activation: its makespan holds the bubble and the p2p waits; without pp it is microbatches x
   (F + B);
@@ -318,7 +319,9 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
     attn_f = t * attention_flops_per_token(cfg, T) / cfg.n_layers / tp / (C * eff)
     cp_f, cp_b = (layers_max * x for x in cp_block_time(problem, lay, t, cp_link, attn_f))
     if lay.recompute == "full":
-        cp_b += cp_f  # the recomputed forward exchanges again
+        cp_b += cp_f  # the recomputed forward exchanges again, beside its attention again
+    elif lay.recompute == "selective":  # exchanges again, but attention's outputs are kept: nothing to hide behind
+        cp_b += layers_max * cp_block_time(problem, lay, t, cp_link, 0.0)[0]
     return StageAction(blocks, f_c, b_c, tp_f, tp_b, ep_f, ep_b, cp_f, cp_b, tp_link, cp_link, ring, attn_f)
 
 
@@ -646,7 +649,7 @@ def _cp_collectives(problem: Problem, lay: Layout, t: int, link: Link, ring: dic
     if lay.cp <= 1:
         return []
     cfg, hw, prec, cp, tp = problem.model, problem.hw, problem.precision, lay.cp, lay.tp
-    again = 2 if lay.recompute == "full" else 1  # forward exchanges rerun by the recomputed forward
+    again = 2 if lay.recompute != "none" else 1  # forward exchanges rerun by the recomputed forward
     q_elems, kv = cp_block_elems(cfg, t, tp)
     if lay.cp_attention == "ulysses":
         q, qkv = q_elems * prec.act, (q_elems + kv) * prec.act
@@ -661,10 +664,14 @@ def _cp_collectives(problem: Problem, lay: Layout, t: int, link: Link, ring: dic
                 Collective("cp", "reduce_scatter", "bwd: dK/dV (fp32)", cp, cp * kv * 4,
                            op_time(hw, "reduce_scatter", cp * kv * 4, link), per_step, "yes")]
     out = []
+    full = 2 if lay.recompute == "full" else 1  # full's rerun has its attention again to hide behind
     for phase, factor in (("fwd", 1.0), ("bwd", 2.0)):
         hops = int(factor) * (cp - 1)
         sec = op_time(hw, "send", ring[phase], link, hops, 2 * hops)
         hidden = sec <= factor * attn_f
         out.append(Collective("cp", "send", f"{phase}: ring K/V ({cp - 1} hops)", cp, ring[phase], sec,
-                              per_step * (again if phase == "fwd" else 1), "overlapped" if hidden else "partly"))
+                              per_step * (full if phase == "fwd" else 1), "overlapped" if hidden else "partly"))
+    if lay.recompute == "selective":  # attention's outputs are kept: its rerun exchanges have nothing beside them
+        out.append(Collective("cp", "send", f"bwd: ring K/V again, selective recompute ({cp - 1} hops)", cp,
+                              ring["fwd"], out[0].seconds, per_step, "yes"))
     return out
