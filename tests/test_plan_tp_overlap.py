@@ -155,3 +155,34 @@ def test_recompute_repeats_the_forward_all_to_alls():
     ep = {rc: evaluate(_problem(_host(8), moe), Layout(dp=4, ep=4, microbatches=2, recompute=rc)).step.ep
           for rc in ("none", "selective", "full")}
     assert ep["selective"] == pytest.approx(ep["full"], rel=1e-12) and ep["selective"] > ep["none"] > 0
+
+
+def test_sp_without_regather_saves_the_backward_gathers_and_keeps_the_gathered_inputs():
+    """``parallel.sp_regather=false`` (the column layers keep their gathered input instead of gathering it again in
+    backward) reaches the planner through ``layout_of``: on the busy host each block and microbatch loses exactly
+    its two re-gathers and the head's re-gather call, the activations grow by exactly what ``activation_bytes``
+    says the kept inputs take, and the emitted config keeps the setting."""
+    from meshtrain.config import load_config
+    from meshtrain.plan.check import layout_of
+    from meshtrain.plan.memory import activation_bytes
+    from meshtrain.plan.search import to_config
+
+    problem = _problem(_host(8))
+    regather = Layout(tp=4, dp=2, sp=True, microbatches=2)
+    kept = replace(regather, sp_regather=False)
+    est = {lay.sp_regather: evaluate(problem, lay, with_collectives=True) for lay in (regather, kept)}
+    t, mb = 8 // 2 // 2 * 1024, 2
+    link = group_link(problem.hw, 4, 1)
+    gathers = {what: op_time(problem.hw, op, nbytes, link)
+               for what, op, nbytes, _ in tp_layer_collectives(t, MODEL.d_model, 4, True, 2) if "re-gather" in what}
+    assert len(gathers) == 2
+    saved = mb * (MODEL.n_layers * sum(gathers.values()) + CALL)  # the head's re-gather: one metered call fewer
+    assert est[True].step.tp - est[False].step.tp == pytest.approx(saved, rel=1e-9)
+    assert not any("re-gather" in c.what for c in est[False].collectives)
+    grown = (activation_bytes(MODEL, t, MODEL.n_layers, "none", 4, True, 2, sp_regather=False)
+             - activation_bytes(MODEL, t, MODEL.n_layers, "none", 4, True, 2))
+    assert grown > 0
+    assert est[False].memory["activations"] - est[True].memory["activations"] == pytest.approx(grown, rel=1e-9)
+    cfg = load_config(None, ["parallel.tp=4", "parallel.sp=true", "parallel.sp_regather=false"])
+    assert layout_of(cfg, 4).sp_regather is False and layout_of(cfg, 4).describe().startswith("dp1 tp4+sp(kept)")
+    assert to_config(problem, kept).parallel.sp_regather is False

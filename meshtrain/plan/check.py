@@ -225,7 +225,7 @@ def layout_of(cfg: Config, world_size: int):
                   dp_shard=p.dp_shard, sp=p.sp, schedule=p.schedule if p.pp > 1 else "1f1b",
                   virtual=p.virtual_stages if p.pp > 1 else 1,
                   microbatches=p.microbatches if p.pp > 1 else t.grad_accum, recompute=t.recompute,
-                  cp_attention=p.cp_attention if p.cp > 1 else "ring")
+                  cp_attention=p.cp_attention if p.cp > 1 else "ring", sp_regather=p.sp_regather or not p.sp)
 
 
 def predict_step_time(cfg: Config, world_size: int, hw: Hardware):

@@ -69,7 +69,9 @@ class Problem:
 class Layout:
     """One way to lay the job on the cluster. ``microbatches`` are the pipeline microbatches when pp > 1,
     else the gradient-accumulation steps; ``dp_shard`` 0 shards ZeRO over all of dp (else HSDP groups);
-    ``cp_attention`` is how context parallelism exchanges attention's inputs (``parallel.cp_attention``)."""
+    ``cp_attention`` is how context parallelism exchanges attention's inputs (``parallel.cp_attention``);
+    ``sp_regather`` whether SP's column-parallel layers gather their input again in backward rather than keep it
+    (``parallel.sp_regather``; the search keeps the runtime's default)."""
 
     dp: int
     tp: int = 1
@@ -84,6 +86,7 @@ class Layout:
     microbatches: int = 1
     recompute: str = "none"
     cp_attention: str = "ring"  # parallel.cp_attention: ring | allgather | ulysses (only read when cp > 1)
+    sp_regather: bool = True  # parallel.sp_regather (only read with sp)
 
     @property
     def world(self) -> int:
@@ -100,7 +103,8 @@ class Layout:
         if self.dp > 1:
             parts.append(f"zero{self.zero}" + (f"/hsdp{self.dp_shard}" if self.dp_shard else ""))
         if self.tp > 1:
-            parts.append(f"tp{self.tp}" + ("+sp" if self.sp else ""))
+            parts.append(f"tp{self.tp}" + ("+sp" if self.sp else "") + ("(kept)" if self.sp and not self.sp_regather
+                                                                         else ""))
         if self.cp > 1:
             parts.append(f"cp{self.cp}" + (f"({self.cp_attention})" if self.cp_attention != "ring" else ""))
         if self.ep > 1:

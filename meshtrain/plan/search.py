@@ -192,7 +192,7 @@ def to_config(problem: Problem, layout: Layout) -> Config:
     t.grad_accum = layout.microbatches if layout.pp == 1 else 1
     t.attention_mask = "document" if problem.documents else "causal"
     p.dp, p.tp, p.pp, p.cp, p.ep = layout.dp, layout.tp, layout.pp, layout.cp, layout.ep
-    p.zero, p.dp_shard, p.sp = layout.zero, layout.dp_shard, layout.sp
+    p.zero, p.dp_shard, p.sp, p.sp_regather = layout.zero, layout.dp_shard, layout.sp, layout.sp_regather
     if layout.cp > 1:
         p.cp_attention = layout.cp_attention
     if layout.pp > 1:

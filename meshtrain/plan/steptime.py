@@ -287,7 +287,8 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
     # --- tensor parallelism: every collective on the critical path
     tp_link = group_link(hw, tp, 1)
     tp_f = tp_b = 0.0
-    for what, op, nbytes, phase in tp_layer_collectives(t, d, tp, lay.sp, prec.act, mlp_tp=not cfg.moe_experts):
+    for what, op, nbytes, phase in tp_layer_collectives(t, d, tp, lay.sp, prec.act, lay.sp_regather,
+                                                        mlp_tp=not cfg.moe_experts):
         dt = op_time(hw, op, nbytes, tp_link) * layers_max
         if phase == "fwd":
             tp_f += dt
@@ -299,7 +300,8 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
         # and an all-gather, and the head's input re-gathered in backward), and the loss's three small all-reduces
         tp_f += op_time(hw, "all_reduce", t * d * prec.act, tp_link, metered=2 if lay.sp else 1) \
             + op_time(hw, "all_reduce", 3 * 4 * t, tp_link, calls=3)
-        tp_b += op_time(hw, "all_reduce", t * d * prec.act, tp_link, metered=3 if lay.sp else 1)
+        tp_b += op_time(hw, "all_reduce", t * d * prec.act, tp_link,
+                        metered=(3 if lay.sp_regather else 2) if lay.sp else 1)
     if overlaps(hw, problem.devices):
         tp_b -= layers_max * sum(tp_hidden_backward(problem, lay, t, tp_link, matmul_rate(problem)).values())
 
@@ -360,7 +362,7 @@ def tp_hidden_backward(problem: Problem, lay: Layout, t: int, link: Link, rate: 
         return {}
     matmul = tp_column_matmul_time(cfg, t, lay.tp, rate)
     out = {}
-    for what, op, nbytes, phase in tp_layer_collectives(t, cfg.d_model, lay.tp, lay.sp, prec.act,
+    for what, op, nbytes, phase in tp_layer_collectives(t, cfg.d_model, lay.tp, lay.sp, prec.act, lay.sp_regather,
                                                         mlp_tp=not cfg.moe_experts):
         if phase == "bwd" and what in TP_BESIDE_MATMUL:
             out[what] = min(op_time(problem.hw, op, nbytes, link), matmul[TP_BESIDE_MATMUL[what]])
@@ -541,7 +543,7 @@ def memory(problem: Problem, lay: Layout, t: int, act: StageAction, units: list[
     # the mask covers whole rows: T per token on one device, cp x T per local token under Ulysses
     mask_len = problem.seq_len * (lay.cp if lay.cp_attention == "ulysses" else 1)
     mem["activations"] = activation_bytes(cfg, t, act.layers, lay.recompute, tp, lay.sp, prec.act, inflight,
-                                          masked=masked, seq_len=mask_len) \
+                                          sp_regather=lay.sp_regather, masked=masked, seq_len=mask_len) \
         + t * cfg.d_model * prec.act * inflight  # each stage's input hidden state
     if lay.cp > 1 and lay.cp_attention == "ulysses" and lay.recompute == "none":
         # Ulysses keeps its attention output twice: in head order for SDPA's backward, in sequence order for wo's
@@ -598,7 +600,7 @@ def _collectives(problem: Problem, lay: Layout, t: int, layers: int, tp_link: Li
     per_step = mc * layers * lay.virtual  # block-level calls per step on this rank
     hidden = tp_hidden_backward(problem, lay, t, tp_link, matmul_rate(problem)) \
         if overlaps(problem.hw, problem.devices) else {}
-    for what, op, nbytes, phase in tp_layer_collectives(t, cfg.d_model, lay.tp, lay.sp, prec.act,
+    for what, op, nbytes, phase in tp_layer_collectives(t, cfg.d_model, lay.tp, lay.sp, prec.act, lay.sp_regather,
                                                         mlp_tp=not cfg.moe_experts):
         calls = per_step * (2 if tp_recomputed(lay, what, phase) else 1)
         sec = op_time(problem.hw, op, nbytes, tp_link)
