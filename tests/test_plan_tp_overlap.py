@@ -186,3 +186,24 @@ def test_sp_without_regather_saves_the_backward_gathers_and_keeps_the_gathered_i
     cfg = load_config(None, ["parallel.tp=4", "parallel.sp=true", "parallel.sp_regather=false"])
     assert layout_of(cfg, 4).sp_regather is False and layout_of(cfg, 4).describe().startswith("dp1 tp4+sp(kept)")
     assert to_config(problem, kept).parallel.sp_regather is False
+
+
+def test_full_recompute_reruns_each_block_up_to_its_mlp_exit_and_never_the_head():
+    """Full recompute reruns each block's forward in backward, stopping before a dense block's MLP exit matmul
+    (non-reentrant checkpointing's early stop: nothing needs that matmul's output; ``tests/test_recompute.py`` counts
+    the runtime's matmuls) and never rerunning the head, which is outside the blocks: on the roofline the step's
+    compute grows by exactly microbatches x layers x (a block's forward less its 2·t·d·F/tp exit matmul). A MoE
+    block reruns whole (its combine's output is kept for the router weights' gradient)."""
+    from meshtrain.plan.steptime import layer_compute_time, matmul_rate
+
+    for model, tp in ((MODEL, 4), (replace(MODEL, moe_experts=4, moe_top_k=2), 1)):
+        problem = _problem(_host(8), model)
+        lay = Layout(tp=tp, dp=8 // tp, sp=tp > 1, microbatches=2)
+        t = 8 // lay.dp // 2 * 1024
+        rate = matmul_rate(problem)
+        block = layer_compute_time(model, t, 1024, problem.hw.bf16_flops, problem.hw.hbm_bw, tp,
+                                   rate / problem.hw.bf16_flops)
+        exit_matmul = 0.0 if model.moe_experts else 2 * t * model.d_model * model.hidden_dim / tp / rate
+        assert 0 < exit_matmul < block or model.moe_experts
+        none, full = (evaluate(problem, replace(lay, recompute=rc)).step.compute for rc in ("none", "full"))
+        assert full - none == pytest.approx(2 * model.n_layers * (block - exit_matmul), rel=1e-9), model.moe_experts

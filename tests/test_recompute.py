@@ -179,3 +179,36 @@ def test_wraps_a_forward_already_patched_on_the_instance() -> None:
     x = _tokens()
     cross_entropy_sum(model(x), x).backward()
     assert len(calls) == 2  # forward, then recomputation in backward
+
+
+def _matmuls(model: torch.nn.Module) -> tuple[int, int]:
+    """(matmuls of the forward, matmuls of forward and backward together) of one step of ``model``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            Count.n += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+            return func(*args, **(kwargs or {}))
+
+    x = _tokens()
+    with Count():
+        loss = cross_entropy_sum(model(x), x)
+        forward = Count.n
+        loss.backward()
+    return forward, Count.n
+
+
+@pytest.mark.parametrize("moe", [0, 4])
+def test_full_recompute_reruns_each_block_but_a_dense_blocks_mlp_exit(moe: int) -> None:
+    """What the planner prices full recompute as (``steptime.full_recompute_time``): backward reruns each block's
+    forward, but non-reentrant checkpointing stops once what backward needs is rebuilt, so a dense block's MLP exit
+    matmul (whose output nothing keeps) is not rerun, nor the head; a MoE block reruns all of its matmuls (its
+    combine's output is kept for the router weights' gradient)."""
+    cfg = ModelConfig(**{**CFG.__dict__, "moe_experts": moe, "moe_top_k": 2 if moe else 0})
+    fwd, none = _matmuls(build_model(cfg, seed=0))
+    fwd_full, full = _matmuls(apply_recompute(build_model(cfg, seed=0), "full"))
+    per_block = (fwd - 1) // cfg.n_layers  # the head is one matmul
+    assert fwd_full == fwd and per_block == 4 + (1 + 3 * moe if moe else 3)  # q, k, v, o; router + experts, or MLP
+    assert full - none == cfg.n_layers * (per_block - (0 if moe else 1))

@@ -3,7 +3,8 @@
 - each pipeline stage action costs its matmul time (roofline of FLOPs at ``efficiency`` x peak and HBM
   traffic) plus its tensor-parallel collectives (on the critical path, less what backward runs beside its
   column layers' matmuls where the hardware overlaps: ``tp_hidden_backward``) plus the ring-attention transfers not
-  hidden behind attention; backward is twice forward, plus a forward for full recompute, and under recompute
+  hidden behind attention; backward is twice forward, plus under full recompute each block's forward again up to
+  a dense block's MLP exit (``full_recompute_time``), and under recompute
   (full or selective) the block collectives the rerun forward issues again (``tp_recomputed``, EP's all-to-alls,
   CP's exchanges: exposed under selective, which keeps attention's outputs and so has no attention to hide them);
 - the pipeline is run by the simulator (``plan/simulator.py``) with those costs and the p2p
@@ -279,8 +280,8 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
     f_c = max(stage_f)
     layers_max = max(blocks)
     b_c = 2 * f_c
-    if lay.recompute == "full":
-        b_c += f_c
+    if lay.recompute == "full":  # each block's forward again, not the head's (``full_recompute_time``)
+        b_c += layers_max * full_recompute_time(cfg, t, tp, C * eff, t_layer)
     elif lay.recompute == "selective":  # element-wise ops rerun
         b_c += layers_max * redo_s
 
@@ -325,6 +326,17 @@ def stage_action(problem: Problem, lay: Layout, t: int) -> StageAction:
     elif lay.recompute == "selective":  # exchanges again, but attention's outputs are kept: nothing to hide behind
         cp_b += layers_max * cp_block_time(problem, lay, t, cp_link, 0.0)[0]
     return StageAction(blocks, f_c, b_c, tp_f, tp_b, ep_f, ep_b, cp_f, cp_b, tp_link, cp_link, ring, attn_f)
+
+
+def full_recompute_time(cfg: ModelConfig, t: int, tp: int, rate: float, t_layer: float) -> float:
+    """Seconds full recompute adds to one block's backward, whose forward takes ``t_layer`` for ``t`` tokens per rank:
+    its forward again, less a dense block's MLP exit matmul. Non-reentrant checkpointing stops the rerun once every
+    tensor backward needs is rebuilt; the exit's output is needed by nothing (its input is what backward keeps), so
+    the rerun ends before it, and before its collective (``tp_recomputed``). A MoE block reruns whole: its combine's
+    output is kept for the router weights' gradient, so the experts' down projections run again."""
+    if cfg.moe_experts:
+        return t_layer
+    return max(0.0, t_layer - t * 2 * cfg.d_model * cfg.hidden_dim / tp / rate)
 
 
 def tp_recomputed(lay: Layout, what: str, phase: str) -> bool:
