@@ -91,11 +91,12 @@ def test_stop_token_ends_a_row_only():
 # ----------------------------------------------------------------------------- tensor parallel
 
 
-def _generate_on_layout(rank: int, world: int, model: dict, temperature: float, top_k: int) -> tuple:
+def _generate_on_layout(rank: int, world: int, model: dict, temperature: float, top_k: int,
+                        dtype: str = "fp32") -> tuple:
     from meshtrain.train.inference import load_for_generation, run_generation
 
     cfg = Config(model=ModelConfig(**model), parallel=ParallelConfig(tp=world))
-    cfg.train.device, cfg.train.seed = "cpu", SEED
+    cfg.train.device, cfg.train.seed, cfg.train.dtype = "cpu", SEED, dtype
     shapes = {n: tuple(p.shape) for n, p in build_model(cfg.model, SEED, meta=True).named_parameters()}
     gm = load_for_generation(cfg, None, source=InitSource(cfg.model, SEED, shapes))
     run = run_generation(gm, PROMPTS, 16, temperature, top_k, seed=7)
@@ -104,18 +105,71 @@ def _generate_on_layout(rank: int, world: int, model: dict, temperature: float, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,kv_heads,vocab", [(2, 2, 97), (4, 2, 101)], ids=["tp2 kv2", "tp4 kv2 replicated"])
-def test_tensor_parallel_generation_equals_one_device(tp, kv_heads, vocab):
+def test_tensor_parallel_generation_equals_one_device(tp, kv_heads, vocab, dtype="fp32"):
     """Greedy and top-k sampling: every rank returns one device's tokens; KV bytes per rank are one device's
-    times (kv heads a rank holds / kv heads)."""
+    times (kv heads a rank holds / kv heads). (In bf16 the row-parallel sums round differently from one device's,
+    so tokens may part at a near tie: the bf16 test below compares logits.)"""
     model = {**MODEL, "n_kv_heads": kv_heads, "vocab_size": vocab}
     for temperature, top_k in ((0.0, 0), (0.8, 5)):
-        one = spawn(_generate_on_layout, 1, (model, temperature, top_k))[0]
-        ranks = spawn(_generate_on_layout, tp, (model, temperature, top_k))
+        one = spawn(_generate_on_layout, 1, (model, temperature, top_k, dtype))[0]
+        ranks = spawn(_generate_on_layout, tp, (model, temperature, top_k, dtype))
         held = max(1, kv_heads // tp)
         for tokens, kv_bytes in ranks:
             assert tokens == one[0]
             assert kv_bytes * kv_heads == one[1] * held
         assert len({len(t) for t in one[0]}) == 1 and len(one[0][0]) == 16
+
+
+def _bf16_logits(rank: int, world: int, dtype: str) -> tuple:
+    """``generate``'s model loaded in ``dtype`` on one device: the last-position logits of the left-padded prompts'
+    prefill and two decode steps fed ``FOLLOW``, the parameters' and the cache's dtypes and bytes."""
+    from meshtrain.train.inference import load_for_generation
+
+    cfg = Config(model=ModelConfig(**MODEL), parallel=ParallelConfig(tp=world))
+    cfg.train.device, cfg.train.seed, cfg.train.dtype = "cpu", SEED, dtype
+    shapes = {n: tuple(p.shape) for n, p in build_model(cfg.model, SEED, meta=True).named_parameters()}
+    gm = load_for_generation(cfg, None, source=InitSource(cfg.model, SEED, shapes))
+    tokens, pad = left_pad(PROMPTS)
+    cache = KVCache(len(PROMPTS), tokens.shape[1] + FOLLOW.shape[1], pad)
+    with torch.no_grad():
+        steps = [gm.model(tokens, cache=cache)[:, -1]] + [gm.model(FOLLOW[:, i: i + 1], cache=cache)[:, -1]
+                                                          for i in range(FOLLOW.shape[1])]
+    dtypes = {p.dtype for p in gm.model.parameters()} | {t.dtype for d in (cache.k, cache.v) for t in d.values()}
+    logits = torch.stack(steps).float()[..., :gm.vocab.valid]  # this rank's vocabulary columns, padding dropped
+    return logits, dtypes, gm.param_bytes, cache.nbytes()
+
+
+FOLLOW = torch.tensor([[3, 14], [15, 92], [65, 35], [89, 7]])  # two decode steps' tokens, a row each
+
+
+@pytest.mark.slow
+def test_bf16_generation_runs_the_training_bf16_program_in_half_the_memory():
+    """``train.dtype=bf16`` in ``meshtrain generate`` holds the weights and the KV cache in bf16: exactly half the
+    bytes of fp32, every parameter and cache tensor bf16. The model computes in its weights' dtype, so the
+    cached prefill and decode steps give each row the logits the training program's bf16 forward (autocast over
+    fp32 weights, the plain model, the row's unpadded sequence) gives, within u = 2^-8 of the logits' scale (the
+    same roundings in the same order: measured equal); fp32 generation is further from it than that (1.3e-2
+    measured), so the bf16 path really ran. Over tp=2 every rank holds bf16 weights and cache of half one device's
+    bytes, and the logits (the ranks' vocabulary columns side by side) are within 8u of one device's bf16 ones: each
+    row-parallel output (attention's and the MLP's, two blocks) is rounded twice more than on one device, a rank's
+    partial sum and the bf16 all-reduce's sum (measured 2.8u; a lost or doubled partial sum is off by its size)."""
+    bf16, dtypes, param_bytes, kv_bytes = spawn(_bf16_logits, 1, ("bf16",))[0]
+    fp32, dtypes32, param_bytes32, kv_bytes32 = spawn(_bf16_logits, 1, ("fp32",))[0]
+    assert dtypes == {torch.bfloat16} and dtypes32 == {torch.float32}
+    assert 2 * param_bytes == param_bytes32 and 2 * kv_bytes == kv_bytes32
+    m = _model().eval()
+    want = torch.zeros_like(bf16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for row, prompt in enumerate(PROMPTS):
+            n = len(prompt or [0])
+            full = m(torch.tensor([(prompt or [0]) + FOLLOW[row].tolist()]))[0].float()
+            want[:, row] = full[n - 1: n - 1 + want.shape[0]]
+    scale, u = fp32.abs().max(), 2.0 ** -8
+    assert (bf16 - want).abs().max() <= u * scale
+    assert (fp32 - want).abs().max() > u * scale
+    ranks = spawn(_bf16_logits, 2, ("bf16",))
+    assert all(r[1] == {torch.bfloat16} and 2 * r[3] == kv_bytes for r in ranks)
+    assert (torch.cat([r[0] for r in ranks], -1) - bf16).abs().max() <= 8 * u * scale
 
 
 def _greedy_with_ties(rank: int, world: int) -> list[int]:

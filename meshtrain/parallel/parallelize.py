@@ -85,16 +85,16 @@ def shard_rows(x: torch.Tensor, index: int, count: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, names: list[str], device: torch.device) -> None:
-    """Give the meta-device parameters ``names`` (uninitialised) storage on ``device``, in every module that
-    holds them (a tied weight stays one parameter)."""
+def materialize(model: nn.Module, names: list[str], device: torch.device, dtype: torch.dtype | None = None) -> None:
+    """Give the meta-device parameters ``names`` (uninitialised) storage on ``device``, in ``dtype`` (default: their
+    own), in every module that holds them (a tied weight stays one parameter)."""
     wanted = {id(p) for n, p in model.named_parameters() if n in set(names) and p.is_meta}
     new: dict[int, nn.Parameter] = {}
     for m in model.modules():
         for attr, p in list(m._parameters.items()):
             if p is not None and id(p) in wanted:
                 if id(p) not in new:
-                    new[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                    new[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=dtype or p.dtype, device=device),
                                               requires_grad=p.requires_grad)
                 m._parameters[attr] = new[id(p)]
 

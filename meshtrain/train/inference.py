@@ -33,7 +33,10 @@ from meshtrain.train.checkpoint import CheckpointReader
 from meshtrain.train.trainer import resolve_device
 
 # The options `meshtrain generate` takes as overrides: the layout is tp only, the rest is the checkpoint's.
-GENERATE_OPTIONS = ("parallel.tp", "train.device", "train.threads", "train.collective_timeout_s")
+# ``train.dtype`` is the weights' and the KV cache's dtype here (bf16: both held in bf16, as transformers'
+# ``torch_dtype=torch.bfloat16``), not training's autocast over fp32 weights.
+GENERATE_OPTIONS = ("parallel.tp", "train.dtype", "train.device", "train.threads", "train.collective_timeout_s")
+GENERATION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def generation_config(saved: Config, overrides: list[str]) -> Config:
@@ -96,7 +99,10 @@ def load_for_generation(cfg: Config, path: str | Path | None, source=None) -> Ge
     if tp > 1:
         placements = apply_tensor_parallel(model, mesh, rules_for(cfg.parallel), sp=False).placements
     params = dict(model.named_parameters())
-    materialize(model, list(params), device)
+    # bf16 weights from the start: a rank never holds its fp32 copy; every box read is cast as it is copied in.
+    # The model computes in its weights' dtype (the norms and RoPE in fp32 inside, returning it: model/layers.py),
+    # so activations and the KV cache follow.
+    materialize(model, list(params), device, GENERATION_DTYPES[cfg.train.dtype])
     pieces = [optim_param(n, p, placements) for n, p in model.named_parameters()]
     source = source if source is not None else CheckpointReader(Path(path))
     check_shapes(pieces, source, str(path))
