@@ -9,9 +9,13 @@
    on 1 and on ``--tp`` spawned processes (gloo on CPU, alternating tp1/tpN/tpN/tp1/...), asserting every rank's
    tokens equal one device's; reported: tokens/s (slowest rank) of each and KV cache bytes per rank against one
    device's.
+3. **bf16 against fp32** (``--bf16``): the same batch on one device loaded with ``train.dtype`` bf16 and fp32
+   (weights and KV cache in that dtype; alternating fp32/bf16/bf16/fp32 launches), asserting every row got its
+   new tokens and that bf16 holds exactly half the parameter and KV bytes (the tokens themselves may part at a near
+   tie: bf16 rounds); reported: tokens/s of each and their ratio.
 
     python benchmarks/generate_kv.py [--d-model 256] [--layers 4] [--prompt 32] [--tokens 128] [--rounds 5]
-                                     [--tp 2] [--batch 4] [--device cpu|cuda]
+                                     [--tp 2] [--batch 4] [--device cpu|cuda] [--bf16]
 """
 
 from __future__ import annotations
@@ -82,11 +86,11 @@ def cached_vs_recompute(args) -> dict:
             "speedup": statistics.median(per_round), "speedup_min": min(per_round), "speedup_max": max(per_round)}
 
 
-def _tp_worker(rank: int, world: int, args, rounds: int) -> dict:
+def _tp_worker(rank: int, world: int, args, rounds: int, dtype: str = "fp32") -> dict:
     from meshtrain.train.inference import load_for_generation, run_generation
 
     cfg = Config(model=_model_cfg(args), parallel=ParallelConfig(tp=world))
-    cfg.train.device, cfg.train.seed = args.device, SEED
+    cfg.train.device, cfg.train.seed, cfg.train.dtype = args.device, SEED, dtype
     shapes = {n: tuple(p.shape) for n, p in build_model(cfg.model, SEED, meta=True).named_parameters()}
     gm = load_for_generation(cfg, None, source=InitSource(cfg.model, SEED, shapes))
     prompts = _prompts(args, args.batch)
@@ -114,6 +118,23 @@ def tensor_parallel(args) -> dict:
             "param_tp": [x["param_bytes"] for x in results[args.tp]]}
 
 
+def bf16_vs_fp32(args) -> dict:
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    secs: dict[str, list[float]] = {"fp32": [], "bf16": []}
+    results: dict[str, dict] = {}
+    for r in range(args.tp_rounds):
+        for dtype in (("fp32", "bf16") if r % 2 == 0 else ("bf16", "fp32")):
+            results[dtype] = spawn(_tp_worker, 1, (args, 3, dtype), timeout=3000, backend=backend,
+                                   threads=args.threads)[0]
+            secs[dtype] += results[dtype]["seconds"]
+    full, half = results["fp32"], results["bf16"]
+    assert half["new"] == full["new"] == args.batch * args.tokens, "a row stopped early"
+    assert 2 * half["param_bytes"] == full["param_bytes"] and 2 * half["kv_bytes"] == full["kv_bytes"]
+    tok_s = {d: full["new"] / statistics.median(s) for d, s in secs.items()}
+    return {"fp32": tok_s["fp32"], "bf16": tok_s["bf16"], "kv": (full["kv_bytes"], half["kv_bytes"]),
+            "param": (full["param_bytes"], half["param_bytes"])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d-model", type=int, default=256)
@@ -130,6 +151,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per spawned rank")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--skip-tp", action="store_true", help="only the one-device comparison (one GPU: no tp)")
+    ap.add_argument("--bf16", action="store_true", help="also bf16 against fp32 on one device (weights and cache)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)  # as each spawned rank: the one-device side gets no more cores than a rank
     now = datetime.datetime.now(datetime.UTC)
@@ -140,6 +162,11 @@ def main() -> None:
     print(f"one device, batch 1: cached {c['cached_tok_s']:,.1f} tok/s, recompute {c['recompute_tok_s']:,.1f} tok/s; "
           f"cached/recompute speed-up {c['speedup']:.2f}x (rounds {c['speedup_min']:.2f}-{c['speedup_max']:.2f}, "
           f"{args.rounds} rounds, same tokens asserted)")
+    if args.bf16:
+        b = bf16_vs_fp32(args)
+        print(f"batch {args.batch}, one device: fp32 {b['fp32']:,.1f} tok/s, bf16 {b['bf16']:,.1f} tok/s (ratio "
+              f"{b['bf16'] / b['fp32']:.2f}); parameters {b['param'][0]:,} -> {b['param'][1]:,} bytes, KV cache "
+              f"{b['kv'][0]:,} -> {b['kv'][1]:,} (exactly half asserted)")
     if args.skip_tp:
         return
     t = tensor_parallel(args)
