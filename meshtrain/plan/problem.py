@@ -103,8 +103,8 @@ class Layout:
         if self.dp > 1:
             parts.append(f"zero{self.zero}" + (f"/hsdp{self.dp_shard}" if self.dp_shard else ""))
         if self.tp > 1:
-            parts.append(f"tp{self.tp}" + ("+sp" if self.sp else "") + ("(kept)" if self.sp and not self.sp_regather
-                                                                         else ""))
+            sp = ("+sp" + ("" if self.sp_regather else "(kept)")) if self.sp else ""  # (kept): no backward re-gather
+            parts.append(f"tp{self.tp}{sp}")
         if self.cp > 1:
             parts.append(f"cp{self.cp}" + (f"({self.cp_attention})" if self.cp_attention != "ring" else ""))
         if self.ep > 1:

@@ -4,9 +4,9 @@
   traffic) plus its tensor-parallel collectives (on the critical path, less what backward runs beside its
   column layers' matmuls where the hardware overlaps: ``tp_hidden_backward``) plus the ring-attention transfers not
   hidden behind attention; backward is twice forward, plus under full recompute each block's forward again up to
-  a dense block's MLP exit (``full_recompute_time``), and under recompute
-  (full or selective) the block collectives the rerun forward issues again (``tp_recomputed``, EP's all-to-alls,
-  CP's exchanges: exposed under selective, which keeps attention's outputs and so has no attention to hide them);
+  a dense block's MLP exit (``full_recompute_time``), and under recompute (full or selective) the block
+  collectives the rerun forward issues again (``tp_recomputed``, EP's all-to-alls, CP's exchanges: exposed under
+  selective, which keeps attention's outputs and so has no attention to hide them);
 - the pipeline is run by the simulator (``plan/simulator.py``) with those costs and the p2p
   time of one activation: its makespan holds the bubble and the p2p waits; without pp it is microbatches x
   (F + B);
