@@ -91,12 +91,11 @@ def test_stop_token_ends_a_row_only():
 # ----------------------------------------------------------------------------- tensor parallel
 
 
-def _generate_on_layout(rank: int, world: int, model: dict, temperature: float, top_k: int,
-                        dtype: str = "fp32") -> tuple:
+def _generate_on_layout(rank: int, world: int, model: dict, temperature: float, top_k: int) -> tuple:
     from meshtrain.train.inference import load_for_generation, run_generation
 
     cfg = Config(model=ModelConfig(**model), parallel=ParallelConfig(tp=world))
-    cfg.train.device, cfg.train.seed, cfg.train.dtype = "cpu", SEED, dtype
+    cfg.train.device, cfg.train.seed = "cpu", SEED
     shapes = {n: tuple(p.shape) for n, p in build_model(cfg.model, SEED, meta=True).named_parameters()}
     gm = load_for_generation(cfg, None, source=InitSource(cfg.model, SEED, shapes))
     run = run_generation(gm, PROMPTS, 16, temperature, top_k, seed=7)
@@ -105,14 +104,14 @@ def _generate_on_layout(rank: int, world: int, model: dict, temperature: float, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,kv_heads,vocab", [(2, 2, 97), (4, 2, 101)], ids=["tp2 kv2", "tp4 kv2 replicated"])
-def test_tensor_parallel_generation_equals_one_device(tp, kv_heads, vocab, dtype="fp32"):
+def test_tensor_parallel_generation_equals_one_device(tp, kv_heads, vocab):
     """Greedy and top-k sampling: every rank returns one device's tokens; KV bytes per rank are one device's
     times (kv heads a rank holds / kv heads). (In bf16 the row-parallel sums round differently from one device's,
     so tokens may part at a near tie: the bf16 test below compares logits.)"""
     model = {**MODEL, "n_kv_heads": kv_heads, "vocab_size": vocab}
     for temperature, top_k in ((0.0, 0), (0.8, 5)):
-        one = spawn(_generate_on_layout, 1, (model, temperature, top_k, dtype))[0]
-        ranks = spawn(_generate_on_layout, tp, (model, temperature, top_k, dtype))
+        one = spawn(_generate_on_layout, 1, (model, temperature, top_k))[0]
+        ranks = spawn(_generate_on_layout, tp, (model, temperature, top_k))
         held = max(1, kv_heads // tp)
         for tokens, kv_bytes in ranks:
             assert tokens == one[0]
@@ -120,9 +119,13 @@ def test_tensor_parallel_generation_equals_one_device(tp, kv_heads, vocab, dtype
         assert len({len(t) for t in one[0]}) == 1 and len(one[0][0]) == 16
 
 
+FOLLOW = torch.tensor([[3, 14], [15, 92], [65, 35], [89, 7]])  # two decode steps' tokens, a row each
+
+
 def _bf16_logits(rank: int, world: int, dtype: str) -> tuple:
-    """``generate``'s model loaded in ``dtype`` on one device: the last-position logits of the left-padded prompts'
-    prefill and two decode steps fed ``FOLLOW``, the parameters' and the cache's dtypes and bytes."""
+    """``generate``'s model loaded in ``dtype`` over ``world`` tp ranks: this rank's last-position logits (its
+    vocabulary columns) of the left-padded prompts' prefill and two decode steps fed ``FOLLOW``, and its
+    parameters' and cache's dtypes and bytes."""
     from meshtrain.train.inference import load_for_generation
 
     cfg = Config(model=ModelConfig(**MODEL), parallel=ParallelConfig(tp=world))
@@ -137,9 +140,6 @@ def _bf16_logits(rank: int, world: int, dtype: str) -> tuple:
     dtypes = {p.dtype for p in gm.model.parameters()} | {t.dtype for d in (cache.k, cache.v) for t in d.values()}
     logits = torch.stack(steps).float()[..., :gm.vocab.valid]  # this rank's vocabulary columns, padding dropped
     return logits, dtypes, gm.param_bytes, cache.nbytes()
-
-
-FOLLOW = torch.tensor([[3, 14], [15, 92], [65, 35], [89, 7]])  # two decode steps' tokens, a row each
 
 
 @pytest.mark.slow
