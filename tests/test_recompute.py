@@ -185,19 +185,23 @@ def _matmuls(model: torch.nn.Module) -> tuple[int, int]:
     """(matmuls of the forward, matmuls of forward and backward together) of one step of ``model``."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    matmuls = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+
     class Count(TorchDispatchMode):
-        n = 0
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-            Count.n += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+            self.n += func.overloadpacket in matmuls
             return func(*args, **(kwargs or {}))
 
     x = _tokens()
-    with Count():
+    with Count() as count:
         loss = cross_entropy_sum(model(x), x)
-        forward = Count.n
+        forward = count.n
         loss.backward()
-    return forward, Count.n
+    return forward, count.n
 
 
 @pytest.mark.parametrize("moe", [0, 4])
