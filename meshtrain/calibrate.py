@@ -17,8 +17,9 @@ way a worker does:
 4. the parallel runtime's own work per axis (``measure_axis_work``): a calibration model trained a few steps through
    the real ``Trainer`` / ``parallelize()`` on 2 processes as plain DP and with tp+SP, ring cp, MoE+ep, ZeRO-3,
    a zero-bubble pipeline (its split backward) and selective recompute (its policy), at four sizes (more tokens,
-   more blocks, wider blocks); what each axis costs beyond plain DP and beyond what the terms above price for it,
-   per block call, per activation element, per microbatch and per block parameter, is ``Hardware.axis_block_s``.
+   more blocks, wider blocks; TP at a fifth, wider and longer), each size in fresh processes; what each axis costs
+   beyond plain DP and beyond what the terms above price for it, per block call, per activation element, per
+   microbatch and per block parameter, is ``Hardware.axis_block_s``.
 
 More processes than cores share them: the planner slows every process by ``devices / cores`` (``plan/steptime.py``).
 Measuring needs processes and collectives (``meshtrain.testing.spawn``, ``meshtrain.comm``), so this module sits at
@@ -170,17 +171,24 @@ def _collective_worker(rank: int, world_size: int, sizes: tuple[float, ...], ite
 
 # The parallel runtime's own work per axis (``Hardware.axis_block_s``): short runs of one calibration model through
 # the real ``Trainer`` / ``parallelize()`` on 2 processes, each axis against plain DP on the same model, at four
-# sizes (``AXIS_SIZES``: 4x the tokens, 2x the blocks, 2x d_model) so the work per block call, per activation
-# element, per microbatch (outside the blocks: TP's vocab-parallel embedding, head and loss) and per parameter of a
-# block (ZeRO-3's flat-buffer copies) separate. The model is not the demo model the step-time check runs
-# (configs/small.yaml: d_model 256, 4 layers, 16 x 256 tokens).
+# sizes (``AXIS_SIZES``: 4x the tokens, 2x the blocks, 2x d_model; for TP also both) so the work per block call, per
+# activation element, per microbatch (outside the blocks: TP's vocab-parallel embedding, head and loss) and per
+# parameter of a block (ZeRO-3's flat-buffer copies) separate. The model is not the demo model the step-time check
+# runs (configs/small.yaml: d_model 256, 4 layers, 16 x 256 tokens).
 AXIS_MODEL = ["model.d_model=128", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=257",
               "train.dtype=bf16", "data.source=synthetic", "train.eval_every=0", "train.sample_tokens=0",
               "train.progress=false", "train.tensorboard=false", "train.ckpt_every=0"]
 AXIS_SIZES = {"small": ["train.seq_len=128", "model.max_seq_len=128", "train.global_batch=8"],
               "large": ["train.seq_len=256", "model.max_seq_len=256", "train.global_batch=16"],
               "deep": ["train.seq_len=128", "model.max_seq_len=128", "train.global_batch=8", "model.n_layers=4"],
-              "wide": ["train.seq_len=128", "model.max_seq_len=128", "train.global_batch=8", "model.d_model=256"]}
+              "wide": ["train.seq_len=128", "model.max_seq_len=128", "train.global_batch=8", "model.d_model=256"],
+              "wide-large": ["train.seq_len=256", "model.max_seq_len=256", "train.global_batch=16",
+                             "model.d_model=256"]}
+# Sizes only the axes named run (beside plain DP). TP's work per activation element, fitted on the four sizes above
+# (up to 0.5M elements a block), came out at 23-45 ns in five fits and priced the demo model's tp2 blocks (1M
+# elements) at up to twice what they cost (docs/planner.md); TP's figures are not linear in the elements, and a point
+# at that scale keeps the fit from extrapolating. The other axes' rows have not needed it, and a size costs a run.
+AXIS_SIZE_ONLY = {"wide-large": ("tp",)}
 AXIS_RUNS = {"base": ["parallel.zero=0"], "tp": ["parallel.tp=2", "parallel.sp=true"], "cp": ["parallel.cp=2"],
              "cp_ulysses": ["parallel.cp=2", "parallel.cp_attention=ulysses"],
              "moe": ["model.moe_experts=4", "model.moe_top_k=2", "parallel.ep=2"], "zero3": ["parallel.zero=3"],
@@ -207,7 +215,7 @@ AXIS_TERMS = {"tp": (0, 1, 2), "cp": (0, 1, 4), "cp_ulysses": (0, 1, 4), "moe": 
 def _axis_configs() -> dict[tuple[str, str], list[str]]:
     """Every (size, run) of the axis-work calibration: its overrides."""
     return {(size, name): [*AXIS_MODEL, *sized, *over] for size, sized in AXIS_SIZES.items()
-            for name, over in AXIS_RUNS.items()}
+            for name, over in AXIS_RUNS.items() if name == "base" or name in AXIS_SIZE_ONLY.get(size, (name,))}
 
 
 def _axis_worker(rank: int, world_size: int, runs: dict, steps: int, rounds: int) -> dict:
@@ -238,24 +246,29 @@ def measure_axis_work(hw: Hardware, steps: int = 4, rounds: int = 7) -> tuple[di
     """The runtime's own work of each axis (``AXIS_RUNS``) that ``hw``'s step costs and collectives leave unpriced:
     ({axis: [s per block call, per activation element, per microbatch, per block parameter]}, report lines). At each
     size, (measured - measured plain DP) - (predicted - predicted plain DP): the common error of the plain model
-    cancels, what is left is the axis's work the model does not count; ``fit_axis_work`` splits the four sizes'
-    figures (more tokens, more blocks, wider blocks) into the four terms (``steptime.axis_features``). Never
+    cancels, what is left is the axis's work the model does not count; ``fit_axis_work`` splits the sizes' figures
+    (more tokens, more blocks, wider blocks; ``AXIS_SIZE_ONLY``) into the terms (``steptime.axis_features``). Never
     negative."""
     from meshtrain.config import load_config
     from meshtrain.plan.check import layout_of, predict_step_time
     from meshtrain.plan.steptime import axis_features, tokens_per_microbatch
 
-    runs = _axis_configs()
-    measured = spawn(_axis_worker, 2, (runs, steps, rounds), timeout=900.0)
-    secs = {key: max(r[key] for r in measured) for key in runs}
+    runs, secs = _axis_configs(), {}
+    for size in AXIS_SIZES:
+        # Each size in fresh processes, as a run has them: in one process a size timed after the others' trainers
+        # had run (and been freed) was 25-29% slower than timed first (wide-large: plain DP 173 against 138 ms, tp2
+        # 326 against 253; 2026-11-28), and so was the figure that difference left.
+        mine = {key: over for key, over in runs.items() if key[0] == size}
+        measured = spawn(_axis_worker, 2, (mine, steps, rounds), timeout=900.0)
+        secs.update({key: max(r[key] for r in measured) for key in mine})
     cfgs = {key: load_config(None, over) for key, over in runs.items()}
     pred = {key: predict_step_time(cfg, 2, hw).step_s for key, cfg in cfgs.items()}
     out, lines = {}, []
     for name in AXIS_RUNS:
         if name == "base":
             continue
-        points = []
-        for size in AXIS_SIZES:
+        points, sizes = [], [size for size in AXIS_SIZES if (size, name) in runs]
+        for size in sizes:
             cfg, base = cfgs[(size, name)], (size, "base")
             extra = (secs[(size, name)] - secs[base]) - (pred[(size, name)] - pred[base])
             lay = layout_of(cfg, 2)
@@ -264,7 +277,7 @@ def measure_axis_work(hw: Hardware, steps: int = 4, rounds: int = 7) -> tuple[di
             lines.append(f"  {name:<12} {size:<5} measured {secs[(size, name)] * 1e3:6.1f} ms (plain DP "
                          f"{secs[base] * 1e3:6.1f}), predicted {pred[(size, name)] * 1e3:6.1f} ms "
                          f"({pred[base] * 1e3:6.1f}): {extra * 1e3:+.2f} ms")
-        out[name] = fit_axis_work(points, AXIS_TERMS[name], noise=[secs[(size, name)] for size in AXIS_SIZES])
+        out[name] = fit_axis_work(points, AXIS_TERMS[name], noise=[secs[(size, name)] for size in sizes])
         lines.append(f"  {name:<12} fitted: {out[name][0] * 1e3:.2f} ms per block call + "
                      f"{out[name][1] * 1e9:.2f} ns per activation element + {out[name][2] * 1e3:.2f} ms per "
                      f"microbatch + {out[name][3] * 1e9:.2f} ns per block parameter + {out[name][4] * 1e9:.2f} ns per "

@@ -294,6 +294,46 @@ def test_axis_work_fit_weighs_each_figure_by_the_steps_it_is_measured_against():
     assert 8e-9 < weighed[4] < 15e-9, weighed
 
 
+def test_axis_calibration_times_each_size_in_fresh_processes_and_tp_at_five(monkeypatch):
+    """``calibrate.measure_axis_work`` spawns one process group per size with that size's runs only: in one process a
+    size timed after the others was 25-29% slower than timed first. TP is also measured at a fifth size (d_model 256
+    x 4K tokens, the demo model's tp2 block) that the other axes skip, and its figure joins TP's fit: planted work
+    (2 ms per block call + 20 ns per activation element + 5 ms per microbatch) on top of the predicted steps comes
+    back from the five sizes."""
+    import meshtrain.calibrate as calibrate
+    from meshtrain.calibrate import AXIS_RUNS, AXIS_SIZES, _axis_configs, measure_axis_work
+    from meshtrain.plan.steptime import axis_features, tokens_per_microbatch
+
+    hw = _profile()
+    planted = [2e-3, 20e-9, 5e-3, 0.0, 0.0]
+    groups: list[list[tuple[str, str]]] = []
+
+    def fake_spawn(fn, world_size, args, timeout):
+        runs = args[0]
+        groups.append(list(runs))
+        out = {}
+        for key, over in runs.items():
+            cfg = load_config(None, over)
+            secs = predict_step_time(cfg, 2, hw).step_s
+            if key[1] == "tp":
+                lay = layout_of(cfg, 2)
+                t = tokens_per_microbatch(cfg.train.global_batch, cfg.train.seq_len, lay)
+                features = axis_features(cfg.model, lay, t, cfg.train.seq_len)
+                secs += sum(w * f for w, f in zip(planted, features, strict=True))
+            out[key] = secs
+        return [out, out]
+
+    monkeypatch.setattr(calibrate, "spawn", fake_spawn)
+    work, lines = measure_axis_work(hw)
+    assert [{size for size, _ in g} for g in groups] == [{size} for size in AXIS_SIZES]
+    assert sorted(key for g in groups for key in g) == sorted(_axis_configs())
+    assert {name for size, name in _axis_configs() if size == "wide-large"} == {"base", "tp"}
+    assert len(_axis_configs()) == (len(AXIS_SIZES) - 1) * len(AXIS_RUNS) + 2
+    assert sum(" tp " in line and "measured" in line for line in lines) == len(AXIS_SIZES)
+    assert work["tp"] == pytest.approx(planted, rel=1e-6, abs=1e-15)
+    assert all(v == 0.0 for name, terms in work.items() if name != "tp" for v in terms)
+
+
 def test_check_run_compares_calls(tmp_path):
     """``--check-run`` lists the predicted against the counted calls where comm.json has them, and marks a count
     that differs (shown, not judged: the check's verdict stays the bytes')."""
