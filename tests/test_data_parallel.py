@@ -377,3 +377,37 @@ def test_one_rank_keeps_autograds_own_gradients_and_none_between_steps():
     assert all(p.grad is None for p in params)
     n_bytes = sum(p.numel() * p.element_size() for p in params)
     assert trainer.parallel.state_bytes(trainer.optimizer)["grads"] == n_bytes
+
+
+def _release_worker(rank: int, world_size: int, overrides: list[list[str]]) -> list[tuple[str, bool, bool]]:
+    import gc
+    import weakref
+
+    torch.set_num_threads(1)
+    out = []
+    for over in overrides:
+        trainer = Trainer(load_config(None, [*_RELEASE_MODEL, *over]))
+        for step in range(2):  # hooks fired, buckets rebuilt, the last microbatch's graph gone
+            trainer.train_step(step)
+        model, sync = weakref.ref(trainer.model), weakref.ref(trainer.parallel.sync)
+        del trainer
+        gc.collect()
+        out.append((" ".join(over), model() is None, sync() is None))
+    return out
+
+
+_RELEASE_MODEL = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1",
+                  "model.vocab_size=64", "model.max_seq_len=16", "train.seq_len=16", "train.global_batch=4",
+                  "data.source=synthetic", "train.eval_every=0", "train.sample_tokens=0", "train.progress=false",
+                  "train.tensorboard=false", "train.ckpt_every=0"]
+
+
+def test_a_freed_trainer_frees_its_model_and_gradient_sync():
+    """A process that builds trainer after trainer (the calibration, a sweep, a notebook) must get each one's memory
+    back. Parameters and autograd nodes hold hooks and contexts where Python's collector cannot follow them: a
+    gradient hook bound to plain DP or ZeRO-1/2, or a ZeRO-3 unit in its gather's autograd context, kept the member,
+    the model and every bucket alive for good."""
+    layouts = [["parallel.zero=0"], ["parallel.zero=1"], ["parallel.zero=2"], ["parallel.zero=3"],
+               ["parallel.zero=3", "train.grad_accum=2"]]
+    for results in spawn(_release_worker, 2, (layouts,)):
+        assert all(model and sync for _, model, sync in results), results

@@ -29,7 +29,7 @@ from torch import nn
 
 from meshtrain import comm
 from meshtrain.mesh import AxisGroup
-from meshtrain.parallel.grad_sync import GradSync, reduce_as, replica_weighted_norm_sq
+from meshtrain.parallel.grad_sync import GradSync, reduce_as, replica_weighted_norm_sq, weak_grad_hook
 from meshtrain.parallel.pieces import OptimParam, Placements, optim_param
 
 
@@ -93,8 +93,9 @@ class DataParallel(GradSync):
         # ``zero_grad`` leaves ``p.grad = None`` and the hook copies autograd's fresh gradient into the bucket
         # (8 bytes moved per fp32 entry), where zeroing the bucket for autograd to add into would move 16 (a fill,
         # then a read-read-write add).
+        hook = weak_grad_hook(self._on_grad_ready)
         for p in params:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            p.register_post_accumulate_grad_hook(hook)
 
     def _make_buckets(self, ordered: list[nn.Parameter]) -> None:
         """Fill buckets of about ``bucket_mb`` with ``ordered``, each gradient a view into its bucket."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Iterator
 
@@ -60,7 +61,9 @@ class _Gathered(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, shard: torch.Tensor, unit: _ShardedUnit) -> tuple[torch.Tensor, ...]:
-        ctx.unit = unit
+        # Weakly: the views are module attributes until the next microbatch, and their graph node is held where
+        # Python's collector cannot follow, so a strong unit here would keep units, model and FSDP alive for good.
+        ctx.unit = weakref.ref(unit)
         ctx.set_materialize_grads(False)  # an unused weight's gradient stays None, not a zero tensor
         buf = unit.incoming
         unit.incoming = None
@@ -69,7 +72,7 @@ class _Gathered(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None) -> tuple[None, None]:
-        ctx.unit.reduce_grad(grads)
+        ctx.unit().reduce_grad(grads)
         return None, None
 
 

@@ -10,13 +10,30 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 
 import torch
 
 from meshtrain import comm
 from meshtrain.mesh import AxisGroup
 from meshtrain.parallel.pieces import OptimParam
+
+
+def weak_grad_hook(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    """``method`` (a bound method of a family member) as a post-accumulate-grad hook that does not keep its object
+    alive. A parameter holds its hooks where Python's collector cannot follow them (autograd's graph holds the
+    parameter too), so a hook holding the member would keep member, model and buckets alive for good after the
+    trainer is gone: a process building trainer after trainer (the calibration, a sweep, a notebook) kept every
+    one's memory (``tests/test_data_parallel.py``)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(p: torch.Tensor) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(p)
+
+    return hook
 
 
 class GradSync(abc.ABC):

@@ -26,7 +26,7 @@ from torch import nn
 
 from meshtrain import comm
 from meshtrain.mesh import AxisGroup, Mesh
-from meshtrain.parallel.grad_sync import GradSync, all_reduce_as, reduce_as
+from meshtrain.parallel.grad_sync import GradSync, all_reduce_as, reduce_as, weak_grad_hook
 from meshtrain.parallel.pieces import OptimParam, Placements, optim_param
 from meshtrain.parallel.units import Unit, model_units
 
@@ -119,9 +119,10 @@ class ZeroGradSync(GradSync):
             self._pieces = [optim_param(name, p, placements) for name, p in named if self.owner[id(p)] == me]
             self._acc = {id(op.tensor): torch.zeros_like(op.tensor) for op in self._pieces} if stage == 2 else {}
         self.me = me
+        hook = weak_grad_hook(self._on_grad_ready)
         for u in self.units:
             for _, p in u.params:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                p.register_post_accumulate_grad_hook(hook)
 
     # ------------------------------------------------------------------ backward
 
