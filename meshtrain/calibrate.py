@@ -256,8 +256,9 @@ def measure_axis_work(hw: Hardware, steps: int = 4, rounds: int = 7) -> tuple[di
     runs, secs = _axis_configs(), {}
     for size in AXIS_SIZES:
         # Each size in fresh processes, as a run has them: in one process a size timed after the others' trainers
-        # had run (and been freed) was 25-29% slower than timed first (wide-large: plain DP 173 against 138 ms, tp2
-        # 326 against 253; 2026-11-28), and so was the figure that difference left.
+        # had run (and been freed) was slower than timed first (wide-large: plain DP 173 against 138 ms, tp2 326
+        # against 253, with the freed trainers then leaking; 135 against 126 and 261 against 232 without the leak;
+        # 2026-11-28), and so was the figure that difference left.
         mine = {key: over for key, over in runs.items() if key[0] == size}
         measured = spawn(_axis_worker, 2, (mine, steps, rounds), timeout=900.0)
         secs.update({key: max(r[key] for r in measured) for key in mine})

@@ -296,7 +296,7 @@ def test_axis_work_fit_weighs_each_figure_by_the_steps_it_is_measured_against():
 
 def test_axis_calibration_times_each_size_in_fresh_processes_and_tp_at_five(monkeypatch):
     """``calibrate.measure_axis_work`` spawns one process group per size with that size's runs only: in one process a
-    size timed after the others was 25-29% slower than timed first. TP is also measured at a fifth size (d_model 256
+    size timed after the others ran slower than timed first. TP is also measured at a fifth size (d_model 256
     x 4K tokens, the demo model's tp2 block) that the other axes skip, and its figure joins TP's fit: planted work
     (2 ms per block call + 20 ns per activation element + 5 ms per microbatch) on top of the predicted steps comes
     back from the five sizes."""
