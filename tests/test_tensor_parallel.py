@@ -98,12 +98,40 @@ def _measure(data, tp, sp, regather, extra=()):
     return measured, forward_saved_bytes(trainer)
 
 
+def _zero3_kept(data, dtype):
+    """Under tp2 x dp2 ZeRO-3, the 2-D tensors with d_model columns (weight-shaped) that one forward keeps for
+    backward as tensors, not by reference (``FullyShardedDataParallel._pack``)."""
+    from meshtrain.parallel.fsdp import FullyShardedDataParallel
+
+    cfg = load_config("tiny", [f"data.path={data}", *BASE, "parallel.tp=2", "parallel.zero=3",
+                               f"train.dtype={dtype}", "train.global_batch=4", "train.seq_len=64",
+                               "model.max_seq_len=64"])
+    trainer = Trainer(cfg)
+    trainer.train_step(0)
+    kept, pack = [], FullyShardedDataParallel._pack
+
+    def recording(self, t):
+        out = pack(self, t)
+        if isinstance(out, torch.Tensor) and t.dim() == 2 and t.shape[1] == cfg.model.d_model:
+            kept.append(tuple(t.shape))
+        return out
+
+    FullyShardedDataParallel._pack = recording
+    try:
+        trainer.parallel.forward(trainer.model, trainer.local_batch(trainer.train_data, 0).inputs)
+    finally:
+        FullyShardedDataParallel._pack = pack
+    return kept
+
+
 def _worker(rank, world_size, data, layouts, measure):
     out = {name: run_layout(data, [*BASE, *overrides], run_dir(data, world_size, name))
            for name, overrides in layouts}
     meas = {key: _measure(data, *key) for key in measure}
     for name, (extra, keys) in MEASURED_OTHER.items() if measure else ():
         meas.update({(name, *key): _measure(data, *key, extra) for key in keys})
+    if measure:
+        meas.update({("zero3 kept", dtype): _zero3_kept(data, dtype) for dtype in ("fp32", "bf16")})
     return out, meas
 
 
@@ -170,6 +198,15 @@ def test_sequence_parallel_cuts_activation_memory(world4):
                 assert got == tp_forward_saved_bytes(other, _tokens(tp), tp, sp, regather), (name, rank, tp, sp, got)
                 if "gqa" not in name:  # the plain block above is measured with MHA only
                     assert got > meas[(tp, sp, regather)][1], (name, rank)
+
+
+def test_zero3_keeps_no_tensor_parallel_weight_from_forward_to_backward(world4):
+    """ZeRO-3 under TP frees every gathered weight after forward and gathers it again for backward: nothing keeps
+    one alive in between, the fused QKV and gate/up matmuls included (they keep their parts, by reference). The
+    concatenation they read used to be kept: 1/tp of every block's weights on each rank, whatever dp."""
+    for rank, (_, meas) in enumerate(world4):
+        for dtype in ("fp32", "bf16"):
+            assert meas[("zero3 kept", dtype)] == [], (rank, dtype, meas[("zero3 kept", dtype)])
 
 
 def _gather_linear_worker(rank, world_size):
@@ -272,6 +309,66 @@ def test_column_parallel_regather_equals_one_device():
                 assert got.dtype == want.dtype and err <= rtol, (rank, bf16, regather, what, float(err))
             # Forward gathers the fp32 input; the re-gather in backward moves the shard saved in the compute dtype.
             assert gathered == full * 4 + (full * (2 if bf16 else 4) if regather else 0), (rank, bf16, regather)
+
+
+def _fused_matmul_worker(rank, world_size):
+    """A fused QKV matmul (three weights, one call) on every column path, against ``F.linear`` over the
+    concatenated weights on one device: output, input gradient, each part's gradient; and the weight-shaped tensors
+    its backward keeps (by storage: "part i", or the concatenation's shape)."""
+    gen = torch.Generator().manual_seed(0)
+    x, c = torch.randn(2, 8, 16, generator=gen), torch.randn(2, 8, 14, generator=gen)
+    full = [torch.randn(n, 16, generator=gen) for n in (6, 4, 4)]  # q, k, v rows of both ranks
+    group = Mesh(tp=world_size).group("tp")
+    mine = [w.chunk(world_size)[rank] for w in full]
+    cols = torch.cat([torch.arange(o, o + w.shape[0]).chunk(world_size)[rank]
+                      for o, w in zip((0, 6, 10), full, strict=True)])
+    seq = slice(rank * 4, rank * 4 + 4)
+    out = {}
+    # fp32; bf16 weights read as they are (ZeRO-3 gathers them in the compute dtype); fp32 weights under autocast
+    for dtype, autocast in (("fp32", False), ("bf16 weights", True), ("fp32 weights, autocast", True)):
+        wdt = torch.bfloat16 if dtype == "bf16 weights" else torch.float32
+        ref_x, ref_w = x.clone().requires_grad_(), [w.to(wdt).clone().requires_grad_() for w in full]
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            ref = F.linear(ref_x, torch.cat(ref_w))
+        (ref.float() * c).sum().backward()
+        for path, sp, regather in (("no sp", False, True), ("sp regather", True, True), ("sp kept", True, False)):
+            parts = [w.to(wdt).clone().requires_grad_() for w in mine]
+            layer = ColumnParallelLinear(parts[0].detach().clone(), group, sp, regather)
+            xs = (x[:, seq] if sp else x).clone().requires_grad_()
+            kept = []
+
+            def pack(t, parts=parts, kept=kept):
+                if t.dim() == 2 and t.shape[1] == 16:  # weight-shaped: [rows, d_model]
+                    same = [i for i, w in enumerate(parts) if w.untyped_storage().data_ptr()
+                            == t.untyped_storage().data_ptr()]
+                    kept.append(f"part {same[0]}" if same else (tuple(t.shape), str(t.dtype).removeprefix("torch.")))
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                    torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+                y = layer.matmul(xs, *parts)
+            (y.float() * c[:, :, cols]).sum().backward()
+            want_gx = ref_x.grad[:, seq] if sp else ref_x.grad
+            out[(dtype, path)] = ([(y, ref[..., cols]), (xs.grad, want_gx),
+                                   *((w.grad, r.grad.chunk(world_size)[rank]) for w, r in zip(parts, ref_w,
+                                                                                               strict=True))],
+                                  sorted(kept))
+    return out
+
+
+def test_fused_column_matmul_keeps_its_weights_not_their_concatenation():
+    """The fused QKV (and gate/up) matmul equals one device on every column path, and keeps for backward the
+    weights themselves (fp32, or bf16 as ZeRO-3 gathers them: by reference there), never their concatenation,
+    which would be 1/tp of every block's weights held from forward to backward whatever the ZeRO stage; under
+    autocast with fp32 weights, their bf16 cast, as autocast keeps any linear's."""
+    for rank, out in enumerate(spawn(_fused_matmul_worker, 2, timeout=120)):
+        for (dtype, path), (pairs, kept) in out.items():
+            rtol = 1e-5 if dtype == "fp32" else 2e-2  # bf16 keeps 8 mantissa bits; fp32 differs by summation order
+            for what, (got, want) in zip(("output", "input grad", "q grad", "k grad", "v grad"), pairs, strict=True):
+                err = (got.float() - want.float()).norm() / want.float().norm()
+                assert got.dtype == want.dtype and err <= rtol, (rank, dtype, path, what, float(err))
+            want = [((7, 16), "bfloat16")] if dtype == "fp32 weights, autocast" else ["part 0", "part 1", "part 2"]
+            assert kept == want, (rank, dtype, path, kept)
 
 
 def test_tp_refuses_shapes_it_cannot_split():

@@ -48,7 +48,7 @@ from meshtrain.model.layers import Documents, compute_dtype, gated
 from meshtrain.model.llama import Attention, Block, FeedForward, attend, heads_with_rope
 from meshtrain.parallel.cross_entropy import lean_cross_entropy
 from meshtrain.parallel.pieces import Placement, Placements, TPSlice
-from meshtrain.parallel.pipeline.wgrad import Deferrable, WeightGradStore, deferred_linear, weight_grad
+from meshtrain.parallel.pipeline.wgrad import Deferrable, WeightGradStore, deferred_linear, split_rows, weight_grad
 from meshtrain.rules import Rules, check_executable, tp_dim
 
 # ----------------------------------------------------------------------------- the f / g operators
@@ -149,13 +149,40 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
 
 
-def _weight_grad_or_defer(ctx, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
-    """A fused column layer's weight gradient g^T x (``pipeline/wgrad.weight_grad``, as W computes it), or, inside a
-    zero-bubble pipeline's I action (``ctx.wgrad`` armed), None with (weight, x, g) stashed for W."""
+# The column-parallel matmuls read one weight or several concatenated along the output rows (QKV; gate/up): one
+# entry collective and one matmul serve them all. What backward keeps is the parts, not their concatenation, where
+# the matmul read the parts as they are (fp32 weights; ZeRO-3's gathered compute-dtype views, which its saved-tensor
+# hook keeps by reference), and backward concatenates them again: the concatenation is a copy of 1/tp of every
+# block's QKV and gate/up weights, which a rank would otherwise hold from forward to backward whatever its
+# data-parallel sharding (~11 GB a rank for Llama-3 70B at tp=8 in bf16). Under autocast with fp32 parameters the
+# cast concatenation is kept, as autocast's own linear keeps its cast weight.
+
+
+def _fused_weight(parts: tuple[torch.Tensor, ...], dtype: torch.dtype | None) -> torch.Tensor:
+    """The weight one matmul reads: ``parts`` along the output rows, in ``dtype`` (autocast's; None: their own)."""
+    ws = [w if dtype is None or w.dtype == dtype else w.to(dtype) for w in parts]
+    return ws[0] if len(ws) == 1 else torch.cat(ws)
+
+
+def _keep_weights(ctx, parts: tuple[torch.Tensor, ...], w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What of the fused weight ``w`` (built from ``parts``) backward keeps: the parts where ``w`` is only their
+    concatenation, else ``w``; ``_kept_weight`` rebuilds it. Sets ``ctx.parts`` (the tensors themselves, for W:
+    pipeline/wgrad.py) and ``ctx.rebuild``."""
+    ctx.parts, ctx.rebuild = parts, all(p.dtype == w.dtype for p in parts)
+    return parts if ctx.rebuild else (w,)
+
+
+def _kept_weight(ctx, kept: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return _fused_weight(kept, None) if ctx.rebuild else kept[0]
+
+
+def _weight_grads_or_defer(ctx, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """Each part's gradient, the rows of g^T x (``pipeline/wgrad.weight_grad``, as W computes it), or, inside a
+    zero-bubble pipeline's I action (``ctx.wgrad`` armed), Nones with (parts, x, g) stashed for W."""
     if ctx.wgrad is not None and ctx.wgrad.armed():
-        ctx.wgrad.put(ctx.param, x, g)
-        return None
-    return weight_grad(x, g, ctx.param)
+        ctx.wgrad.put(ctx.parts, x, g)
+        return (None,) * len(ctx.parts)
+    return split_rows(weight_grad(x, g, ctx.parts[0]), ctx.parts)
 
 
 class _GatherLinear(torch.autograd.Function):
@@ -168,69 +195,64 @@ class _GatherLinear(torch.autograd.Function):
     tensor-parallel communication: each backward collective has a matmul to hide behind). Under autocast the
     shard is saved (and re-gathered) in the compute dtype, which is all the matmuls read of it. Under a
     zero-bubble pipeline's I action (``wgrad`` armed) the gathered input is stashed for W instead of the weight
-    gradient computed."""
+    gradient computed. ``parts``: the weights, concatenated along the output rows (above)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group: AxisGroup,
-                wgrad: WeightGradStore | None = None) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group: AxisGroup, wgrad: WeightGradStore | None,
+                *parts: torch.Tensor) -> torch.Tensor:
         cast = _autocast_dtype(x)
-        w = weight if cast is None else weight.to(cast)
-        ctx.group, ctx.x_dtype = group, x.dtype
-        ctx.param, ctx.wgrad = weight, wgrad  # the tensor itself for W (pipeline/wgrad.py: saved ones are aliases)
-        ctx.save_for_backward(x if cast is None else x.to(cast), w)
+        w = _fused_weight(parts, cast)
+        ctx.group, ctx.x_dtype, ctx.wgrad = group, x.dtype, wgrad
+        ctx.save_for_backward(x if cast is None else x.to(cast), *_keep_weights(ctx, parts, w))
         full = _all_gather_seq(x, group)
         return F.linear(full if cast is None else full.to(cast), w)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        shard, w = ctx.saved_tensors
+        shard, *kept = ctx.saved_tensors
         shard = shard.contiguous()
         stacked = shard.new_empty((ctx.group.size * shard.shape[0], *shard.shape[1:]))
         gathering = comm.all_gather(stacked, shard, ctx.group, async_op=True)
-        grad_in = g.matmul(w.to(g.dtype))  # under the all-gather
+        grad_in = g.matmul(_kept_weight(ctx, kept).to(g.dtype))  # under the all-gather
         grad_x, scattering = _start_reduce_scatter_seq(grad_in.to(ctx.x_dtype), ctx.group)
         gathering.wait()
-        grad_w = _weight_grad_or_defer(ctx, _in_sequence_order(stacked, ctx.group.size), g)  # under the RS
+        grads_w = _weight_grads_or_defer(ctx, _in_sequence_order(stacked, ctx.group.size), g)  # under the RS
         scattering.wait()
-        return grad_x, grad_w, None, None
+        return grad_x, None, None, *grads_w
 
 
 class _CopyLinear(torch.autograd.Function):
     """f and column-parallel matmul in one (no SP): ``F.linear(copy_to_tp(x), w)``, whose backward starts the input
     gradient's all-reduce as soon as that gradient is computed and computes the weight gradient while it runs
     (Megatron's asynchronous tensor-parallel communication), where ``copy_to_tp``'s all-reduce could only start
-    after the whole linear backward. Autocast and a zero-bubble pipeline's ``wgrad`` as ``_GatherLinear``."""
+    after the whole linear backward. Autocast, a zero-bubble pipeline's ``wgrad`` and ``parts`` as
+    ``_GatherLinear``; with ``group`` None, no collective (one rank, or SP's entry already gathered)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group: AxisGroup,
-                wgrad: WeightGradStore | None = None) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group: AxisGroup | None, wgrad: WeightGradStore | None,
+                *parts: torch.Tensor) -> torch.Tensor:
         cast = _autocast_dtype(x)
-        xc, w = (x, weight) if cast is None else (x.to(cast), weight.to(cast))
-        ctx.group, ctx.x_dtype = group, x.dtype
-        ctx.param, ctx.wgrad = weight, wgrad
-        ctx.save_for_backward(xc, w)
+        w = _fused_weight(parts, cast)
+        xc = x if cast is None else x.to(cast)
+        ctx.group, ctx.x_dtype, ctx.wgrad = group, x.dtype, wgrad
+        ctx.save_for_backward(xc, *_keep_weights(ctx, parts, w))
         return F.linear(xc, w)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        x, w = ctx.saved_tensors
-        grad_x = g.matmul(w.to(g.dtype)).to(ctx.x_dtype)  # a fresh tensor: reduced in place
-        reducing = comm.all_reduce(grad_x, ctx.group, async_op=True)
-        grad_w = _weight_grad_or_defer(ctx, x, g)  # under the all-reduce
-        reducing.wait()
-        return grad_x, grad_w, None, None
+        x, *kept = ctx.saved_tensors
+        grad_x = g.matmul(_kept_weight(ctx, kept).to(g.dtype)).to(ctx.x_dtype)  # a fresh tensor: reduced in place
+        reducing = None if ctx.group is None else comm.all_reduce(grad_x, ctx.group, async_op=True)
+        grads_w = _weight_grads_or_defer(ctx, x, g)  # under the all-reduce
+        if reducing is not None:
+            reducing.wait()
+        return grad_x, None, None, *grads_w
 
 
 @torch.compiler.disable  # as deferred_linear: the backward reads whether the store is armed
-def _deferred_copy_linear(x: torch.Tensor, weight: torch.Tensor, group: AxisGroup,
-                          wgrad: WeightGradStore) -> torch.Tensor:
-    return _CopyLinear.apply(x, weight, group, wgrad)
-
-
-@torch.compiler.disable  # as deferred_linear: the backward reads whether the store is armed
-def _deferred_gather_linear(x: torch.Tensor, weight: torch.Tensor, group: AxisGroup,
-                            wgrad: WeightGradStore) -> torch.Tensor:
-    return _GatherLinear.apply(x, weight, group, wgrad)
+def _deferred(fn: type[torch.autograd.Function], x: torch.Tensor, group: AxisGroup | None,
+              wgrad: WeightGradStore, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return fn.apply(x, group, wgrad, *parts)
 
 
 def copy_to_tp(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
@@ -313,17 +335,17 @@ class ColumnParallelLinear(nn.Module, Deferrable):
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         return gather_seq(x, self.group) if self.sp else copy_to_tp(x, self.group)
 
-    def matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """enter(x) @ weight^T, for this layer's weight or a fused one (QKV, gate/up) sharing its entry."""
+    def matmul(self, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        """enter(x) @ W^T, W this layer's weight or several concatenated along the output rows (a fused QKV or
+        gate/up sharing its entry), in one matmul."""
+        fn, group = _CopyLinear, None  # one rank, or SP keeping the gathered input: the entry goes first
         if self.group.size > 1 and (self.regather or not self.sp):
-            fused, deferred = (_GatherLinear, _deferred_gather_linear) if self.sp else \
-                (_CopyLinear, _deferred_copy_linear)
-            if self.wgrad is not None:
-                return deferred(x, weight, self.group, self.wgrad)
-            return fused.apply(x, weight, self.group)
+            fn, group = (_GatherLinear if self.sp else _CopyLinear), self.group
+        else:
+            x = self.enter(x)
         if self.wgrad is not None:
-            return deferred_linear(self.enter(x), weight, self.wgrad)
-        return F.linear(self.enter(x), weight)
+            return _deferred(fn, x, group, self.wgrad, weights)
+        return fn.apply(x, group, None, *weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, self.weight)
@@ -385,7 +407,7 @@ class ParallelAttention(nn.Module):
                 cache: LayerKV | None = None, docs: Documents | None = None) -> torch.Tensor:
         projections = (self.wq, self.wk, self.wv)
         if torch.is_grad_enabled():  # one entry collective and one matmul serve q, k and v
-            qkv = self.wq.matmul(x, torch.cat([m.weight for m in projections]))
+            qkv = self.wq.matmul(x, *(m.weight for m in projections))
             if self.wq.bias is not None:  # model.qkv_bias (Qwen2)
                 qkv = qkv + torch.cat([m.bias for m in projections])
             q, k, v = qkv.split([self.q_rows, self.kv_rows, self.kv_rows], dim=-1)
@@ -412,7 +434,7 @@ class ParallelFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():
-            gate, up = self.w1.matmul(x, torch.cat([self.w1.weight, self.w3.weight])).split(self.hidden, dim=-1)
+            gate, up = self.w1.matmul(x, self.w1.weight, self.w3.weight).split(self.hidden, dim=-1)
         else:  # as ParallelAttention: no per-call copy of the fused weight without autograd
             h = self.w1.enter(x)
             gate, up = F.linear(h, self.w1.weight), F.linear(h, self.w3.weight)

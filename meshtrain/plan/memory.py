@@ -160,17 +160,16 @@ def tp_forward_saved_bytes(cfg: ModelConfig, tokens: int, tp: int, sp: bool = Fa
     (embedding, blocks, final norm, head; not the loss) over ``tokens`` tokens, without recompute: the
     blocks per ``activation_elems_per_token``; the vocabulary-parallel embedding's local ids (int64) and
     its mask of the ids this rank holds (one element per token); the final norm (D + 1, sequence-sharded
-    with SP) and the head's input (as a column-parallel layer's); and each block's fused weights (the
-    concatenated QKV and gate/up shards, a copy per forward); with ``masked``, the mask of ``seq_len``-token
-    sequences (``mask_elems``). Exact for fp32, which the tests measure."""
+    with SP) and the head's input (as a column-parallel layer's); with ``masked``, the mask of ``seq_len``-token
+    sequences (``mask_elems``). Exact for fp32, which the tests measure. No weights: the fused QKV and gate/up
+    matmuls keep their parts, not the concatenation (parallel/tensor.py); under autocast with fp32 parameters
+    every linear keeps its cast weight, which this does not count."""
     d = cfg.d_model
-    kv = max(cfg.kv_heads, tp) * cfg.head_dim
     seq = tp if sp else 1
     blocks = activation_elems_per_token(cfg, "none", tp, sp, sp_regather, masked) * tokens * cfg.n_layers
     column = d / seq if sp and sp_regather else d
     outside = (1 + (d + 1) / seq + column) * tokens + mask_elems(tokens, seq_len, masked)
-    fused = cfg.n_layers * (cfg.n_heads * cfg.head_dim + 2 * kv + 2 * cfg.hidden_dim) * d / tp
-    return 8 * tokens + act_bytes * (blocks + outside + fused)
+    return 8 * tokens + act_bytes * (blocks + outside)
 
 
 def activation_bytes(cfg: ModelConfig, tokens: int, layers: int, recompute: str = "none", tp: int = 1,

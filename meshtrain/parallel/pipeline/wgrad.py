@@ -10,8 +10,8 @@ gets its gradient in I.
 
 Which layers: the plain model's bias-free ``nn.Linear`` (swapped for ``DeferredLinear``) and, under tensor
 parallelism, its column- and row-parallel twins, which are ``Deferrable`` (``defer_weight_grads`` sets their
-``wgrad``). A fused weight (QKV, gate/up: a concatenation of parameters) is stashed as the tensor the matmul
-read, and W's ``backward`` carries its gradient through the concatenation to each parameter.
+``wgrad``). A fused weight (QKV, gate/up: several parameters concatenated along the output rows) is stashed as
+its parts; W computes the concatenation's gradient in one matmul and hands each part its rows.
 """
 
 from __future__ import annotations
@@ -22,15 +22,16 @@ from torch import nn
 
 
 class WeightGradStore:
-    """Stashed (weight, input, output-gradient) triples per (microbatch, stage)."""
+    """Stashed (weights, input, output-gradient) triples per (microbatch, stage): ``weights`` the parameters one
+    matmul read, concatenated along the output rows (one for a plain layer)."""
 
     def __init__(self) -> None:
         self.key: tuple[int, int] | None = None  # armed during an I action
-        self.stash: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self.stash: dict[tuple[int, int], list[tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]]] = {}
         self.applied = 0  # weight gradients W has computed (this process, all steps): what shows W did work
 
-    def put(self, weight: torch.Tensor, x: torch.Tensor, g: torch.Tensor) -> None:
-        self.stash.setdefault(self.key, []).append((weight, x, g))
+    def put(self, weights: tuple[torch.Tensor, ...], x: torch.Tensor, g: torch.Tensor) -> None:
+        self.stash.setdefault(self.key, []).append((weights, x, g))
 
     def armed(self) -> bool:
         """Inside an I action: a deferring layer stashes its weight gradient's inputs instead of computing it."""
@@ -40,12 +41,9 @@ class WeightGradStore:
     def apply(self, key: tuple[int, int]) -> None:
         """The W action: every stashed weight gradient of ``key``, accumulated through autograd."""
         grads: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
-        for w, x, g in self.stash.pop(key, []):
-            gw = weight_grad(x, g, w)
-            if id(w) in grads:
-                grads[id(w)] = (w, grads[id(w)][1] + gw)
-            else:
-                grads[id(w)] = (w, gw)
+        for weights, x, g in self.stash.pop(key, []):
+            for w, gw in zip(weights, split_rows(weight_grad(x, g, weights[0]), weights), strict=True):
+                grads[id(w)] = (w, grads[id(w)][1] + gw) if id(w) in grads else (w, gw)
         with torch.enable_grad():
             for w, gw in grads.values():
                 w.backward(gw)
@@ -58,6 +56,11 @@ def weight_grad(x: torch.Tensor, g: torch.Tensor, weight: nn.Parameter) -> torch
     still against a GPU's bf16 tensor cores), returned in the weight's dtype for its fp32 accumulation."""
     gw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(g.dtype)
     return gw.to(weight.dtype)
+
+
+def split_rows(grad: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """A fused weight's gradient cut into its parts' (``weights``, concatenated along the output rows)."""
+    return (grad,) if len(weights) == 1 else grad.split([w.shape[0] for w in weights])
 
 
 class _DeferredLinear(torch.autograd.Function):
@@ -75,7 +78,7 @@ class _DeferredLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_x = g @ weight.to(g.dtype)
         if ctx.store.armed():
-            ctx.store.put(ctx.param, x, g)
+            ctx.store.put((ctx.param,), x, g)
             return grad_x, None, None
         return grad_x, weight_grad(x, g, weight), None
 
