@@ -85,9 +85,22 @@ def _train(data: str, out: str, overrides: list[str], until: int | None) -> tupl
     return [r["loss"] for r in trainer.train(until=until)], read is None or read == held
 
 
+def _core_dtypes(data: str, overrides: list[str]) -> set[str]:
+    """The dtypes of q, k and v as the attention cores receive them in one forward of the first batch."""
+    from meshtrain.train.trainer import Trainer
+
+    trainer = Trainer(load_config("tiny", [f"data.path={data}", *BASE, *overrides]))
+    seen: set[str] = set()
+    for block in trainer.model.layers.values():
+        block.attention.core.register_forward_pre_hook(lambda m, args: seen.update(str(t.dtype) for t in args[:3]))
+    trainer.parallel.forward(trainer.model, trainer.local_batch(trainer.train_data, 0).inputs)
+    return seen
+
+
 def _worker(rank, world_size, data, layouts, ckpt):
     out = {name: run_layout(data, [*BASE, *overrides], run_dir(data, world_size, name)) for name, overrides in layouts}
-    return out, _train(data, ckpt, [*CKPT, "parallel.tp=4"], 4)
+    dtypes = _core_dtypes(data, ["parallel.tp=4", "train.dtype=bf16", *KV2, *QKV_BIAS])
+    return out, _train(data, ckpt, [*CKPT, "parallel.tp=4"], 4), dtypes
 
 
 def _checkpoint_tensors(run) -> dict:
@@ -118,6 +131,14 @@ def world4(data, tmp_path_factory):
 
 def test_kv_heads_fewer_than_tp_equal_one_device(world4, data, reference):
     check_layouts(data, 4, LAYOUTS_4, [w[0] for w in world4[0]], reference)
+
+
+def test_qkv_biases_keep_the_compute_dtype_under_tp(world4, data):
+    """Under bf16 autocast the fused QKV matmul's biases are added in its output's dtype, as a linear layer adds its
+    own: q, k and v reach attention in bf16, as on one device. Added in fp32 they promoted q, k and v to fp32."""
+    assert _core_dtypes(data, ["train.dtype=bf16", *KV2, *QKV_BIAS]) == {"torch.bfloat16"}  # one device
+    for rank, (_, _, dtypes) in enumerate(world4[0]):
+        assert dtypes == {"torch.bfloat16"}, (rank, dtypes)
 
 
 def test_shared_kv_gradients_are_summed_over_the_ranks_sharing_a_head(world4, data):

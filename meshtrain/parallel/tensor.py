@@ -409,7 +409,7 @@ class ParallelAttention(nn.Module):
         if torch.is_grad_enabled():  # one entry collective and one matmul serve q, k and v
             qkv = self.wq.matmul(x, *(m.weight for m in projections))
             if self.wq.bias is not None:  # model.qkv_bias (Qwen2)
-                qkv = qkv + torch.cat([m.bias for m in projections])
+                qkv = qkv + torch.cat([m.bias for m in projections]).to(qkv.dtype)  # as a linear adds its own
             q, k, v = qkv.split([self.q_rows, self.kv_rows, self.kv_rows], dim=-1)
         else:  # evaluation, generation: no fused copy of the weights per call (a decode step's few rows make the
             h = self.wq.enter(x)  # copy cost more than the matmuls); still one entry collective
