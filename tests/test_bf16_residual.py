@@ -124,3 +124,44 @@ def test_pipeline_sends_half_the_bytes_and_the_planner_predicts_every_run(per_ra
             for key, b in p2p.items():
                 assert b > 0 and b % 2 == 0 and low[rank][key] == b // 2, (name, rank, key, low[rank][key], b)
     assert_planner_predicts_runs(data)
+
+
+def _weight_casts_kept(data: str, world_size: int, overrides: list[str]) -> tuple[int, int]:
+    """(distinct bf16 casts of parameters that one training step's forwards keep for backward, the linear weights
+    this rank holds), on this rank."""
+    from torch import nn
+
+    from meshtrain.config import load_config
+    from meshtrain.train.trainer import Trainer
+
+    trainer = Trainer(load_config("tiny", [f"data.path={data}", *BASE, *BF16, *overrides]))
+    casts: dict[int, torch.Tensor] = {}  # held, so that no freed cast's address is reused by another
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        base = t if t._base is None else t._base
+        node = base.grad_fn
+        if base.dtype == torch.bfloat16 and type(node).__name__ == "ToCopyBackward0":
+            source = node.next_functions[0][0]
+            if isinstance(getattr(source, "variable", None), nn.Parameter):  # a parameter's cast, not an activation's
+                casts[base.untyped_storage().data_ptr()] = base
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        trainer.train_step(0)
+    return len(casts), len({id(m.weight) for m in trainer.model.modules() if isinstance(m, nn.Linear)})
+
+
+def _casts_worker(rank: int, world_size: int, data: str) -> tuple[int, int]:
+    return _weight_casts_kept(data, world_size, ["parallel.pp=2", "parallel.microbatches=4"])
+
+
+def test_a_step_casts_each_weight_once_for_all_its_microbatches(data):
+    """Autocast's fp32 -> bf16 cast of a weight is kept by every matmul that reads it until that microbatch's
+    backward. One cast per weight per step, shared by the step's microbatches (``ForwardLoss.one_cast_per_step``),
+    where each forward used to make its own: a pipeline stage under 1F1B holds up to pp microbatches in flight, each
+    with a bf16 copy of the stage's weights (2 bytes a parameter each). One process with four microbatches, and a
+    pp2 1F1B stage with four (stage 0 holds two in flight)."""
+    casts, linears = _weight_casts_kept(data, 1, ["train.grad_accum=4"])
+    assert casts == linears > 0, (casts, linears)
+    for rank, (casts, linears) in enumerate(spawn(_casts_worker, 2, args=(data,), timeout=300)):
+        assert casts == linears > 0, (rank, casts, linears)

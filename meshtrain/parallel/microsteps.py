@@ -35,16 +35,30 @@ class ForwardLoss:
     dtype: torch.dtype
     device: torch.device
 
-    def autocast(self) -> contextlib.AbstractContextManager:
+    def autocast(self, enabled: bool = True) -> contextlib.AbstractContextManager:
+        """Autocast in the compute dtype (``enabled=False``: off, nested inside an enabled one); nothing in fp32."""
         if self.dtype == torch.float32:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype, enabled=enabled)
+
+    def one_cast_per_step(self) -> contextlib.AbstractContextManager:
+        """Around a step's microbatches: each fp32 weight is cast to the compute dtype once for all of them.
+
+        Autocast caches a parameter's cast until its outermost context exits, and each microbatch's matmuls keep
+        the cast weight for backward. With a context per forward alone, every microbatch in flight kept a copy of
+        its own (2 bytes a parameter each: up to pp of them on a 1F1B stage); inside this one they share one, and
+        the casts are done once a step. What runs in it outside a forward, the loss and backward, runs under
+        ``autocast(enabled=False)``, as it did outside any context."""
+        return self.autocast()
 
     def __call__(self, module: nn.Module, x: torch.Tensor, targets: torch.Tensor | None = None,
                  docs: torch.Tensor | None = None) -> torch.Tensor:
         with self.sync.forward_context(), self.autocast():
             out = module(x) if docs is None else module(x, docs=docs)
-        return out if targets is None else self.loss_fn(out, targets)
+        if targets is None:
+            return out
+        with self.autocast(enabled=False):
+            return self.loss_fn(out, targets)
 
 
 def chunks(docs: torch.Tensor | None, n: int) -> list[torch.Tensor | None]:
@@ -65,12 +79,14 @@ class Accumulation:
         sync, device = self.forward.sync, self.forward.device
         total = torch.zeros((), dtype=torch.float64, device=device)
         micro = list(zip(inputs.chunk(self.n), targets.chunk(self.n), chunks(docs, self.n), strict=True))
-        for i, (x, y, d) in enumerate(micro):
-            # Gradients are communicated only with the last microbatch (ZeRO-2/3 reduce every one).
-            with sync.no_sync() if i < len(micro) - 1 else contextlib.nullcontext():
-                loss = self.forward(self.model, x.to(device), y.to(device), d) / n_tokens
-                loss.backward()
-            total += loss.detach().double()
+        with self.forward.one_cast_per_step():
+            for i, (x, y, d) in enumerate(micro):
+                # Gradients are communicated only with the last microbatch (ZeRO-2/3 reduce every one).
+                with sync.no_sync() if i < len(micro) - 1 else contextlib.nullcontext():
+                    loss = self.forward(self.model, x.to(device), y.to(device), d) / n_tokens
+                    with self.forward.autocast(enabled=False):
+                        loss.backward()
+                total += loss.detach().double()
         return total
 
     @torch.no_grad()

@@ -210,7 +210,10 @@ class Hardware:
 # the gradient's cast back; the fit also takes in the step's fixed element-wise work) and 46 a step (by hand 36: the
 # norm reads each fp32 gradient, 4; fused AdamW moves 28 and writes the gradient back divided by the clip, 4; 36 B
 # at ~78% of the datasheet bandwidth). The wider model (d_model 4096, 8 blocks), not fitted, is the check (predicted
-# 0.94 of its measured step, whose host gaps the planner does not model).
+# 0.94 of its measured step, whose host gaps the planner does not model). The weight's cast is charged per
+# microbatch as the fitted runs (compiled blocks, which cast inside their graphs) made it; an eager step casts each
+# weight once for all its microbatches (parallel/microsteps.py), 6 of those bytes per microbatch after the first
+# (tests/test_gpu_kernels.py).
 GPU_KERNELS = {"elem_bytes": 7.6, "score_flops": 1830.0, "cast_bytes": 15.0, "optim_bytes": 46.0}
 
 _BOOK_TPU = ("How to Scale Your Model (Austin et al., 2025), Part 2 'How to Think About TPUs', chip and ICI "

@@ -189,29 +189,32 @@ class PipelineEngine:
         sends: list[comm.Handle] = []
         self.trace = StepTrace()
         loss_total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
-        for step in self.program:
-            if isinstance(step, Post):
-                self._post(step, outbox, inbox, sends)
-            elif isinstance(step, Wait):
-                t, h = inbox.pop(step.msg)
-                h.wait()
-                arrived[step.msg] = t
-            elif isinstance(step, Run):
-                a = step.action
-                t0 = time.perf_counter()  # after the wait: waiting for a peer is bubble, not work
-                slot = slots.setdefault((a.mb, a.stage), _Slot())
-                if a.kind == "F":
-                    loss = self._forward(a, slot, inputs, targets, docs, n_tokens, local, arrived, outbox)
-                    if loss is not None:
-                        loss_total += loss.detach().double()
-                elif a.kind in ("B", "I"):
-                    self._backward_input(a, slot, local, arrived, outbox, with_weights=a.kind == "B")
-                else:
-                    self._backward_weights(a, slot)
-                self.trace.actions.append((t0, time.perf_counter(), a))
-            else:
-                for h in sends:
+        with self.forward.one_cast_per_step():  # the microbatches in flight share one cast of each weight
+            for step in self.program:
+                if isinstance(step, Post):
+                    self._post(step, outbox, inbox, sends)
+                elif isinstance(step, Wait):
+                    t, h = inbox.pop(step.msg)
                     h.wait()
+                    arrived[step.msg] = t
+                elif isinstance(step, Run):
+                    a = step.action
+                    t0 = time.perf_counter()  # after the wait: waiting for a peer is bubble, not work
+                    slot = slots.setdefault((a.mb, a.stage), _Slot())
+                    if a.kind == "F":
+                        loss = self._forward(a, slot, inputs, targets, docs, n_tokens, local, arrived, outbox)
+                        if loss is not None:
+                            loss_total += loss.detach().double()
+                    else:
+                        with self.forward.autocast(enabled=False):
+                            if a.kind in ("B", "I"):
+                                self._backward_input(a, slot, local, arrived, outbox, with_weights=a.kind == "B")
+                            else:
+                                self._backward_weights(a, slot)
+                    self.trace.actions.append((t0, time.perf_counter(), a))
+                else:
+                    for h in sends:
+                        h.wait()
         return loss_total
 
     def _handover(self, t: torch.Tensor, a: Action, to_stage: int, local, outbox) -> None:
