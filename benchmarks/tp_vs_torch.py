@@ -56,8 +56,8 @@ class _AfterLinear(ColumnParallelLinear):
     """The column-parallel layer from separate pieces: f, then the matmul (its backward all-reduces the input
     gradient after the linear's whole backward)."""
 
-    def matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp(x, self.group), weight)
+    def matmul(self, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp(x, self.group), torch.cat(weights) if len(weights) > 1 else weights[0])
 
 
 class _AfterLinearHead(VocabParallelHead):
