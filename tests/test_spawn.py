@@ -1,5 +1,6 @@
 """The spawn harness: results in rank order, a failing rank and a hung rank become test failures."""
 
+import sys
 import time
 
 import pytest
@@ -59,3 +60,22 @@ def test_hung_rank_times_out():
 def test_crashed_rank_is_reported():
     with pytest.raises(SpawnError, match=r"rank 0 of 2 exited with code 3"):
         spawn(_crash_on_rank_0, 2, timeout=60)
+
+
+def _where_am_i(rank, world_size):
+    import os
+    import sys
+
+    return os.environ.get("MESHTRAIN_SPAWN_PROBE"), os.getcwd(), sys.path[-1]
+
+
+def test_each_spawn_gives_its_ranks_the_callers_environment_folder_and_path(tmp_path, monkeypatch):
+    """The ranks come from a fork server started by an earlier spawn (their imports done once), yet each spawn's
+    ranks see the caller's environment, working folder and ``sys.path`` as they are at that spawn."""
+    spawn(_sum_ranks, 2, args=(1.0,))  # the server is running, with the environment of then
+    for value in ("one", "two"):
+        monkeypatch.setenv("MESHTRAIN_SPAWN_PROBE", value)
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setattr("sys.path", [*sys.path, str(tmp_path / value)])
+        out = spawn(_where_am_i, 2)
+        assert out == [(value, str(tmp_path), str(tmp_path / value))] * 2, out
