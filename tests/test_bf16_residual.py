@@ -126,15 +126,21 @@ def test_pipeline_sends_half_the_bytes_and_the_planner_predicts_every_run(per_ra
     assert_planner_predicts_runs(data)
 
 
-def _weight_casts_kept(data: str, world_size: int, overrides: list[str]) -> tuple[int, int]:
-    """(distinct bf16 casts of parameters that one training step's forwards keep for backward, the linear weights
-    this rank holds), on this rank."""
+def _weight_casts_kept(data: str, world_size: int, overrides: list[str]) -> dict[str, int]:
+    """What one training step's forwards keep for backward of bf16 copies of weights, on this rank: "casts" (distinct
+    copies) and their "bytes"; the "linears" this rank holds, of which "rows" row-parallel; and the planner's bytes
+    of the copies ("planned", ``plan/memory.autocast_copy_numel``). A copy is autocast's cast of a parameter, or a
+    weight-shaped ([rows, d_model]) bf16 tensor made inside an autograd function (tensor-parallel column layers
+    cast there)."""
     from torch import nn
 
     from meshtrain.config import load_config
+    from meshtrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+    from meshtrain.plan.memory import autocast_copy_numel
     from meshtrain.train.trainer import Trainer
 
-    trainer = Trainer(load_config("tiny", [f"data.path={data}", *BASE, *BF16, *overrides]))
+    cfg = load_config("tiny", [f"data.path={data}", *BASE, *BF16, *overrides])
+    trainer = Trainer(cfg)
     casts: dict[int, torch.Tensor] = {}  # held, so that no freed cast's address is reused by another
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -144,24 +150,40 @@ def _weight_casts_kept(data: str, world_size: int, overrides: list[str]) -> tupl
             source = node.next_functions[0][0]
             if isinstance(getattr(source, "variable", None), nn.Parameter):  # a parameter's cast, not an activation's
                 casts[base.untyped_storage().data_ptr()] = base
+        elif (base.dtype == torch.bfloat16 and node is None and not base.requires_grad and base.dim() == 2
+              and base.shape[1] == cfg.model.d_model):
+            casts[base.untyped_storage().data_ptr()] = base
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         trainer.train_step(0)
-    return len(casts), len({id(m.weight) for m in trainer.model.modules() if isinstance(m, nn.Linear)})
+    modules = dict(trainer.model.named_modules())
+    kinds = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
+    linears = [m.weight for m in modules.values() if isinstance(m, kinds)]
+    blocks = {name for name in modules if name.count(".") == 1 and name.startswith("layers.")}
+    planned = autocast_copy_numel(cfg.model, len(blocks), cfg.parallel.tp, last=modules.get("output") is not None)
+    return {"casts": len(casts), "bytes": sum(c.nbytes for c in casts.values()), "planned": 2 * planned,
+            "linears": len({id(w) for w in linears}),
+            "rows": len({id(m.weight) for m in modules.values() if isinstance(m, RowParallelLinear)})}
 
 
-def _casts_worker(rank: int, world_size: int, data: str) -> tuple[int, int]:
-    return _weight_casts_kept(data, world_size, ["parallel.pp=2", "parallel.microbatches=4"])
+def _casts_worker(rank: int, world_size: int, data: str) -> dict[str, dict[str, int]]:
+    return {"pp2": _weight_casts_kept(data, world_size, ["parallel.pp=2", "parallel.microbatches=4"]),
+            "tp2": _weight_casts_kept(data, world_size, ["parallel.tp=2", "train.grad_accum=4"])}
 
 
 def test_a_step_casts_each_weight_once_for_all_its_microbatches(data):
     """Autocast's fp32 -> bf16 cast of a weight is kept by every matmul that reads it until that microbatch's
     backward. One cast per weight per step, shared by the step's microbatches (``ForwardLoss.one_cast_per_step``),
     where each forward used to make its own: a pipeline stage under 1F1B holds up to pp microbatches in flight, each
-    with a bf16 copy of the stage's weights (2 bytes a parameter each). One process with four microbatches, and a
-    pp2 1F1B stage with four (stage 0 holds two in flight)."""
-    casts, linears = _weight_casts_kept(data, 1, ["train.grad_accum=4"])
-    assert casts == linears > 0, (casts, linears)
-    for rank, (casts, linears) in enumerate(spawn(_casts_worker, 2, args=(data,), timeout=300)):
-        assert casts == linears > 0, (rank, casts, linears)
+    with a bf16 copy of the stage's weights (2 bytes a parameter each). One process with four microbatches, a
+    pp2 1F1B stage with four (stage 0 holds two in flight), and tp2 with four, whose column layers keep no copy."""
+    one = _weight_casts_kept(data, 1, ["train.grad_accum=4"])
+    assert one["casts"] == one["linears"] > 0 and one["bytes"] == one["planned"], one
+    for rank, out in enumerate(spawn(_casts_worker, 2, args=(data,), timeout=300)):
+        pp = out["pp2"]
+        assert pp["casts"] == pp["linears"] > 0 and pp["bytes"] == pp["planned"], (rank, pp)
+        # Tensor-parallel column layers keep their fp32 weights and cast them again in backward (their fused QKV
+        # and gate/up weights would be a copy a microbatch otherwise); the row layers share autocast's step cast.
+        tp = out["tp2"]
+        assert tp["casts"] == tp["rows"] > 0 and tp["linears"] > tp["rows"] and tp["bytes"] == tp["planned"], (rank, tp)

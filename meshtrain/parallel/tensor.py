@@ -150,12 +150,13 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
 
 
 # The column-parallel matmuls read one weight or several concatenated along the output rows (QKV; gate/up): one
-# entry collective and one matmul serve them all. What backward keeps is the parts, not their concatenation, where
-# the matmul read the parts as they are (fp32 weights; ZeRO-3's gathered compute-dtype views, which its saved-tensor
-# hook keeps by reference), and backward concatenates them again: the concatenation is a copy of 1/tp of every
-# block's QKV and gate/up weights, which a rank would otherwise hold from forward to backward whatever its
-# data-parallel sharding (~11 GB a rank for Llama-3 70B at tp=8 in bf16). Under autocast with fp32 parameters the
-# cast concatenation is kept, as autocast's own linear keeps its cast weight.
+# entry collective and one matmul serve them all. What backward keeps is the parts themselves (the parameters, or
+# ZeRO-3's gathered compute-dtype views, which its saved-tensor hook keeps by reference), never a copy: backward
+# concatenates and casts them again. A kept concatenation is 1/tp of every block's QKV and gate/up weights, held
+# from forward to backward whatever the data-parallel sharding (~11 GB a rank for Llama-3 70B at tp=8 in bf16); a
+# kept autocast cast of fp32 weights is the same bytes again for each microbatch in flight (up to pp on a 1F1B
+# stage), where autocast's own linear shares one cast a step (``ForwardLoss.one_cast_per_step``). Rebuilding costs
+# one more cast of those weights per microbatch, in backward.
 
 
 def _fused_weight(parts: tuple[torch.Tensor, ...], dtype: torch.dtype | None) -> torch.Tensor:
@@ -164,16 +165,15 @@ def _fused_weight(parts: tuple[torch.Tensor, ...], dtype: torch.dtype | None) ->
     return ws[0] if len(ws) == 1 else torch.cat(ws)
 
 
-def _keep_weights(ctx, parts: tuple[torch.Tensor, ...], w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """What of the fused weight ``w`` (built from ``parts``) backward keeps: the parts where ``w`` is only their
-    concatenation, else ``w``; ``_kept_weight`` rebuilds it. Sets ``ctx.parts`` (the tensors themselves, for W:
-    pipeline/wgrad.py) and ``ctx.rebuild``."""
-    ctx.parts, ctx.rebuild = parts, all(p.dtype == w.dtype for p in parts)
-    return parts if ctx.rebuild else (w,)
+def _keep_weights(ctx, parts: tuple[torch.Tensor, ...], cast: torch.dtype | None) -> tuple[torch.Tensor, ...]:
+    """What backward keeps of the fused weight: ``parts`` themselves; ``_kept_weight`` rebuilds it in ``cast``.
+    Sets ``ctx.parts`` (for W: pipeline/wgrad.py) and ``ctx.cast``."""
+    ctx.parts, ctx.cast = parts, cast
+    return parts
 
 
 def _kept_weight(ctx, kept: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    return _fused_weight(kept, None) if ctx.rebuild else kept[0]
+    return _fused_weight(kept, ctx.cast)
 
 
 def _weight_grads_or_defer(ctx, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -203,7 +203,7 @@ class _GatherLinear(torch.autograd.Function):
         cast = _autocast_dtype(x)
         w = _fused_weight(parts, cast)
         ctx.group, ctx.x_dtype, ctx.wgrad = group, x.dtype, wgrad
-        ctx.save_for_backward(x if cast is None else x.to(cast), *_keep_weights(ctx, parts, w))
+        ctx.save_for_backward(x if cast is None else x.to(cast), *_keep_weights(ctx, parts, cast))
         full = _all_gather_seq(x, group)
         return F.linear(full if cast is None else full.to(cast), w)
 
@@ -235,7 +235,7 @@ class _CopyLinear(torch.autograd.Function):
         w = _fused_weight(parts, cast)
         xc = x if cast is None else x.to(cast)
         ctx.group, ctx.x_dtype, ctx.wgrad = group, x.dtype, wgrad
-        ctx.save_for_backward(xc, *_keep_weights(ctx, parts, w))
+        ctx.save_for_backward(xc, *_keep_weights(ctx, parts, cast))
         return F.linear(xc, w)
 
     @staticmethod

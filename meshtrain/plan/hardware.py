@@ -213,7 +213,8 @@ class Hardware:
 # 0.94 of its measured step, whose host gaps the planner does not model). The weight's cast is charged per
 # microbatch as the fitted runs (compiled blocks, which cast inside their graphs) made it; an eager step casts each
 # weight once for all its microbatches (parallel/microsteps.py), 6 of those bytes per microbatch after the first
-# (tests/test_gpu_kernels.py).
+# (tests/test_gpu_kernels.py), except tensor parallelism's column layers, which cast in each forward and again in
+# each backward (parallel/tensor.py).
 GPU_KERNELS = {"elem_bytes": 7.6, "score_flops": 1830.0, "cast_bytes": 15.0, "optim_bytes": 46.0}
 
 _BOOK_TPU = ("How to Scale Your Model (Austin et al., 2025), Part 2 'How to Think About TPUs', chip and ICI "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshtrain.config import ModelConfig
-from meshtrain.plan.units import padded_numel, unit_numels
+from meshtrain.plan.units import expert_numel, padded_numel, unit_numels
 
 
 @dataclass(frozen=True)
@@ -154,6 +154,27 @@ def mask_elems(tokens: float, seq_len: int, masked: bool) -> float:
     return tokens * seq_len if masked else 0.0
 
 
+def autocast_copy_numel(cfg: ModelConfig, layers: int, tp: int = 1, ep: int = 1, last: bool = True) -> int:
+    """Parameters whose bf16 cast autocast keeps through a step on a rank holding ``layers`` blocks and (``last``)
+    the head, when the parameters are fp32 and ZeRO-3 does not gather them in bf16: one copy of each, shared by the
+    step's microbatches (``ForwardLoss.one_cast_per_step``, parallel/microsteps.py). Every linear's weight and bias
+    at tp = 1; under tensor parallelism the column-parallel layers (QKV, gate/up, the head) cast inside their own
+    autograd function and keep nothing (parallel/tensor.py), leaving wo, the down projection and the MoE's router
+    and experts (kept whole on each tp rank; E/ep of them under expert parallelism)."""
+    d, hd = cfg.d_model, cfg.head_dim
+    q, kv = cfg.n_heads * hd, cfg.kv_heads * hd
+    if tp == 1:
+        attn = d * (q + 2 * kv) + (q + 2 * kv if cfg.qkv_bias else 0) + q * d
+        dense, head = 3 * d * cfg.hidden_dim, cfg.vocab_size * d
+    else:
+        attn, dense, head = q // tp * d, cfg.hidden_dim // tp * d, 0
+    if cfg.moe_experts:
+        mlp = cfg.moe_experts * d + (cfg.moe_experts // ep + cfg.moe_shared_experts) * expert_numel(cfg)
+    else:
+        mlp = dense
+    return layers * (attn + mlp) + (head if last else 0)
+
+
 def tp_forward_saved_bytes(cfg: ModelConfig, tokens: int, tp: int, sp: bool = False, sp_regather: bool = True,
                            act_bytes: int = 4, masked: bool = False, seq_len: int = 0) -> float:
     """Bytes one tensor-parallel rank (tp > 1) keeps for backward after one forward of the whole model
@@ -162,8 +183,8 @@ def tp_forward_saved_bytes(cfg: ModelConfig, tokens: int, tp: int, sp: bool = Fa
     its mask of the ids this rank holds (one element per token); the final norm (D + 1, sequence-sharded
     with SP) and the head's input (as a column-parallel layer's); with ``masked``, the mask of ``seq_len``-token
     sequences (``mask_elems``). Exact for fp32, which the tests measure. No weights: the fused QKV and gate/up
-    matmuls keep their parts, not the concatenation (parallel/tensor.py); under autocast with fp32 parameters
-    every linear keeps its cast weight, which this does not count."""
+    matmuls keep their parts, not the concatenation or its cast (parallel/tensor.py); under autocast with fp32
+    parameters the row-parallel linears keep one cast weight a step, which this does not count."""
     d = cfg.d_model
     seq = tp if sp else 1
     blocks = activation_elems_per_token(cfg, "none", tp, sp, sp_regather, masked) * tokens * cfg.n_layers

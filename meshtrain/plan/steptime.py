@@ -54,6 +54,7 @@ from meshtrain.plan.memory import (
     Precision,
     activation_bytes,
     activation_elems_per_token,
+    autocast_copy_numel,
     logits_bytes,
     masked_attention,
     state_bytes,
@@ -537,7 +538,8 @@ def _kv_link(problem: Problem, lay: Layout) -> Link:
 def memory(problem: Problem, lay: Layout, t: int, act: StageAction, units: list[int], inflight: int
            ) -> dict[str, float]:
     """Bytes of the heaviest rank by kind: parameters, gradients and optimizer state (ZeRO-sharded), its experts,
-    ZeRO-3's gathered units, activations of ``inflight`` microbatches, and the logits."""
+    ZeRO-3's gathered units, autocast's bf16 copies of fp32 weights, activations of ``inflight`` microbatches, and
+    the logits."""
     cfg, prec, tp = problem.model, problem.precision, lay.tp
     psi = sum(units)
     shard = lay.shard * lay.cp
@@ -551,6 +553,9 @@ def memory(problem: Problem, lay: Layout, t: int, act: StageAction, units: list[
     if lay.zero == 3:
         # current + prefetched unit, and its gradient packed for the reduce-scatter
         mem["zero3_gathered"] = max(units) * (2 * prec.gather + prec.reduce)
+    if prec.act < prec.param:  # autocast's copies of the weights, one a step; ZeRO-3 gathers its units in bf16
+        mem["weight_casts"] = prec.act * (experts if lay.zero == 3 else
+                                          autocast_copy_numel(cfg, act.layers * lay.virtual, tp, lay.ep))
     masked = masked_attention(cfg, problem.seq_len, problem.documents, lay.cp, lay.cp_attention)
     # the mask covers whole rows: T per token on one device, cp x T per local token under Ulysses
     mask_len = problem.seq_len * (lay.cp if lay.cp_attention == "ulysses" else 1)
