@@ -66,16 +66,25 @@ def _where_am_i(rank, world_size):
     import os
     import sys
 
-    return os.environ.get("MESHTRAIN_SPAWN_PROBE"), os.getcwd(), sys.path[-1]
+    probe = os.environ.get("MESHTRAIN_SPAWN_PROBE")
+    for stream in (sys.stdout, sys.stderr):  # one write each, so that the two ranks' lines do not interleave
+        stream.write(f"{'out' if stream is sys.stdout else 'err'} {probe} {rank}\n")
+        stream.flush()
+    return probe, os.getcwd(), sys.path[-1]
 
 
-def test_each_spawn_gives_its_ranks_the_callers_environment_folder_and_path(tmp_path, monkeypatch):
+def test_each_spawn_gives_its_ranks_the_callers_environment_streams_folder_and_path(tmp_path, monkeypatch, capfd):
     """The ranks come from a fork server started by an earlier spawn (their imports done once), yet each spawn's
-    ranks see the caller's environment, working folder and ``sys.path`` as they are at that spawn."""
-    spawn(_sum_ranks, 2, args=(1.0,))  # the server is running, with the environment of then
+    ranks see the caller's environment, stdout and stderr (here pytest's, captured by ``capfd``), working folder
+    and ``sys.path`` as they are at that spawn."""
+    with capfd.disabled():  # the server is running (started here, or by an earlier test), with other streams
+        spawn(_sum_ranks, 2, args=(1.0,))
     for value in ("one", "two"):
         monkeypatch.setenv("MESHTRAIN_SPAWN_PROBE", value)
         monkeypatch.chdir(tmp_path)
         monkeypatch.setattr("sys.path", [*sys.path, str(tmp_path / value)])
         out = spawn(_where_am_i, 2)
         assert out == [(value, str(tmp_path), str(tmp_path / value))] * 2, out
+        printed = capfd.readouterr()
+        assert sorted(printed.out.split("\n")) == ["", f"out {value} 0", f"out {value} 1"], printed
+        assert sorted(printed.err.split("\n")) == ["", f"err {value} 0", f"err {value} 1"], printed

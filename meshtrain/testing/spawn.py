@@ -2,17 +2,17 @@
 
 ``spawn(fn, 4, args)`` starts 4 processes, initialises torch.distributed through a file
 store in a private temp folder (no ports to race for), calls ``fn(rank, world_size, *args)``
-and returns the list of return values in rank order.
-
-The processes come from a fork server that has imported torch and the trainer once: each is a
-fresh copy of that clean process (not of the caller), with the caller's environment, working
-folder and ``sys.path``. The spawn start method would have every rank import torch itself,
-~3 s of CPU a rank: a 16-rank test on 2 cores spent ~25 s before its first line (45 s in
-all; 8 s from the fork server). Any rank that raises makes the whole call raise
-``SpawnError`` with that rank's traceback; a rank that has not finished within
+and returns the list of return values in rank order. Any rank that raises makes the whole
+call raise ``SpawnError`` with that rank's traceback; a rank that has not finished within
 ``timeout`` seconds makes it raise ``SpawnTimeout`` naming the ranks still running.
 Every process is killed before either error is raised, so a failing test never leaves
 workers behind.
+
+The processes come from a fork server that has imported torch and the trainer once: each is a
+fresh copy of that clean process (not of the caller), with the caller's environment, stdout,
+stderr, working folder and ``sys.path`` at the call. The spawn start method would have every
+rank import torch itself, ~3 s of CPU a rank: a 16-rank test on 2 cores spent ~25 s before
+its first line (45 s in all; 8 s from the fork server).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import reduction
 from typing import Any
 
 
@@ -36,15 +37,40 @@ class SpawnTimeout(SpawnError):
     """Some ranks did not finish in time (a hang or a deadlock)."""
 
 
-# What the fork server imports once for every rank it starts (its own environment is the caller's at its first
-# spawn; each rank then takes the caller's environment at its own spawn).
+# What the fork server imports once for every rank it starts.
 _PRELOAD = ["torch", "torch.distributed", "meshtrain.train.trainer"]
 
 
+class _Caller:
+    """What each rank takes from the caller at its spawn, where it would otherwise have the fork server's, as they
+    were at the caller's first spawn: the environment, and stdout and stderr (handed over as file descriptors, so
+    that what a rank prints goes where the caller's output goes now, e.g. into pytest's ``capfd``)."""
+
+    def __init__(self) -> None:
+        self.env, self.fds = dict(os.environ), (1, 2)
+
+    def __reduce__(self):  # pickled as the rank starts: the descriptors travel with it
+        return _caller_in_rank, (self.env, reduction.DupFd(1), reduction.DupFd(2))
+
+    def enter(self) -> None:
+        """In the rank: take the caller's environment and output streams."""
+        os.environ.clear()
+        os.environ.update(self.env)
+        for fd, stream in zip(self.fds, (1, 2), strict=True):
+            os.dup2(fd, stream)
+            os.close(fd)
+
+
+def _caller_in_rank(env: dict[str, str], out: Any, err: Any) -> _Caller:
+    caller = _Caller.__new__(_Caller)
+    caller.env, caller.fds = env, (out.detach(), err.detach())
+    return caller
+
+
 def _worker(fn: Callable, rank: int, world_size: int, store: str, threads: int, backend: str, args: tuple,
-            kwargs: dict, results: Any, env: dict[str, str]) -> None:
-    os.environ.clear()
-    os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+            kwargs: dict, results: Any, caller: _Caller) -> None:
+    caller.enter()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
     try:
         import torch
@@ -133,7 +159,7 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs: dic
         store = os.path.join(tmp, "store")
         procs = [
             ctx.Process(target=_worker, args=(fn, r, world_size, store, threads, backend, args, kwargs or {}, results,
-                                               dict(os.environ)),
+                                               _Caller()),
                         daemon=True)
             for r in range(world_size)
         ]
