@@ -553,9 +553,10 @@ def memory(problem: Problem, lay: Layout, t: int, act: StageAction, units: list[
     if lay.zero == 3:
         # current + prefetched unit, and its gradient packed for the reduce-scatter
         mem["zero3_gathered"] = max(units) * (2 * prec.gather + prec.reduce)
-    if prec.act < prec.param:  # autocast's copies of the weights, one a step; ZeRO-3 gathers its units in bf16
-        mem["weight_casts"] = prec.act * (experts if lay.zero == 3 else
-                                          autocast_copy_numel(cfg, act.layers * lay.virtual, tp, lay.ep))
+    # autocast's bf16 copies of fp32 weights, one a step; ZeRO-3 gathers its units in bf16 (not ep's experts)
+    cast = experts if lay.zero == 3 else autocast_copy_numel(cfg, act.layers * lay.virtual, tp, lay.ep)
+    if prec.act < prec.param and cast:
+        mem["weight_casts"] = prec.act * cast
     masked = masked_attention(cfg, problem.seq_len, problem.documents, lay.cp, lay.cp_attention)
     # the mask covers whole rows: T per token on one device, cp x T per local token under Ulysses
     mask_len = problem.seq_len * (lay.cp if lay.cp_attention == "ulysses" else 1)
