@@ -172,6 +172,7 @@ def _casts_worker(rank: int, world_size: int, data: str) -> dict[str, dict[str, 
             "tp2": _weight_casts_kept(data, world_size, ["parallel.tp=2", "train.grad_accum=4"])}
 
 
+@pytest.mark.slow  # spawns a process group
 def test_a_step_casts_each_weight_once_for_all_its_microbatches(data):
     """Autocast's fp32 -> bf16 cast of a weight is kept by every matmul that reads it until that microbatch's
     backward. One cast per weight per step, shared by the step's microbatches (``ForwardLoss.one_cast_per_step``),

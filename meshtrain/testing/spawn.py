@@ -47,7 +47,8 @@ class _Caller:
     that what a rank prints goes where the caller's output goes now, e.g. into pytest's ``capfd``)."""
 
     def __init__(self) -> None:
-        self.env, self.fds = dict(os.environ), (1, 2)
+        self.env = dict(os.environ)
+        self.fds: tuple[int, int] | None = None  # in a rank: its copies of the caller's stdout and stderr
 
     def __reduce__(self):  # pickled as the rank starts: the descriptors travel with it
         return _caller_in_rank, (self.env, reduction.DupFd(1), reduction.DupFd(2))
@@ -56,6 +57,7 @@ class _Caller:
         """In the rank: take the caller's environment and output streams."""
         os.environ.clear()
         os.environ.update(self.env)
+        assert self.fds is not None, "a _Caller enters in the rank it was sent to"
         for fd, stream in zip(self.fds, (1, 2), strict=True):
             os.dup2(fd, stream)
             os.close(fd)
