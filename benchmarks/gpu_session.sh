@@ -6,15 +6,12 @@
 #   bash benchmarks/gpu_session.sh                      # on the GPU machine, from the repository root
 #   bash benchmarks/gpu_session.sh --dry-run-cpu ...    # the same three runs on a tiny CPU model: checks the script
 #
-# On an H200 (the plan below for >= 100 GiB), the open question first (issue 14's MFU, read at the largest batch):
-# 1. batch 32, the compiled rows, --profile 2 (b32: ours needs ~2.1 GiB more per sequence, ~78 GiB at 32, which an
-#    H200 has beside the other row's weights and AdamW state): AdamW and the clip are a fixed cost per step, so MFU
-#    rises with the tokens it is spread over; then batch 16, the compiled rows (the planner's fit needs two batches),
-#    and the kernel forms.
-# 2. ours compiled alone at 32 again with Python's automatic garbage collection (b32b, --gc-every 0; b32 collects
-#    as the trainer does); batch 8, all four rows, --profile 2: the ratios to HF (eager and compiled) and each row's
-#    kernel time by kind against its wall time (the idle gap read off directly); ~2.5 minutes on an H200. Each run
-#    has its own timeout so a slow one cannot take the rest.
+# On an H200 (the plan below for >= 100 GiB), issue 14's open question, 55% MFU, alone (the ratios to HF were
+# measured at bf8948e, 2026-11-27, with four rows at batch 8 and the compiled pairs at 16 and 32): ours compiled at
+# batch 32 with --profile 2; the floor under that step's matmuls (benchmarks/gemm_floor.py: each matmul alone, under
+# cuBLAS and cuBLASLt, and with q, k and v fused); batch 32 again with torch's matmuls on cuBLASLt (b32lt); batch 48
+# (b48, ~112 GiB), where the fixed optimizer step weighs least (batch 56 fits too, at a lower MFU: 2026-11-28).
+# ~5 minutes on an H200.
 # On an H100 (80 GB) four rows do not fit at batch 8, so pairs, the open question first: ours compiled alone at batch
 # 24 (b24: the largest batch that fits, where MFU is highest; the issue's goal is read there: batch 28 fits too,
 # at a lower MFU), benchmarks/kernel_forms.py (forms.txt: RoPE, the norm backward, attention's backends and fused
@@ -75,6 +72,15 @@ forms() {  # the kernels below the copy rate against other forms of the same com
     timeout 150 "$PYTHON" benchmarks/kernel_forms.py "${dry[@]}" > "$OUT/forms.txt" 2>&1 \
         || { echo "[gpu_session] forms exited non-zero: see $OUT/forms.txt" >&2; status=1; }
 }
+floor() {  # every matmul of b32's step alone (benchmarks/gemm_floor.py, ~1 minute): the floor under its matmul
+    # time, and b32's step at that floor; of the extra arguments only --dry-run-cpu applies to it
+    fits floor 120 || return 0
+    local dry=()
+    case " $* " in *" --dry-run-cpu "*) dry=(--dry-run-cpu --rounds 1 --iters 1 --step-row "ours eager") ;; esac
+    echo "[gpu_session $(date +%H:%M:%S)] floor: $PYTHON benchmarks/gemm_floor.py --batch 32 ${dry[*]}" >&2
+    timeout 120 "$PYTHON" benchmarks/gemm_floor.py --batch 32 --step-json "$OUT/b32.json" "${dry[@]}" \
+        > "$OUT/floor.txt" 2>&1 || { echo "[gpu_session] floor exited non-zero: see $OUT/floor.txt" >&2; status=1; }
+}
 # The plan follows the card's memory (nvidia-smi; GPU_MEM_GIB overrides it; none read, as on the CPU dry run, takes
 # the large plan). Every row stays resident so rounds can alternate, ~13 GiB each (fp32 weights, gradients, AdamW).
 mem=${GPU_MEM_GIB:-$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)}
@@ -89,17 +95,19 @@ case " $* " in
     *" --dry-run-cpu "*) wide=(--d-model 128 --layers 1 --heads 4 --kv-heads 2) ;;
     *) wide=(--d-model 4096 --layers 8 --heads 32 --kv-heads 8) ;;
 esac
-if [ "$mem" -eq 0 ] || [ "$mem" -ge 100 ]; then  # an H200 (141 GiB): four rows at batch 8 fit
-    # ~4x batch 8's step for each of two rows, 50 timed steps each, plus two compilations and the profile: the
-    # longest run of the session, so the widest timeout (with b32b's and the forms', 520 s of the call's 570)
-    run b32 240 --batch 32 --profile 2 --rows "ours compiled,HF compiled" "$@"
-    # batch 16 second: with b32 it is the two profiled batches the planner's fit needs (the H100 found the collector
-    # no cause of idle time, so b32b, automatic collection, moved behind it)
-    run b16 190 --batch 16 --profile 2 --rows "ours compiled,HF compiled" "$@"
-    forms "$@"
-    run b32b 130 --batch 32 --profile 2 --rows "ours compiled" --gc-every 0 "$@"
-    run b8 230 --batch 8 --profile 2 "$@"
-    fitted="b8 b16 b32"
+if [ "$mem" -eq 0 ] || [ "$mem" -ge 100 ]; then  # an H200 (141 GiB)
+    # The open question, issue 14's 55% MFU, read where MFU is highest: ours compiled alone, the others measured at
+    # bf8948e (docs/benchmarks.md). First batch 32 with the profile; then the floor under its matmul time, every
+    # matmul of that step timed alone (benchmarks/gemm_floor.py, under cuBLAS and cuBLASLt, and with q, k and v
+    # fused), and what MFU the step would have at that floor; then batch 32 with torch's matmuls on cuBLASLt
+    # (b32lt); then the largest batch that fits (b48: ~2.1 GiB a sequence, ~112 GiB), where the fixed optimizer
+    # step weighs least.
+    run b32 150 --batch 32 --profile 2 --rows "ours compiled" "$@"
+    floor "$@"
+    run b32lt 150 --batch 32 --profile 2 --rows "ours compiled" --blas cublaslt "$@"
+    PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
+        run b48 170 --batch 48 --profile 2 --rows "ours compiled" "$@"
+    fitted="b32 b48"
 else  # an H100 (80 GB): ours eager at batch 8 (~47 GiB) and three other rows' ~39 do not fit, so pairs; first
     # ours compiled alone at the largest batch it fits (24: 61.6 GiB at b13d967), where the goal's MFU is read, then
     # the rest (the order at the top). Expandable segments: batch 24 runs near the card's limit, where fragmentation

@@ -41,10 +41,12 @@ that fails frees the cache and synchronises the device (a retry), which near the
 idle while the host queues again; and the process's peak reserved memory. ``--profile`` also says where the device
 sat idle inside the profiled steps (``train/profiling.idle_gaps``).
 
-Two experiments on the kernels, for every row of the process, off by default (what ``meshtrain train`` runs):
+Three experiments on the kernels, for every row of the process, off by default (what ``meshtrain train`` runs):
 ``--rope swap`` puts ``kernel_forms.rope_swap``, RoPE as one multiply-add with the same arithmetic, where compiled
 blocks call ``model/layers.rope_real``; ``--sdpa BACKEND`` holds SDPA to one fused backend (torch's global switches,
-set before anything compiles). Each is adopted in the model only once a run here shows it faster (docs/
+set before anything compiles); ``--blas cublaslt`` (or ``cublas``) has torch's matmuls call that library
+(``torch.backends.cuda.preferred_blas_library``; ``benchmarks/gemm_floor.py`` times the step's matmuls under
+both). Each is adopted in the model only once a run here shows it faster (docs/
 benchmarks.md). Inductor's own settings come from the environment (``TORCHINDUCTOR_*``), as the JSON records.
 
     PYTHONPATH=. python benchmarks/gpu_single.py [--steps 10] [--warmup 3] [--rounds 5] [--batch 4] [--seq 2048]
@@ -129,7 +131,9 @@ def inductor_settings() -> dict[str, object]:
 
 
 def choose_kernels(args: argparse.Namespace) -> None:
-    """``--rope`` and ``--sdpa`` (the module docstring), before any row is built or compiled."""
+    """``--rope``, ``--sdpa`` and ``--blas`` (the module docstring), before any row is built or compiled."""
+    if args.blas != "default" and not args.dry_run_cpu:  # the CPU's matmuls use neither library
+        torch.backends.cuda.preferred_blas_library(args.blas)
     if args.rope == "swap":
         from kernel_forms import rope_swap  # benchmarks/, beside this script
 
@@ -292,6 +296,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="RoPE in compiled blocks: ours (model/layers.rope_real) or kernel_forms.rope_swap")
     ap.add_argument("--sdpa", choices=tuple(SDPA_SWITCHES), default="auto",
                     help="SDPA's backend: torch's choice (auto), or cudnn, flash or efficient alone")
+    ap.add_argument("--blas", choices=("default", "cublas", "cublaslt"), default="default",
+                    help="the BLAS library torch's matmuls call on CUDA: torch's default, or cuBLAS or cuBLASLt")
     ap.add_argument("--json", metavar="PATH", help="also write every row's losses, step times and peak memory here")
     args = ap.parse_args(argv)
     defaults = DRY_DEFAULTS if args.dry_run_cpu else GPU_DEFAULTS
@@ -518,7 +524,8 @@ def report(args: argparse.Namespace, cfg, device: torch.device, rows: dict[str, 
           f"{cfg.model.vocab_size}), {args.batch} x {args.seq} tokens/step, {fpt:.4g} FLOP/token "
           f"(plan/flops.py); {args.warmup} warm-up + {args.steps} timed steps x {args.rounds} rounds")
     print(f"ours = meshtrain train {' '.join(overrides)}")
-    chosen = [f"--rope {args.rope}"] * (args.rope != "ours") + [f"--sdpa {args.sdpa}"] * (args.sdpa != "auto")
+    chosen = [f"--rope {args.rope}"] * (args.rope != "ours") + [f"--sdpa {args.sdpa}"] * (args.sdpa != "auto") \
+        + [f"--blas {args.blas}"] * (args.blas != "default")
     inductor = [f"{k}={v}" for k, v in INDUCTOR_ENV.items()]
     held = ", ".join(f"{k}={v}" for k, v in inductor_settings().items())
     print(f"kernel experiments: {', '.join(chosen + inductor) or 'none'} (Inductor holds {held})\n")

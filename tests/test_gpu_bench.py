@@ -93,13 +93,13 @@ def test_the_gpu_session_script_refuses_a_gpu_mem_that_is_no_number_in_one_line(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mem, runs", [
-    ("", (("b8", 8), ("b16", 16), ("b32", 32), ("b32b", 32))),  # no GPU memory read: the H200 plan
+    ("", (("b32", 32), ("b32lt", 32), ("b48", 48))),  # no GPU memory read: the H200 plan
     ("80", (("b8c", 8), ("b24", 24), ("w8", 8), ("b8e", 8), ("b24b", 24))),  # an H100: pairs, 24, a wider model
 ])
 def test_the_gpu_session_script_runs_its_measurements(tmp_path, mem, runs):
     """benchmarks/gpu_session.sh, the next GPU session's one command, on the CPU dry run: its runs (the H200 plan:
-    the compiled pair at 32 and 16 with the profile, the kernel forms, 32 again with Python's automatic garbage
-    collection, all four rows at 8 with the profile; the H100 plan: ours compiled alone at 24, the kernel forms, 24
+    ours compiled at 32 with the profile, the floor under its matmuls (benchmarks/gemm_floor.py), 32 again on
+    cuBLASLt, 48 with the profile; the H100 plan: ours compiled alone at 24, the kernel forms, 24
     again with Python's automatic garbage collection, the compiled pair at 8 with the profile, a wider model's pair,
     the eager pair at 8)
     each leave their output and JSON in $OUT, beside the machine's facts; the extra arguments reach every run and
@@ -122,23 +122,24 @@ def test_the_gpu_session_script_runs_its_measurements(tmp_path, mem, runs):
     kernels = json.loads((tmp_path / f"{runs[0][0]}.json").read_text())["rows"]["ours eager"]["kernels_ms_per_step"]
     assert kernels and all(ms > 0 for _, ms, _ in kernels)  # the whole table, not only the printed top
     assert sorted(p.name for p in tmp_path.glob("*.json")) == sorted(f"{n}.json" for n, _ in runs)
-    forms = (tmp_path / "forms.txt").read_text()  # benchmarks/kernel_forms.py, on its own dry run
-    assert "| rope swap |" in forms and "| norm split |" in forms and "same run: rope swap output:" in forms, forms
-    assert "| attn flash |" in forms and "attn math gradient: " in forms, forms  # the CPU's attention backends
-    assert "| gemm qkv 1 |" in forms and "gemm gate-up 1 gradient: " in forms, forms  # fused projections
     given = {k: v for k, v in os.environ.items() if k.startswith("TORCHINDUCTOR_")}  # this machine's own, if any
     for name, _ in runs:  # each JSON says how its run was compiled: here, with this machine's settings alone
         record = json.loads((tmp_path / f"{name}.json").read_text())
         assert record["inductor_env"] == given and record["args"]["rope"] == "ours", name
-    if mem:  # the wider model is another shape (the dry run's own: twice the width, one block)
-        args = json.loads((tmp_path / "w8.json").read_text())["args"]
-        assert (args["d_model"], args["layers"]) == (128, 1)
-        # batch 24 as the trainer collects garbage, and again with Python's automatic collection
-        assert [json.loads((tmp_path / f"{n}.json").read_text())["args"]["gc_every"] for n in ("b24", "b24b")] == \
-            [50, 0]
-    else:  # the same on the H200's largest batch
-        assert [json.loads((tmp_path / f"{n}.json").read_text())["args"]["gc_every"] for n in ("b32", "b32b")] == \
-            [50, 0]
+    if not mem:  # the H200's: every matmul of b32's step alone, and b32's step at that floor (gemm_floor.py)
+        floor = (tmp_path / "floor.txt").read_text()
+        assert "| wk | weight grad dy^T x |" in floor and "ours eager step, measured: " in floor, floor
+        assert json.loads((tmp_path / "b32lt.json").read_text())["args"]["blas"] == "cublaslt"
+        return
+    forms = (tmp_path / "forms.txt").read_text()  # benchmarks/kernel_forms.py, on its own dry run
+    assert "| rope swap |" in forms and "| norm split |" in forms and "same run: rope swap output:" in forms, forms
+    assert "| attn flash |" in forms and "attn math gradient: " in forms, forms  # the CPU's attention backends
+    assert "| gemm qkv 1 |" in forms and "gemm gate-up 1 gradient: " in forms, forms  # fused projections
+    # the wider model is another shape (the dry run's own: twice the width, one block)
+    args = json.loads((tmp_path / "w8.json").read_text())["args"]
+    assert (args["d_model"], args["layers"]) == (128, 1)
+    # batch 24 as the trainer collects garbage, and again with Python's automatic collection
+    assert [json.loads((tmp_path / f"{n}.json").read_text())["args"]["gc_every"] for n in ("b24", "b24b")] == [50, 0]
 
 
 def test_the_gpu_session_fits_the_planner_on_its_runs(tmp_path):
