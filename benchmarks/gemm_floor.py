@@ -19,9 +19,9 @@ the model runs). With ``--step-json`` (``gpu_single.py --profile N --json``'s ou
 (its median step and its profile's matmul time by ``train/profiling.kind_of``) with its matmuls at this floor, and
 the MFU that step would have: the bound on MFU from the matmuls alone.
 
-Within a form each matmul's three products alternate over the rounds; the forms themselves run one after the
-other, so a drift of the card over the minute (it warms) shows between forms as a difference of the layers they
-share: read a difference between forms against that (docs/benchmarks.md, the H200 at 072011e).
+Rounds alternate the order of the forms and of each layer's three products, so a drift of the card over the run
+(it warms) touches every form alike. (Until 2026-11-28 the forms ran one after the other: the H200's figures at
+072011e in docs/benchmarks.md show a 1-4% drift between forms on the layers they share.)
 """
 
 from __future__ import annotations
@@ -61,9 +61,11 @@ def products(tokens: int, n: int, k: int, device: torch.device):
     w = torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=g)
     dy = torch.randn(tokens, n, device=device, dtype=torch.bfloat16, generator=g)
     flops = 2 * tokens * n * k
-    return {"forward x W^T": (lambda: torch.mm(x, w.t()), flops),
-            "input grad dy W": (lambda: torch.mm(dy, w), flops),
-            "weight grad dy^T x": (lambda: torch.mm(dy.t(), x), flops)}
+    return dict(zip(PRODUCTS, ((lambda: torch.mm(x, w.t()), flops), (lambda: torch.mm(dy, w), flops),
+                               (lambda: torch.mm(dy.t(), x), flops)), strict=True))
+
+
+PRODUCTS = ("forward x W^T", "input grad dy W", "weight grad dy^T x")
 
 
 def timed_ms(fn, iters: int, device: torch.device) -> float:
@@ -83,22 +85,33 @@ def timed_ms(fn, iters: int, device: torch.device) -> float:
     return (time.perf_counter() - t0) * 1e3 / iters
 
 
-def measure(cfg: ModelConfig, tokens: int, fused_qkv: bool, rounds: int, iters: int,
-            device: torch.device) -> list[tuple[str, str, int, int, int, float, float]]:
-    """(layer, matmul, n, k, count, median ms per call, FLOPs per call) for every matmul of one step, each timed
-    over ``rounds`` rounds (the order reversed every other round), one layer's tensors on the device at a time."""
-    rows = []
-    for name, n, k, count in linears(cfg, fused_qkv):
-        fns = products(tokens, n, k, device)
-        for fn, _ in fns.values():
-            fn()  # cuBLAS's first call picks and loads its kernel
-        times: dict[str, list[float]] = {m: [] for m in fns}
-        for r in range(rounds):
-            for m in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-                times[m].append(timed_ms(fns[m][0], iters, device))
-        rows += [(name, m, n, k, count, statistics.median(times[m]), fns[m][1]) for m in fns]
-        del fns
-    return rows
+Form = tuple[str, bool, str | None]  # (title, q, k and v fused, BLAS library or None for torch's default)
+Row = tuple[str, str, int, int, int, float, float]  # (layer, matmul, n, k, per step, median ms per call, FLOPs)
+
+
+def measure(cfg: ModelConfig, tokens: int, forms: list[Form], rounds: int, iters: int,
+            device: torch.device) -> dict[str, list[Row]]:
+    """Every matmul of one step in each form: rounds alternate the order of the forms (a drift of the card over the
+    run then touches each alike) and of each layer's three products; one layer's tensors on the device at a time."""
+    default = torch.backends.cuda.preferred_blas_library()
+    times: dict[tuple[str, str, str], list[float]] = {}
+    flops: dict[tuple[str, str, str], float] = {}
+    for r in range(rounds):
+        for title, fused, library in (forms if r % 2 == 0 else forms[::-1]):
+            if library is not None:
+                torch.backends.cuda.preferred_blas_library(library)
+            for name, n, k, _ in linears(cfg, fused):
+                fns = products(tokens, n, k, device)
+                for fn, _ in fns.values():
+                    fn()  # cuBLAS's first call picks and loads its kernel
+                for m in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+                    times.setdefault((title, name, m), []).append(timed_ms(fns[m][0], iters, device))
+                    flops[title, name, m] = fns[m][1]
+                del fns
+            torch.backends.cuda.preferred_blas_library(default)
+    return {title: [(name, m, n, k, count, statistics.median(times[title, name, m]), flops[title, name, m])
+                    for name, n, k, count in linears(cfg, fused) for m in PRODUCTS]
+            for title, fused, _ in forms}
 
 
 def square_rate(size: int, rounds: int, iters: int, device: torch.device) -> float:
@@ -172,11 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.type != "cuda":  # the CPU's matmuls use neither library
         del forms[1]
     totals = {}
-    for title, fused, library in forms:
-        if library is not None:
-            torch.backends.cuda.preferred_blas_library(library)
-        rows = measure(cfg, tokens, fused, args.rounds, args.iters, device)
-        torch.backends.cuda.preferred_blas_library(default)
+    for (title, _, library), (_, rows) in zip(forms, measure(cfg, tokens, forms, args.rounds, args.iters,
+                                                             device).items(), strict=True):
         ms = sum(r[5] * r[4] for r in rows)
         flops = sum(r[6] * r[4] for r in rows)
         totals[title] = ms

@@ -351,3 +351,29 @@ def test_the_collector_runs_as_the_trainer_schedules_it_for_every_row(tmp_path, 
         g = json.loads(out.read_text())["rows"][name]["gc"]
         assert g["collections"] == [0, 0, 2] and g["ms"] > 0, g
         assert f"Python's garbage collector over {name}'s timed steps: {g['ms']:.1f} ms in 0/0/2 collections" in said
+
+
+def test_the_matmul_floor_times_every_linear_layer_of_the_model_once(monkeypatch):
+    """benchmarks/gemm_floor.py's list of the step's matmuls: each linear layer of the model (Llama's blocks and the
+    head, GQA's narrower k and v), its weight's shape as the model holds it, as many times as the model has it; the
+    fused form covers the same weights. A layer left out or counted twice would put the floor under or over the
+    step's real matmuls."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gemm_floor import linears
+
+    from meshtrain.config import ModelConfig
+    from meshtrain.model.llama import Llama
+
+    cfg = ModelConfig(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, multiple_of=32, vocab_size=96)
+    model = Llama(cfg)
+    held: dict[tuple[int, int], int] = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            held[tuple(module.weight.shape)] = held.get(tuple(module.weight.shape), 0) + 1
+    listed: dict[tuple[int, int], int] = {}
+    for _, n, k, count in linears(cfg, fused_qkv=False):
+        listed[n, k] = listed.get((n, k), 0) + count
+    assert listed == held, (listed, held)
+    fused = linears(cfg, fused_qkv=True)
+    assert sum(n * k * c for _, n, k, c in fused) == sum(n * k * c for (n, k), c in held.items())
+    assert ("wqkv", 64 + 2 * 32, 64, 3) in fused
