@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 
@@ -155,6 +156,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for flag in ("batch", "seq", "rounds", "iters"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag} must be at least 1")
+    if args.step_json and not os.path.isfile(args.step_json):
+        ap.error(f"--step-json {args.step_json}: no such file; pass gpu_single.py --json's output, or leave it out")
     return args
 
 
