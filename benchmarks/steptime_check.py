@@ -125,16 +125,17 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="steptime-check-"))
     out.mkdir(parents=True, exist_ok=True)
     only = {s.strip() for s in args.only.split(",") if s.strip()}
-    cal_probe = get_hardware("cpu-local").probe_s
+    hw = get_hardware("cpu-local")
+    cal_probe = hw.probe_s
     selected = [lay for lay in LAYOUTS if not only or lay[0] in only]
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in selected}
     print(f"{'round':>5} {'layout':<24} {'procs':>5} {'predicted':>10} {'measured':>10} {'drift':>6}  load")
-    before = probe_speed()
+    before = probe_speed(dtype=hw.dtype)  # the reference step in the dtype the profile measured
     for rnd in range(args.rounds):
         # Alternate the order, so a slow stretch of the machine does not always land on the same layouts.
         for name, nproc, overrides in (selected if rnd % 2 == 0 else selected[::-1]):
             r = run_layout(name, nproc, overrides, args.steps, out / f"round{rnd}", args.config)
-            after = probe_speed()
+            after = probe_speed(dtype=hw.dtype)
             r["drift"] = (before + after) / 2 / cal_probe if cal_probe else 1.0
             before = after
             runs[name].append(r)

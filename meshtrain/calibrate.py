@@ -4,7 +4,8 @@ Four measurements, the first three in as many local processes as the machine has
 ``meshtrain train --nproc N`` runs: torchrun gives every worker one thread), so each process sees the machine the
 way a worker does:
 
-1. whole training steps (bf16 autocast forward, backward, gradient clipping, AdamW) of a few small single-process
+1. whole training steps (forward in the run's ``train.dtype``: bf16 autocast or fp32; backward, gradient clipping,
+   AdamW) of a few small single-process
    models whose FLOPs, activation elements, blocks and parameters vary independently; the step-cost terms
    (matmul rate, seconds per non-matmul element, per block, per parameter, per step: ``plan/costfit.py``) are the
    non-negative least-squares fit of those times;
@@ -64,8 +65,9 @@ PROBE_MODEL = (128, 2, 4, 8, 128)  # the reference step whose time tracks the ma
 COLLECTIVE_SIZES = (4e3, 64e3, 1e6, 4e6, 16e6)  # payload bytes
 
 
-def _time_steps(model_spec: tuple[int, int, int, int, int], reps: int) -> float:
-    """Seconds of one bf16-autocast training step of a single-process model: the fastest of ``reps``."""
+def _time_steps(model_spec: tuple[int, int, int, int, int], reps: int, dtype: str = "bf16") -> float:
+    """Seconds of one training step (``dtype`` bf16: under autocast, as the trainer) of a single-process model: the
+    fastest of ``reps``."""
     d, layers, heads, batch, seq = model_spec
     cfg = ModelConfig(d_model=d, n_layers=layers, n_heads=heads, n_kv_heads=max(1, heads // 2), vocab_size=257,
                       max_seq_len=seq)
@@ -77,7 +79,7 @@ def _time_steps(model_spec: tuple[int, int, int, int, int], reps: int) -> float:
     for _ in range(reps + 1):  # the first is a warm-up
         start = time.perf_counter()
         tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=gen)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
             logits = model(tokens[:, :-1])
         loss = cross_entropy_sum(logits, tokens[:, 1:]) / (batch * seq)
         loss.backward()
@@ -88,11 +90,12 @@ def _time_steps(model_spec: tuple[int, int, int, int, int], reps: int) -> float:
     return min(times[1:])  # the least disturbed: the machine may be shared
 
 
-def _matmul_rate(shapes: list[tuple[int, int, int]], seconds: float = 0.2) -> float:
-    """FLOP/s of bf16 matmuls at ``shapes`` (m, k, n): total FLOPs over total time, as a step mixes them."""
+def _matmul_rate(shapes: list[tuple[int, int, int]], seconds: float = 0.2, dtype: str = "bf16") -> float:
+    """FLOP/s of ``dtype`` matmuls at ``shapes`` (m, k, n): total FLOPs over total time, as a step mixes them."""
     flops = elapsed = 0.0
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     for m, k, n in shapes:
-        a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16)
+        a, b = torch.randn(m, k, dtype=torch_dtype), torch.randn(k, n, dtype=torch_dtype)
         a @ b  # warm-up
         iters, start = 0, time.perf_counter()
         while time.perf_counter() - start < seconds:
@@ -112,10 +115,11 @@ def matmul_shapes(specs: list[tuple[int, int, int, int, int]]) -> list[tuple[int
     return out
 
 
-def _compute_worker(rank: int, world_size: int, specs: list, reps: int) -> tuple[float, float, list[float]]:
+def _compute_worker(rank: int, world_size: int, specs: list, reps: int, dtype: str
+                    ) -> tuple[float, float, list[float]]:
     torch.set_num_threads(1)  # as a torchrun worker
-    probe = _time_steps(PROBE_MODEL, reps)  # first, as probe_speed's fresh processes run it
-    return probe, _matmul_rate(matmul_shapes(specs)), [_time_steps(s, reps) for s in specs]
+    probe = _time_steps(PROBE_MODEL, reps, dtype)  # first, as probe_speed's fresh processes run it
+    return probe, _matmul_rate(matmul_shapes(specs), dtype=dtype), [_time_steps(s, reps, dtype) for s in specs]
 
 
 def _collective_worker(rank: int, world_size: int, sizes: tuple[float, ...], iters: int, rounds: int = 5
@@ -176,7 +180,7 @@ def _collective_worker(rank: int, world_size: int, sizes: tuple[float, ...], ite
 # parameter of a block (ZeRO-3's flat-buffer copies) separate. The model is not the demo model the step-time check
 # runs (configs/small.yaml: d_model 256, 4 layers, 16 x 256 tokens).
 AXIS_MODEL = ["model.d_model=128", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=257",
-              "train.dtype=bf16", "data.source=synthetic", "train.eval_every=0", "train.sample_tokens=0",
+              "data.source=synthetic", "train.eval_every=0", "train.sample_tokens=0",
               "train.progress=false", "train.tensorboard=false", "train.ckpt_every=0"]
 AXIS_SIZES = {"small": ["train.seq_len=128", "model.max_seq_len=128", "train.global_batch=8"],
               "large": ["train.seq_len=256", "model.max_seq_len=256", "train.global_batch=16"],
@@ -212,9 +216,9 @@ AXIS_TERMS = {"tp": (0, 1, 2), "cp": (0, 1, 4), "cp_ulysses": (0, 1, 4), "moe": 
               "zb": (0, 1, 3), "selective": (0, 1)}
 
 
-def _axis_configs() -> dict[tuple[str, str], list[str]]:
-    """Every (size, run) of the axis-work calibration: its overrides."""
-    return {(size, name): [*AXIS_MODEL, *sized, *over] for size, sized in AXIS_SIZES.items()
+def _axis_configs(dtype: str = "bf16") -> dict[tuple[str, str], list[str]]:
+    """Every (size, run) of the axis-work calibration, in ``train.dtype`` ``dtype``: its overrides."""
+    return {(size, name): [*AXIS_MODEL, f"train.dtype={dtype}", *sized, *over] for size, sized in AXIS_SIZES.items()
             for name, over in AXIS_RUNS.items() if name == "base" or name in AXIS_SIZE_ONLY.get(size, (name,))}
 
 
@@ -253,7 +257,7 @@ def measure_axis_work(hw: Hardware, steps: int = 4, rounds: int = 7) -> tuple[di
     from meshtrain.plan.check import layout_of, predict_step_time
     from meshtrain.plan.steptime import axis_features, tokens_per_microbatch
 
-    runs, secs = _axis_configs(), {}
+    runs, secs = _axis_configs(hw.dtype), {}
     for size in AXIS_SIZES:
         # Each size in fresh processes, as a run has them: in one process a size timed after the others' trainers
         # had run (and been freed) was slower than timed first (wide-large: plain DP 173 against 138 ms, tp2 326
@@ -286,25 +290,27 @@ def measure_axis_work(hw: Hardware, steps: int = 4, rounds: int = 7) -> tuple[di
     return out, lines
 
 
-def _probe_worker(rank: int, world_size: int, reps: int) -> float:
+def _probe_worker(rank: int, world_size: int, reps: int, dtype: str) -> float:
     torch.set_num_threads(1)
-    return _time_steps(PROBE_MODEL, reps)
+    return _time_steps(PROBE_MODEL, reps, dtype)
 
 
-def probe_speed(processes: int | None = None, reps: int = 5) -> float:
+def probe_speed(processes: int | None = None, reps: int = 5, dtype: str = "bf16") -> float:
     """Seconds of one reference training step (``PROBE_MODEL``) on ``processes`` (default: the cores) concurrent
     one-thread processes, the slowest's fastest of ``reps``. A shared machine's speed drifts (other users, a
     virtual CPU's neighbours); the profile keeps the probe's time at calibration, so a later probe says how much
     faster or slower the machine is now (``benchmarks/steptime_check.py``). At calibration the reference step is
     timed in the same processes, just before the calibration steps (``_compute_worker``): a separate probe taken
     after the other measurements read about 2x slower than the steps it was to stand for."""
-    return max(spawn(_probe_worker, processes or os.cpu_count() or 1, (reps,), timeout=300.0))
+    return max(spawn(_probe_worker, processes or os.cpu_count() or 1, (reps, dtype), timeout=300.0))
 
 
-def measure_step_costs(processes: int, reps: int = 5) -> tuple[StepCosts, float, list[tuple], float]:
-    """Fit the step-cost terms on ``processes`` concurrent one-thread processes; (costs, RMS relative error of the
-    fit, [(model spec, measured s, fitted s)], the reference step's seconds in the same processes and moment)."""
-    per_rank = spawn(_compute_worker, processes, (CALIBRATION_MODELS, reps), timeout=600.0)
+def measure_step_costs(processes: int, reps: int = 5, dtype: str = "bf16"
+                       ) -> tuple[StepCosts, float, list[tuple], float]:
+    """Fit the step-cost terms of ``dtype`` steps on ``processes`` concurrent one-thread processes; (costs, RMS
+    relative error of the fit, [(model spec, measured s, fitted s)], the reference step's seconds in the same
+    processes and moment)."""
+    per_rank = spawn(_compute_worker, processes, (CALIBRATION_MODELS, reps, dtype), timeout=600.0)
     probe = max(r[0] for r in per_rank)
     rate = min(r[1] for r in per_rank)
     seconds = [max(r[2][i] for r in per_rank) for i in range(len(CALIBRATION_MODELS))]
@@ -347,12 +353,17 @@ def measure_copy_bandwidth(mbytes: float = 256.0, iters: int = 5) -> float:
 
 
 def calibrate_cpu_local(path: str | Path | None = None, world_size: int | None = None,
-                        report: list[str] | None = None) -> Hardware:
+                        report: list[str] | None = None, dtype: str = "auto") -> Hardware:
     """Measure this machine and save the ``cpu-local`` profile (see the module docstring). ``world_size``: the
-    processes measured at once (default: the cores). Lines describing the fit are appended to ``report``."""
+    processes measured at once (default: the cores); ``dtype``: the ``train.dtype`` measured (auto: bf16 where this
+    CPU computes it natively, else fp32, as a run resolves it). Lines describing the fit are appended to
+    ``report``."""
+    from meshtrain.train.trainer import resolve_dtype
+
+    dtype = resolve_dtype(dtype, torch.device("cpu"))
     cores = os.cpu_count() or 1
     procs = world_size or cores
-    costs, fit_err, table, probe = measure_step_costs(procs)
+    costs, fit_err, table, probe = measure_step_costs(procs, dtype=dtype)
     latency, bw, comm_err, per_op, call_s = measure_collectives(max(2, procs))
     mem_bw = measure_copy_bandwidth()
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 8e9
@@ -360,9 +371,10 @@ def calibrate_cpu_local(path: str | Path | None = None, world_size: int | None =
         "cpu-local", f"this machine (CPU, {cores} cores, one thread per process)", costs.flop_rate,
         float(ram) / procs, mem_bw, intra_bw=bw, inter_bw=bw, devices_per_node=procs, domain=max(2, procs),
         tp_max=max(2, procs), intra_latency=latency, inter_latency=latency, cores=cores, elem_s=costs.elem_s,
-        score_s=costs.score_s, block_s=costs.block_s, param_s=costs.param_s, step_s=costs.step_s, probe_s=probe,
+        score_s=costs.score_s, block_s=costs.block_s, param_s=costs.param_s, step_s=costs.step_s, dtype=dtype,
+        probe_s=probe,
         collective_fits={op: [lat, b] for op, (lat, b, _) in per_op.items()}, call_s=call_s,
-        source=f"meshtrain plan --calibrate on {time.strftime('%Y-%m-%d %H:%M')}: {len(table)} bf16 training steps "
+        source=f"meshtrain plan --calibrate on {time.strftime('%Y-%m-%d %H:%M')}: {len(table)} {dtype} training steps "
                f"on {procs} one-thread processes at once (fit RMS error {fit_err:.1%}), gloo collectives "
                f"{COLLECTIVE_SIZES[0] / 1e3:.0f} KB-{COLLECTIVE_SIZES[-1] / 1e6:.0f} MB via meshtrain.comm "
                f"(fit RMS error {comm_err:.1%}), tensor copy")

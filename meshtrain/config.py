@@ -168,7 +168,9 @@ class TrainConfig:
     attention_mask: str = "causal"
     grad_clip: float = 1.0  # 0 disables clipping
     max_bad_steps: int = 3  # consecutive steps with a non-finite loss or grad norm (skipped) before the run stops
-    dtype: str = "fp32"  # compute dtype: fp32 or bf16 (autocast); parameters stay fp32
+    # compute dtype: fp32, bf16 (autocast; parameters stay fp32) or auto (bf16 where the device computes it natively,
+    # else fp32: a CPU without AVX-512 or AMX runs bf16 matmuls ~100x slower than fp32; train/trainer.py resolve_dtype)
+    dtype: str = "fp32"
     device: str = "auto"  # auto: cuda when available, else cpu
     eval_every: int = 0  # 0: only at the end
     eval_batches: int = 4
@@ -529,7 +531,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _need(math.isfinite(t.collective_timeout_s) and t.collective_timeout_s > 0,
           f"train.collective_timeout_s must be a positive number of seconds (how long a collective waits for its "
           f"peers before the run ends naming them), got {t.collective_timeout_s}.")
-    _need(t.dtype in ("fp32", "bf16"), f"train.dtype must be fp32 or bf16, got '{t.dtype}'.")
+    _need(t.dtype in ("fp32", "bf16", "auto"), f"train.dtype must be fp32, bf16 or auto, got '{t.dtype}'.")
     _need(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got '{t.device}'.")
     _need(t.resume or not t.resume_required, "train.resume_required=true makes a missing checkpoint an error when "
           "resuming: pass it with train.resume=true.")

@@ -17,7 +17,6 @@ steps that a plain ``train`` (also used under SLURM, with restarts) must not tak
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import os
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 from meshtrain.config import ArgumentParser, Config, ConfigError, load_config, save_config
 from meshtrain.plan.explain import format_table, why_best
 from meshtrain.plan.hardware import Hardware, hardware_cache_dir, load_profile
-from meshtrain.plan.memory import DTYPE_BYTES, MESHTRAIN_BF16
+from meshtrain.plan.memory import run_precision
 from meshtrain.plan.problem import Estimate, Problem
 from meshtrain.plan.search import SearchResult, search, to_config
 from meshtrain.plan.validate import validate_layout
@@ -39,21 +38,21 @@ def default_nproc() -> int:
     return max(1, min(cores, 4))
 
 
-def machine_profile(nproc: int, recalibrate: bool = False) -> tuple[Hardware, str]:
-    """The calibrated ``cpu-local`` profile for ``nproc`` processes: the cached one when it was measured with as
-    many and carries measured step costs (a profile from an older calibration does not), else measured now
-    (seconds) and cached; and a note saying which."""
+def machine_profile(nproc: int, recalibrate: bool = False, dtype: str = "bf16") -> tuple[Hardware, str]:
+    """The calibrated ``cpu-local`` profile for ``nproc`` processes computing in ``dtype``: the cached one when it
+    was measured with as many, in that dtype, and carries measured step costs (a profile from an older calibration
+    does not), else measured now (minutes) and cached; and a note saying which."""
     path = hardware_cache_dir() / "cpu-local.json"
     if path.is_file() and not recalibrate:
         hw = load_profile(path)
-        if hw.devices_per_node == nproc and hw.measured_steps:
+        if hw.devices_per_node == nproc and hw.dtype == dtype and hw.measured_steps:
             when = time.strftime("%Y-%m-%d %H:%M", time.localtime(path.stat().st_mtime))
             return hw, f"calibration of {when} cached in {path}; --recalibrate measures again"
     from meshtrain.calibrate import calibrate_cpu_local
 
-    print(f"calibrating this machine for {nproc} process{'es' if nproc > 1 else ''} (training steps, gloo "
+    print(f"calibrating this machine for {nproc} process{'es' if nproc > 1 else ''} ({dtype} training steps, gloo "
           f"collectives, memory copy) ...", flush=True)
-    hw = calibrate_cpu_local(path, world_size=nproc)
+    hw = calibrate_cpu_local(path, world_size=nproc, dtype=dtype)
     return hw, f"calibrated just now, cached in {path}"
 
 
@@ -93,11 +92,11 @@ def why(problem: Problem, ranked: list[Estimate], tried: int) -> str:
 
 def _problem(cfg: Config, hw: Hardware, name: str) -> Problem:
     """The planner's problem: the config's model and global batch on one node of ``hw``, in meshtrain's precision
-    with the config's gradient reduce dtype."""
+    for the config's (resolved) compute dtype and gradient reduce dtype."""
     model = copy.deepcopy(cfg.model)
     if model.vocab_size == 0:  # taken from the tokenizer at run time: the byte tokenizer's, as `meshtrain plan`
         model.vocab_size = 257
-    precision = dataclasses.replace(MESHTRAIN_BF16, reduce=DTYPE_BYTES[cfg.parallel.reduce_dtype])
+    precision = run_precision(cfg.train.dtype, cfg.parallel.reduce_dtype)
     return Problem(model, cfg.train.seq_len, cfg.train.global_batch, hw, 1, model_name=name, precision=precision,
                    documents=cfg.train.attention_mask == "document")
 
@@ -128,14 +127,17 @@ def main(argv: list[str], launch: Callable[[list[str]], int], sample: Callable[.
     import matplotlib  # noqa: F401  (the report's figure: refused now, not after the training)
 
     from meshtrain.train.report import RunFiles, summary_lines, write_report
-    from meshtrain.train.trainer import check_before_launch
+    from meshtrain.train.trainer import check_before_launch, resolve_device, resolve_dtype
 
     out = Path(args.out)
     check_before_launch(copy.deepcopy(cfg), out, 1)  # the run folder, the data, no earlier run: one line each
+    # The dtype this CPU trains in (auto: bf16 where it is native, else fp32), calibrated, planned and run in it.
+    asked, cfg.train.dtype = cfg.train.dtype, resolve_dtype(cfg.train.dtype, resolve_device(cfg.train.device))
 
-    hw, note = machine_profile(nproc, args.recalibrate)
-    print(f"machine: {hw.name}: matmul {hw.bf16_flops / 1e9:.0f} GFLOP/s, all-reduce {hw.intra_bw / 1e9:.2f} GB/s "
-          f"per process ({note})")
+    hw, note = machine_profile(nproc, args.recalibrate, cfg.train.dtype)
+    chose = f" (train.dtype=auto: {'native' if cfg.train.dtype == 'bf16' else 'no native bf16 here'})"
+    print(f"machine: {hw.name}: {cfg.train.dtype}{chose if asked == 'auto' else ''} matmul "
+          f"{hw.bf16_flops / 1e9:.0f} GFLOP/s, all-reduce {hw.intra_bw / 1e9:.2f} GB/s per process ({note})")
     problem = _problem(cfg, hw, str(args.config))
     ranked, tried = runnable_ranked(problem, cfg, nproc)
     if not ranked:

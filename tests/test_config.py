@@ -75,7 +75,7 @@ def test_yaml_file_with_preset(tmp_path):
     ("train.seq_len=100", "train.seq_len=100 exceeds model.max_seq_len=64"),
     ("train.grad_accum=3", "train.global_batch=8 must be divisible by data-parallel size 1 x train.grad_accum=3"),
     ("parallel.zero=4", "parallel.zero must be 0, 1, 2 or 3, got 4."),
-    ("train.dtype=fp16", "train.dtype must be fp32 or bf16"),
+    ("train.dtype=fp16", "train.dtype must be fp32, bf16 or auto"),
     ("parallel.reduce_dtype=fp16", "parallel.reduce_dtype must be fp32 or bf16 (the dtype gradients are reduced in), "
                                    "got 'fp16'."),
     ("steps=3", "the key must be section.key"),

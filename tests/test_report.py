@@ -93,7 +93,7 @@ def test_demo_plans_trains_two_processes_and_reports_from_the_run_files(tmp_path
     cache = tmp_path / "cache"  # a profile for 2 processes, as `meshtrain plan --calibrate` leaves it
     save_profile(Hardware("cpu-local", "test machine", 5e10, 4e9, 1e10, intra_bw=1e9, inter_bw=1e9,
                           devices_per_node=2, domain=2, tp_max=2, source="test", cores=2, elem_s=1e-9, block_s=1e-4,
-                          param_s=1e-9, step_s=1e-3), cache / "hardware" / "cpu-local.json")
+                          param_s=1e-9, step_s=1e-3, dtype="fp32"), cache / "hardware" / "cpu-local.json")
     out = tmp_path / "run"
     env = {**os.environ, "MESHTRAIN_CACHE": str(cache),
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
@@ -138,6 +138,26 @@ def test_demo_recalibrates_a_cached_profile_without_measured_step_costs(tmp_path
                    source="old")
     save_profile(old, tmp_path / "hardware" / "cpu-local.json")
     calls = []
-    monkeypatch.setattr(calibrate, "calibrate_cpu_local", lambda path, world_size: calls.append(world_size) or old)
+    monkeypatch.setattr(calibrate, "calibrate_cpu_local",
+                        lambda path, world_size, dtype: calls.append((world_size, dtype)) or old)
     _, note = demo.machine_profile(2)
-    assert calls == [2] and "calibrated just now" in note
+    assert calls == [(2, "bf16")] and "calibrated just now" in note
+
+
+def test_demo_recalibrates_a_profile_measured_in_another_dtype(tmp_path, monkeypatch):
+    """A CPU without native bf16 trains the demo in fp32 (train.dtype=auto): a cached profile whose step costs were
+    measured in bf16 prices the wrong steps, so the demo measures again in fp32; one measured in the run's dtype is
+    reused."""
+    from meshtrain import calibrate, demo
+
+    monkeypatch.setenv("MESHTRAIN_CACHE", str(tmp_path))
+    cached = Hardware("cpu-local", "bf16 one", 5e10, 4e9, 1e10, intra_bw=1e9, inter_bw=1e9, devices_per_node=2,
+                      domain=2, elem_s=1e-9, block_s=1e-4, param_s=1e-9, step_s=1e-3, source="bf16", dtype="bf16")
+    save_profile(cached, tmp_path / "hardware" / "cpu-local.json")
+    calls = []
+    monkeypatch.setattr(calibrate, "calibrate_cpu_local",
+                        lambda path, world_size, dtype: calls.append((world_size, dtype)) or cached)
+    hw, note = demo.machine_profile(2, dtype="bf16")
+    assert calls == [] and hw.dtype == "bf16" and "cached" in note
+    _, note = demo.machine_profile(2, dtype="fp32")
+    assert calls == [(2, "fp32")] and "calibrated just now" in note

@@ -191,8 +191,8 @@ def main(argv: list[str]) -> int:
         report: list[str] = []
         hw = calibrate_cpu_local(report=report)
         print("\n".join(report))
-        print(f"wrote {hardware_cache_dir() / 'cpu-local.json'}: matmul {hw.bf16_flops / 1e9:.1f} GFLOP/s per "
-              f"process, non-matmul {hw.elem_s * 1e9:.2f} ns/element, "
+        print(f"wrote {hardware_cache_dir() / 'cpu-local.json'}: {hw.dtype} matmul {hw.bf16_flops / 1e9:.1f} "
+              f"GFLOP/s per process, non-matmul {hw.elem_s * 1e9:.2f} ns/element, "
               f"{hw.score_s * 1e9:.2f} ns/attention score, {hw.block_s * 1e6:.0f} us/block, optimizer "
               f"{hw.param_s * 1e9:.2f} ns/parameter, {hw.step_s * 1e3:.2f} ms/step; gloo {hw.intra_bw / 1e9:.2f} "
               f"GB/s per process, {hw.intra_latency * 1e6:.0f} us latency; memory copy {hw.hbm_bw / 1e9:.1f} GB/s")

@@ -127,6 +127,9 @@ class Hardware:
     block_s: float = 0.0  # seconds per block forward + backward call (dispatch overhead)
     param_s: float = 0.0  # seconds per parameter of gradient clipping + the optimizer step
     step_s: float = 0.0  # fixed seconds per optimizer step
+    # The compute dtype the step costs were measured in (``train.dtype``; a CPU without native bf16 is calibrated
+    # in fp32, where ``bf16_flops`` then holds the fp32 rate): a run in another dtype is calibrated again.
+    dtype: str = "bf16"
     # A GPU step's work outside its matmuls (``GPU_KERNELS``, measured on an H100; 0 on the TPU presets, whose step
     # is the book's roofline): HBM bytes per activation element a block keeps (``activation_elems_per_token``),
     # forward + backward; attention's cost per causal score beyond its FLOPs at the matmul rate, in FLOPs at peak;

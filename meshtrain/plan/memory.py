@@ -38,7 +38,10 @@ MIXED_16BIT = Precision(param=2, grad=2, optim=12, act=2, gather=2, reduce=2)
 
 
 PRECISIONS = {"meshtrain": MESHTRAIN_BF16, "mixed": MIXED_16BIT}
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}  # train.dtype, parallel.reduce_dtype
+# train.dtype, parallel.reduce_dtype. A run resolves train.dtype=auto before its config.yaml is written
+# (train/trainer.py resolve_dtype); a config planned as written prices auto as bf16, which every accelerator preset
+# computes natively (``meshtrain demo`` resolves it for the CPU it calibrates first).
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "auto": 2}
 
 
 # The training loss works through the logits in chunks of rows this large in fp32 (parallel/cross_entropy.py).

@@ -30,7 +30,7 @@ from meshtrain.parallel.state import check_shapes, load_state
 from meshtrain.parallel.tensor import VocabParallelHead, apply_tensor_parallel
 from meshtrain.rules import rules_for
 from meshtrain.train.checkpoint import CheckpointReader
-from meshtrain.train.trainer import resolve_device
+from meshtrain.train.trainer import resolve_device, resolve_dtype
 
 # The options `meshtrain generate` takes as overrides: the layout is tp only, the rest is the checkpoint's.
 # ``train.dtype`` is the weights' and the KV cache's dtype here (bf16: both held in bf16, as transformers'
@@ -102,7 +102,7 @@ def load_for_generation(cfg: Config, path: str | Path | None, source=None) -> Ge
     # bf16 weights from the start: a rank never holds its fp32 copy; every box read is cast as it is copied in.
     # The model computes in its weights' dtype (the norms and RoPE in fp32 inside, returning it: model/layers.py),
     # so activations and the KV cache follow.
-    materialize(model, list(params), device, GENERATION_DTYPES[cfg.train.dtype])
+    materialize(model, list(params), device, GENERATION_DTYPES[resolve_dtype(cfg.train.dtype, device)])
     pieces = [optim_param(n, p, placements) for n, p in model.named_parameters()]
     source = source if source is not None else CheckpointReader(Path(path))
     check_shapes(pieces, source, str(path))
