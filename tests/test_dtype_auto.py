@@ -61,3 +61,21 @@ def test_an_explicit_bf16_without_native_kernels_is_warned_about_in_the_log(tmp_
     trainer, out = _tiny_run(tmp_path, "bf16")
     assert trainer.dtype == torch.bfloat16  # as asked: the warning does not override the config
     assert "warning: train.dtype=bf16 on a cpu without native bf16" in capsys.readouterr().out
+
+
+def test_the_planner_plans_and_emits_a_cpu_profile_in_the_dtype_it_was_calibrated_in(tmp_path, capsys):
+    """``meshtrain plan --hardware cpu-local`` on a profile calibrated in fp32 (a CPU without native bf16) prices
+    4-byte activations and emits ``train.dtype: fp32``; the same profile calibrated in bf16 plans and emits bf16."""
+    from meshtrain import cli
+    from meshtrain.plan.hardware import Hardware, save_profile
+
+    for dtype, act in (("fp32", 4), ("bf16", 2)):
+        path = save_profile(Hardware("cpu-local", "test", 5e10, 4e9, 1e10, intra_bw=1e9, inter_bw=1e9,
+                                     devices_per_node=2, domain=2, tp_max=2, cores=2, elem_s=1e-9, block_s=1e-4,
+                                     param_s=1e-9, step_s=1e-3, dtype=dtype), tmp_path / f"{dtype}.json")
+        out = tmp_path / f"{dtype}.yaml"
+        assert cli.main(["plan", "--model", "tiny", "--hardware", str(path), "--devices", "2", "--batch-tokens", "2K",
+                         "--top", "1", "--json", "--emit", str(out)]) == 0
+        data = json.loads(capsys.readouterr().out)
+        assert data["problem"]["act_bytes"] == act
+        assert load_config(out).train.dtype == dtype

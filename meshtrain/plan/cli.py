@@ -22,7 +22,7 @@ from meshtrain.plan.explain import explain, format_table, why_best
 from meshtrain.plan.figure import plot_comm_vs_compute
 from meshtrain.plan.flops import param_count
 from meshtrain.plan.hardware import HARDWARE, get_hardware, hardware_cache_dir
-from meshtrain.plan.memory import DTYPE_BYTES, PRECISIONS
+from meshtrain.plan.memory import DTYPE_BYTES, PRECISIONS, run_precision
 from meshtrain.plan.problem import Problem, plan_config
 from meshtrain.plan.search import DEFAULT_SCHEDULES, SearchOptions, check_runnable, emit_yaml, parse_tokens, search
 
@@ -89,6 +89,8 @@ def build_problem(args: argparse.Namespace) -> Problem:
     if args.revision not in MIXED_REVISIONS:
         raise ValueError(f"--revision must be one of {', '.join(MIXED_REVISIONS)}, got {args.revision}")
     precision = PRECISIONS[args.precision]
+    if args.precision == "meshtrain" and hw.dtype == "fp32":  # a CPU calibrated without native bf16 trains in fp32
+        precision = run_precision("fp32")
     if args.reduce_dtype:  # the DP family's gradient collectives in another dtype (parallel.reduce_dtype)
         precision = dataclasses.replace(precision, reduce=DTYPE_BYTES[args.reduce_dtype])
     return Problem(cfg.model, seq_len, sequences, hw, nodes, model_name=str(args.model),
@@ -240,7 +242,7 @@ def main(argv: list[str]) -> int:
             "problem": {"model": problem.model_name, "hardware": problem.hw.to_dict(), "nodes": problem.nodes,
                         "devices": problem.devices, "seq_len": problem.seq_len, "sequences": problem.sequences,
                         "batch_tokens": problem.batch_tokens, "precision": args.precision,
-                        "reduce_bytes": problem.precision.reduce,
+                        "act_bytes": problem.precision.act, "reduce_bytes": problem.precision.reduce,
                         "efficiency": problem.efficiency, "memory_fraction": problem.memory_fraction,
                         "revision": problem.revision},
             "tried": result.tried, "fitting": len(result.ranked), "why": why_best(problem, result),

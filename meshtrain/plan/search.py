@@ -180,14 +180,16 @@ def search(problem: Problem, opts: SearchOptions | None = None) -> SearchResult:
 
 
 def to_config(problem: Problem, layout: Layout) -> Config:
-    """The run config of a layout: the model, seq_len, global batch (sequences), bf16 autocast, recompute,
+    """The run config of a layout: the model, seq_len, global batch (sequences), the compute dtype (bf16 autocast,
+    or fp32 where the precision's activations are 4 bytes: a CPU calibrated without native bf16), recompute,
     accumulation, the gradients' reduce dtype (the precision's) and every parallel setting, as
     ``meshtrain train --config`` reads it."""
     cfg = Config()
     cfg.model = copy.deepcopy(problem.model)
     cfg.model.max_seq_len = max(cfg.model.max_seq_len, problem.seq_len)
     t, p = cfg.train, cfg.parallel
-    t.seq_len, t.global_batch, t.dtype, t.recompute = problem.seq_len, problem.sequences, "bf16", layout.recompute
+    t.seq_len, t.global_batch, t.recompute = problem.seq_len, problem.sequences, layout.recompute
+    t.dtype = "fp32" if problem.precision.act == 4 else "bf16"
     p.reduce_dtype = "bf16" if problem.precision.reduce == 2 else "fp32"
     t.grad_accum = layout.microbatches if layout.pp == 1 else 1
     t.attention_mask = "document" if problem.documents else "causal"
