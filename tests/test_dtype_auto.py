@@ -10,7 +10,8 @@ import json
 
 import torch
 
-from meshtrain.config import load_config
+from meshtrain.config import ConfigError, load_config
+from meshtrain.testing.spawn import spawn
 from meshtrain.train import trainer as trainer_mod
 from meshtrain.train.trainer import Trainer, resolve_dtype, slow_dtype_warning
 
@@ -54,6 +55,30 @@ def test_a_run_records_the_dtype_auto_resolved_to_and_says_why(tmp_path, monkeyp
         assert f"dtype: {want}" in (out / "config.yaml").read_text()
         assert f"train.dtype=auto: {want}" in capsys.readouterr().out  # the log's lines (the launcher files them)
         assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["loss"] > 0
+
+
+def _on_mixed_machines(rank: int, world_size: int) -> list[str]:
+    """Rank 0 on a node with native bf16, rank 1 on one without: auto must not train in two dtypes. Then both
+    without: one fp32 run, no refusal."""
+    said = []
+    for native in (lambda device: rank == 0, lambda device: False):
+        trainer_mod.native_bf16 = native  # this process's own copy of the module
+        try:
+            trainer = Trainer(load_config("tiny", ["data.source=synthetic", "train.device=cpu", "train.dtype=auto",
+                                                   "train.progress=false", "train.tensorboard=false"]), None)
+            said.append(trainer.cfg.train.dtype)
+        except ConfigError as e:
+            said.append(str(e))
+    return said
+
+
+def test_ranks_whose_machines_resolve_auto_differently_are_refused_together_in_one_line():
+    said = spawn(_on_mixed_machines, 2, timeout=120)
+    assert said[0] == said[1], said  # every rank refuses, with the same words
+    refusal, agreed = said[0]
+    assert refusal.startswith("train.dtype=auto chose bf16 on 1 of the 2 ranks and fp32 on the others"), refusal
+    assert "set train.dtype=fp32 or bf16" in refusal and "\n" not in refusal
+    assert agreed == "fp32"
 
 
 def test_an_explicit_bf16_without_native_kernels_is_warned_about_in_the_log(tmp_path, monkeypatch, capsys):

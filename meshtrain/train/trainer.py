@@ -341,6 +341,8 @@ class Trainer:
                          dp_shard=p.dp_shard, kv_share=max(1, p.tp // cfg.model.kv_heads), device=self.device,
                          timeout_s=t.collective_timeout_s)
         self.is_logger = self.mesh.rank == 0
+        if asked == "auto":
+            self._check_one_dtype()
         self.dtype = DTYPES[t.dtype]
 
         # Data: prepared token files (the stdlib by default) or a synthetic stream.
@@ -417,6 +419,17 @@ class Trainer:
         if self.mesh.rank != 0:
             path = ensure_prepared(self.cfg.data.path or None, self.cfg.data.tokenizer, self.cfg.data.val_fraction)
         return path
+
+    def _check_one_dtype(self) -> None:
+        """``train.dtype=auto`` resolves on each rank's own device: nodes that differ in native bf16 would train
+        one model in two dtypes (their collectives' buffers would not even agree in size). One scalar at start-up,
+        so every rank refuses together, naming the fix."""
+        world = self.mesh.group("world")
+        bf16 = comm.all_reduce_scalars([float(self.cfg.train.dtype == "bf16")], world, device=self.device)[0]
+        if 0 < bf16 < world.size:
+            raise ConfigError(f"train.dtype=auto chose bf16 on {bf16:.0f} of the {world.size} ranks and fp32 on the "
+                              f"others (their machines differ in native bf16): set train.dtype=fp32 or bf16 for "
+                              f"every node.")
 
     def _refuse_earlier_run(self) -> None:
         if self.ckpt_root is None or self.cfg.train.resume:
