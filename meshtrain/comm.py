@@ -47,7 +47,10 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 
 # Compiled blocks (train.compile, parallel/compile.py) reach the collectives below: each runs eagerly as one graph
 # break. Traced, dynamo would guard on the meter's counts and the log (recompiling at every call) and stop at locks.
-_eager = torch.compiler.disable
+# torch's lazy form of ``torch.compiler.disable`` (its optimizers and DDP use it): dynamo is imported at the first
+# call, not here. Importing it takes ~2 s of CPU, which every CLI start (a one-line error included) and every worker
+# of an uncompiled run would pay for nothing.
+eager = torch._compile._disable_dynamo
 
 
 class CommError(RuntimeError):
@@ -172,7 +175,7 @@ class Handle:
         if self.completed is None:
             self.completed = time.perf_counter()
 
-    @_eager
+    @eager
     def wait(self) -> None:
         if self._work is not None:
             t = time.perf_counter()
@@ -338,7 +341,7 @@ def _done(async_op: bool) -> Handle | None:
     return Handle(None) if async_op else None
 
 
-@_eager
+@eager
 def all_reduce(tensor: torch.Tensor, group: AxisGroup, op: str = "sum", async_op: bool = False) -> Handle | None:
     """In-place reduction of ``tensor`` over ``group``."""
     if group.size == 1:
@@ -348,7 +351,7 @@ def all_reduce(tensor: torch.Tensor, group: AxisGroup, op: str = "sum", async_op
                 lambda: dist.all_reduce(tensor, _OPS[op], group=group.pg, async_op=True), async_op)
 
 
-@_eager
+@eager
 def reduce(tensor: torch.Tensor, group: AxisGroup, dst_index: int, op: str = "sum",
            async_op: bool = False) -> Handle | None:
     """Reduce ``tensor`` over the group into the group's ``dst_index``-th rank (others' copies are scratch)."""
@@ -359,7 +362,7 @@ def reduce(tensor: torch.Tensor, group: AxisGroup, dst_index: int, op: str = "su
                 lambda: dist.reduce(tensor, group.ranks[dst_index], _OPS[op], group=group.pg, async_op=True), async_op)
 
 
-@_eager
+@eager
 def all_gather(output: torch.Tensor, tensor: torch.Tensor, group: AxisGroup, async_op: bool = False) -> Handle | None:
     """Concatenate every rank's ``tensor`` along dim 0 into ``output`` (group order)."""
     if group.size == 1:
@@ -371,7 +374,7 @@ def all_gather(output: torch.Tensor, tensor: torch.Tensor, group: AxisGroup, asy
                 lambda: fn(output, tensor, group=group.pg, async_op=True), async_op)
 
 
-@_eager
+@eager
 def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: AxisGroup, op: str = "sum",
                    async_op: bool = False) -> Handle | None:
     """Reduce ``tensor`` over the group and keep this rank's dim-0 chunk in ``output``."""
@@ -384,7 +387,7 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: AxisGroup,
                 lambda: fn(output, tensor, op=_OPS[op], group=group.pg, async_op=True), async_op)
 
 
-@_eager
+@eager
 def all_to_all(output: torch.Tensor, tensor: torch.Tensor, group: AxisGroup,
                output_splits: list[int] | None = None, input_splits: list[int] | None = None,
                async_op: bool = False) -> Handle | None:
@@ -401,7 +404,7 @@ def all_to_all(output: torch.Tensor, tensor: torch.Tensor, group: AxisGroup,
                                                group=group.pg, async_op=True), async_op)
 
 
-@_eager
+@eager
 def broadcast(tensor: torch.Tensor, group: AxisGroup, src_index: int = 0, async_op: bool = False) -> Handle | None:
     """Copy the tensor of the group's ``src_index``-th rank to every rank of the group."""
     if group.size == 1:
@@ -422,7 +425,7 @@ class P2P:
     tag: int = 0
 
 
-@_eager
+@eager
 def batch_p2p(ops: list[P2P], group: AxisGroup) -> list[Handle]:
     """Post sends and receives together as one batch (one NCCL group, in which they progress together); one handle
     per op, in order. On NCCL a batch completes as a whole (torch returns one work for it), so each handle waits for

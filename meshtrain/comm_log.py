@@ -75,16 +75,16 @@ def dtype_name(dtype: object) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-_DYNAMO_WRAPPER = os.path.join("torch", "_dynamo", "eval_frame.py")
+# torch's wrappers that keep the collectives out of compiled graphs (``comm.eager``): the lazy one, then dynamo's.
+_DYNAMO_WRAPPERS = (os.path.join("torch", "_compile.py"), os.path.join("torch", "_dynamo", "eval_frame.py"))
 
 
 def caller_site(skip_file: str) -> str:
     """``path:line`` of the nearest frame outside ``skip_file`` (the comm module): where a collective was asked
     for. Walking frames costs microseconds, so only the order check asks."""
     frame = sys._getframe(1)
-    # Also torch's wrapper that keeps the collectives out of compiled graphs (torch.compiler.disable, comm.py).
     while frame is not None and (frame.f_code.co_filename in (skip_file, __file__)
-                                 or frame.f_code.co_filename.endswith(_DYNAMO_WRAPPER)):
+                                 or frame.f_code.co_filename.endswith(_DYNAMO_WRAPPERS)):
         frame = frame.f_back
     if frame is None:
         return ""

@@ -137,3 +137,16 @@ def test_known_violations_still_exist():
     """An edge fixed in issue 11 leaves KNOWN_VIOLATIONS, so the list only shrinks."""
     g = graph()
     assert not sorted(e for e in KNOWN_VIOLATIONS if e[1] not in g.get(e[0], set()))
+
+
+def test_the_cli_starts_without_importing_dynamo():
+    """``torch._dynamo`` takes ~2 s of CPU to import (2026-11-29, on this 2-core machine): every ``meshtrain``
+    command, a one-line error included, paid it while the comm module kept its collectives out of compiled graphs
+    with ``torch.compiler.disable``, which imports dynamo as it decorates. ``comm.eager`` imports it at the first
+    call instead (a compiled run has imported it by then)."""
+    import subprocess
+    import sys
+
+    code = "import sys, meshtrain.cli, meshtrain.train.trainer; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", (out.stdout, out.stderr)

@@ -245,8 +245,8 @@ class FullyShardedDataParallel(GradSync):
             prev = self.units[i - 1] if i > 0 else None
             # Eager even inside a compiled block (train.compile): gathers, frees and storage bookkeeping.
             for m in su.unit.modules:
-                m.register_forward_pre_hook(torch.compiler.disable(self._pre_forward(su, nxt)))
-            su.unit.modules[-1].register_forward_hook(torch.compiler.disable(self._post_forward(su)))
+                m.register_forward_pre_hook(comm.eager(self._pre_forward(su, nxt)))
+            su.unit.modules[-1].register_forward_hook(comm.eager(self._post_forward(su)))
             su.unit.modules[-1].register_full_backward_pre_hook(self._pre_backward(su, prev))
         self._pieces = []
         for su in self.units:

@@ -249,7 +249,7 @@ class _CopyLinear(torch.autograd.Function):
         return grad_x, None, None, *grads_w
 
 
-@torch.compiler.disable  # as deferred_linear: the backward reads whether the store is armed
+@comm.eager  # as deferred_linear: the backward reads whether the store is armed
 def _deferred(fn: type[torch.autograd.Function], x: torch.Tensor, group: AxisGroup | None,
               wgrad: WeightGradStore, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return fn.apply(x, group, wgrad, *parts)

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshtrain.comm import eager
+
 
 class WeightGradStore:
     """Stashed (weights, input, output-gradient) triples per (microbatch, stage): ``weights`` the parameters one
@@ -85,7 +87,7 @@ class _DeferredLinear(torch.autograd.Function):
 
 # Eager under torch.compile (a clean graph break, like the collectives): the backward reads whether the store is
 # armed and stashes into it, which a traced backward would fix at compile time (never deferring).
-@torch.compiler.disable
+@eager
 def deferred_linear(x: torch.Tensor, weight: torch.Tensor, store: WeightGradStore) -> torch.Tensor:
     """``F.linear(x, weight)`` (bias-free) whose weight gradient, while ``store`` is armed, W computes."""
     return _DeferredLinear.apply(x, weight, store)
