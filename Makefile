@@ -3,6 +3,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# pytest-xdist workers. Two on 2 cores: a multi-process test leaves a core idle much of the time (ranks starting,
+# waiting at barriers, subprocesses importing torch), and a second worker fills it (docs/testing.md).
+WORKERS ?= 2
 
 .PHONY: setup train test test-fast lint clean
 
@@ -26,11 +29,11 @@ train: $(STAMP)
 # The whole suite, multi-process equivalence tests included (what CI runs).
 test: $(STAMP)
 	$(BIN)/ruff check meshtrain tests benchmarks
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -n $(WORKERS) --durations=15
 
 # Quick tier for iteration: no spawned process groups, no training runs.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n $(WORKERS) -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check meshtrain tests benchmarks
