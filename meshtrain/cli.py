@@ -94,7 +94,8 @@ def _train(argv: list[str]) -> int:
         rest = argv
         for option in ("--nproc", "--max-restarts", *launch.LAUNCH_OPTIONS):
             rest = _without_option(rest, option)
-        cmd = launch.torchrun_command(args.nproc, args.max_restarts, nodes, [o for o in rest if o != "--dry-run"])
+        cmd = launch.torchrun_command(args.nproc, args.max_restarts, nodes,
+                                      ["train", *(o for o in rest if o != "--dry-run")])
         if args.dry_run:
             print(shlex.join(cmd))
             return 0
@@ -140,7 +141,10 @@ def _run_torchrun(cmd: list[str], out_dir: str | None, nodes: launch.Nodes | Non
     log = _launch_log(out_dir, nodes)
     interrupted = False
     terminated: list[int] = []
-    with open(log, "wb") as f:
+    # torchrun makes a folder per run for its workers' error files (torchelastic_* in the temp dir) and never
+    # removes it: give it one that goes when the run does.
+    with open(log, "wb") as f, tempfile.TemporaryDirectory(prefix="meshtrain-torchrun-") as torchrun_dir:
+        cmd = launch.with_log_dir(cmd, torchrun_dir)
         proc = subprocess.Popen(cmd, stderr=f, env={**os.environ, LAUNCHER_LOG_ENV: str(log)})
 
         def forward(signum: int, frame: object) -> None:
@@ -293,8 +297,7 @@ def _generate(argv: list[str]) -> int:
     world = args.nproc or int(os.environ.get("WORLD_SIZE", "1"))
     check_generation(cfg, world, args.tokens)
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-               "-m", "meshtrain.cli", "generate", *_without_option(argv, "--nproc")]
+        cmd = launch.torchrun_command(args.nproc, 0, None, ["generate", *_without_option(argv, "--nproc")])
         return _run_torchrun(cmd, None)
     gm = load_for_generation(cfg, path, source)
     run = run_generation(gm, ids, args.tokens, 0.0 if args.greedy else args.temperature, args.top_k, args.seed,

@@ -99,8 +99,9 @@ def nodes_from_args(args: argparse.Namespace) -> Nodes | None:
     return Nodes(args.nnodes, args.node_rank, host, port, args.rdzv_id, args.rdzv_timeout, args.local_addr)
 
 
-def torchrun_command(nproc: int, max_restarts: int, nodes: Nodes | None, train_args: list[str]) -> list[str]:
-    """The torchrun line that starts ``nproc`` workers of ``meshtrain train train_args`` on this node.
+def torchrun_command(nproc: int, max_restarts: int, nodes: Nodes | None, cli_args: list[str]) -> list[str]:
+    """The torchrun line that starts ``nproc`` workers of ``meshtrain cli_args`` (``train ...``, ``generate ...``)
+    on this node.
 
     Several nodes: c10d rendezvous at node 0's endpoint; ``is_host`` says outright which node hosts its store
     (torchrun would guess it from the hostname, which fails where a node's hostname does not resolve to the
@@ -116,8 +117,14 @@ def torchrun_command(nproc: int, max_restarts: int, nodes: Nodes | None, train_a
                 f"--rdzv-conf=is_host={'true' if nodes.node_rank == 0 else 'false'},join_timeout={timeout}"]
         if nodes.local_addr:
             cmd.append(f"--local-addr={nodes.local_addr}")
-    return [*cmd, f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "-m", "meshtrain.cli", "train",
-            *train_args]
+    return [*cmd, f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "-m", "meshtrain.cli", *cli_args]
+
+
+def with_log_dir(cmd: list[str], log_dir: str) -> list[str]:
+    """``cmd`` (a :func:`torchrun_command`) with torchrun's ``--log-dir``: the folder torchrun fills with a run
+    folder for its workers' error files, which it would otherwise make in the temp dir and leave there."""
+    at = cmd.index("torch.distributed.run") + 1
+    return [*cmd[:at], f"--log-dir={log_dir}", *cmd[at:]]
 
 
 def check_rendezvous(nodes: Nodes) -> None:

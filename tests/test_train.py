@@ -114,8 +114,8 @@ def test_checkpoint_roundtrip_restores_weights_and_optimizer(stdlib_data, tmp_pa
             assert torch.equal(t.optimizer.state[p][k], fresh.optimizer.state[q][k])
 
 
-def _cli(*args, timeout=120):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def _cli(*args, timeout=120, tmpdir=None):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"TMPDIR": str(tmpdir)} if tmpdir else {})}
     return subprocess.run([sys.executable, "-m", "meshtrain.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
@@ -148,11 +148,15 @@ def test_cli_refuses_bad_layouts_before_starting_processes():
 
 
 def test_cli_nproc_relaunches_under_torchrun(tmp_path):
-    out = tmp_path / "torchrun"
+    """... and leaves nothing in the temp dir (torchrun, left to itself, leaves a torchelastic_* folder there)."""
+    out, tmp = tmp_path / "torchrun", tmp_path / "tmp"
+    tmp.mkdir()
     r = _cli("train", "--nproc", "1", "--config", "tiny", "--out", str(out), "data.source=synthetic",
-             "train.steps=2", "train.progress=false")
+             "train.steps=2", "train.progress=false", tmpdir=tmp)
     assert r.returncode == 0, r.stderr
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    # but torch's compile cache, kept between runs on purpose
+    assert [p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")] == []
 
 
 def test_bad_checkpoints_are_refused_before_starting_processes(tmp_path):
