@@ -396,6 +396,15 @@ def test_plan_a_huggingface_folder(tmp_path, capsys):
     assert "architectures is ['Gemma2ForCausalLM']" in err and len(err.strip().splitlines()) == 1
 
 
+def test_nodes_and_devices_together_are_refused_in_one_line(capsys):
+    """Both size the slice; taking one silently planned 8 devices for `--nodes 128 --devices 8`."""
+    assert cli.main(["plan", "--model", "llama3-70b", "--nodes", "128", "--devices", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "--nodes 128 and --devices 8" in err and "give one" in err and len(err.strip().splitlines()) == 1
+    assert cli.main(["plan", "--model", "llama3-70b", "--nodes", "2", "--top", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["problem"]["nodes"] == 2
+
+
 def test_cli_table_output(capsys):
     rc = cli.main(["plan", "--model", "llama2-7b", "--hardware", "a100", "--nodes", "1", "--batch-tokens", "256K",
                    "--top", "2", "--max-pp", "2"])

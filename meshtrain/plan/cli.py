@@ -74,6 +74,10 @@ def build_problem(args: argparse.Namespace) -> Problem:
     if sequences < 1:
         raise ValueError(f"--batch-tokens {args.batch_tokens} is less than one sequence of {seq_len} tokens.")
     hw = get_hardware(args.hardware)
+    if args.devices is not None and args.nodes is not None:  # two sizes of one slice: which did the user mean?
+        raise ValueError(f"--nodes {args.nodes} and --devices {args.devices} both give the slice's size: give one "
+                         f"(--nodes counts {hw.devices_per_node}-device hosts of {args.hardware}, --devices counts "
+                         f"devices).")
     if args.devices is not None:
         if args.devices < 1:
             raise ValueError(f"--devices must be >= 1, got {args.devices}.")
@@ -83,7 +87,7 @@ def build_problem(args: argparse.Namespace) -> Problem:
             raise ValueError(f"--devices {args.devices} is not a whole number of {hw.devices_per_node}-device nodes.")
         nodes = args.devices // hw.devices_per_node
     else:
-        nodes = args.nodes
+        nodes = 1 if args.nodes is None else args.nodes
     if nodes < 1:
         raise ValueError(f"--nodes must be >= 1, got {nodes}")
     if args.revision not in MIXED_REVISIONS:
@@ -138,8 +142,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--model", default="llama3-8b",
                     help="preset name (llama3-70b, ...), a YAML config, or a HuggingFace model folder")
     ap.add_argument("--hardware", default="h100", help=f"one of {', '.join(HARDWARE)}, cpu-local or a profile .json")
-    ap.add_argument("--nodes", type=int, default=1, help="nodes (hosts) of --hardware")
-    ap.add_argument("--devices", type=int, default=None, help="devices instead of nodes")
+    ap.add_argument("--nodes", type=int, default=None, help="nodes (hosts) of --hardware (default 1)")
+    ap.add_argument("--devices", type=int, default=None, help="devices, instead of --nodes")
     ap.add_argument("--batch-tokens", default="4M", help="global batch in tokens (4M = 4 x 2^20)")
     ap.add_argument("--seq-len", type=int, default=0, help="sequence length (default: the config's train.seq_len)")
     ap.add_argument("--top", type=int, default=10, help="layouts to print")
