@@ -396,6 +396,21 @@ def test_plan_a_huggingface_folder(tmp_path, capsys):
     assert "architectures is ['Gemma2ForCausalLM']" in err and len(err.strip().splitlines()) == 1
 
 
+def test_when_nothing_fits_the_answer_names_the_leanest_layout_and_how_far_it_is_over():
+    """70B with AdamW on one 8-GPU node cannot fit; the answer says by how much, from the layout needing least
+    memory (it named the fastest's, which is the fattest: pure TP/DP layouts holding everything)."""
+    cfg = load_config("llama3-70b")
+    problem = planner.Problem(cfg.model, 8192, 512, get_hardware("h100"), 1, model_name="llama3-70b")
+    result = planner.search(problem)
+    assert result.best is None and result.leanest is not None
+    lean = result.leanest
+    assert problem.memory_budget < lean.memory_total <= result.fastest_any.memory_total
+    fsdp8 = planner.evaluate(problem, planner.Layout(dp=8, tp=1, microbatches=512 // 8, zero=3, recompute="full"))
+    assert lean.memory_total <= fsdp8.memory_total
+    text = planner.explain(problem, result)
+    assert lean.layout.describe() in text and f"{lean.memory_total / problem.memory_budget:.2f}x the budget" in text
+
+
 def test_nodes_and_devices_together_are_refused_in_one_line(capsys):
     """Both size the slice; taking one silently planned 8 devices for `--nodes 128 --devices 8`."""
     assert cli.main(["plan", "--model", "llama3-70b", "--nodes", "128", "--devices", "8"]) == 2

@@ -97,8 +97,9 @@ def explain(problem: Problem, result: SearchResult, top: int = 3, why: bool = Tr
                 f"devices: {shown}. Change the sizes asked for (--tp, --pp, --cp, --schedules), the batch, or the "
                 f"devices.")
     if best is None:
-        f = result.fastest_any
-        need = f"; the fastest layout needs {_gb(f.memory_total)} per device" if f else ""
+        lean = result.leanest
+        need = (f"; the leanest, {lean.layout.describe()}, needs {_gb(lean.memory_total)} per device "
+                f"({lean.memory_total / problem.memory_budget:.2f}x the budget)" if lean else "")
         return (f"No layout fits in {_gb(problem.memory_budget)} per device{need}. Add nodes, lower the batch "
                 f"or raise --memory-fraction.")
     est = evaluate(problem, best.layout, with_collectives=True)

@@ -47,12 +47,14 @@ class SearchOptions:
 
 @dataclass
 class SearchResult:
-    """Every layout that fits, fastest first; how many were tried; the fastest of all if it did not fit."""
+    """Every layout that fits, fastest first; how many were tried; the fastest of all if it did not fit, and the
+    one needing the least memory (how far the slice is from fitting, when nothing does)."""
 
     ranked: list[Estimate]
     tried: int
     fastest_any: Estimate | None
     rejected: tuple[str, ...] = ()  # why sizes asked for gave no layout (each rule once), for "no layout" answers
+    leanest: Estimate | None = None
 
     @property
     def best(self) -> Estimate | None:
@@ -169,14 +171,17 @@ def search(problem: Problem, opts: SearchOptions | None = None) -> SearchResult:
     layouts = candidate_layouts(problem, opts, rejected)
     fits: list[Estimate] = []
     fastest_any: Estimate | None = None
+    leanest: Estimate | None = None
     for lay in layouts:
         est = evaluate(problem, lay)
         if fastest_any is None or est.step_s < fastest_any.step_s:
             fastest_any = est
+        if leanest is None or est.memory_total < leanest.memory_total:
+            leanest = est
         if est.fits:
             fits.append(est)
     fits.sort(key=lambda e: (round(e.step_s, 9), e.memory_total))
-    return SearchResult(fits, len(layouts), fastest_any, tuple(rejected))
+    return SearchResult(fits, len(layouts), fastest_any, tuple(rejected), leanest)
 
 
 def to_config(problem: Problem, layout: Layout) -> Config:
