@@ -23,14 +23,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshtrain import launch
-from meshtrain.comm import CommError
 from meshtrain.config import ArgumentParser, Config, ConfigError, load_config, validate
-from meshtrain.model.source import TensorSource
-from meshtrain.train.checkpoint import CheckpointError
-from meshtrain.train.trainer import NonFiniteError
+from meshtrain.errors import CheckpointError, CommError, NonFiniteError
+
+if TYPE_CHECKING:
+    from meshtrain.model.source import TensorSource
 
 
 def _without_option(argv: list[str], name: str) -> list[str]:

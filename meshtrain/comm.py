@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from meshtrain.comm_log import CollectiveLog, Entry, caller_site, dtype_name
 from meshtrain.comm_watch import Watch, rank_list
+from meshtrain.errors import CommError
 from meshtrain.mesh import AxisGroup
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "avg": dist.ReduceOp.AVG}
@@ -51,11 +52,6 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 # call, not here. Importing it takes ~2 s of CPU, which every CLI start (a one-line error included) and every worker
 # of an uncompiled run would pay for nothing.
 eager = torch._compile._disable_dynamo
-
-
-class CommError(RuntimeError):
-    """A collective failed: a peer died or closed its connection. The message names the collective (group, op,
-    sequence number, shape) and the ranks that did not arrive."""
 
 
 class CollectiveTimeout(CommError):

@@ -44,9 +44,10 @@ def layer(module: str) -> str:
         return "train"
     part = module.split(".")[1]
     # host_memory (the CPU allocator policy) knows devices, as the mesh does: the same layer. comm_log and
-    # comm_watch are the comm module's record of collectives and its watchdog.
-    return {"config": "config", "mesh": "mesh", "host_memory": "mesh", "comm": "comm", "comm_log": "comm",
-            "comm_watch": "comm", "rules": "rules"}.get(part, part)
+    # comm_watch are the comm module's record of collectives and its watchdog. errors (the exceptions the
+    # command line turns into one line) imports nothing, as the config does.
+    return {"config": "config", "errors": "config", "mesh": "mesh", "host_memory": "mesh", "comm": "comm",
+            "comm_log": "comm", "comm_watch": "comm", "rules": "rules"}.get(part, part)
 
 
 def modules() -> dict[str, Path]:
@@ -150,3 +151,22 @@ def test_the_cli_starts_without_importing_dynamo():
     code = "import sys, meshtrain.cli, meshtrain.train.trainer; print('torch._dynamo' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", (out.stdout, out.stderr)
+
+
+def test_the_planner_and_option_mistakes_run_without_torch():
+    """``import torch`` takes ~2.5 s of CPU here: ``meshtrain plan`` (pure arithmetic), ``meshtrain schedule`` and a
+    mistake in ``train``'s options answer without it. torch is made unimportable in the child, so any import of it
+    on these paths fails the command."""
+    import subprocess
+    import sys
+
+    block = "import sys; sys.modules['torch'] = None; from meshtrain.cli import main; sys.exit(main(sys.argv[1:]))"
+    for args, code, said in [
+        (["plan", "--model", "llama3-8b", "--devices", "8", "--top", "1"], 0, "Best layout"),
+        (["plan", "roofline"], 0, "compute-bound"),
+        (["schedule", "--pp", "2", "--microbatches", "4", "--schedule", "1f1b"], 0, "bubble"),
+        (["train", "--config", "tiny", "model.d_model=abc"], 2, "model.d_model must be an integer"),
+        (["train", "--config", "tiny", "--nproc", "0"], 2, "--nproc 0"),
+    ]:
+        out = subprocess.run([sys.executable, "-c", block, *args], capture_output=True, text=True, timeout=120)
+        assert out.returncode == code and said in out.stdout + out.stderr, (args, out.stdout[-500:], out.stderr[-2000:])

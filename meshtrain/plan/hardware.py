@@ -12,8 +12,10 @@ import os
 import time
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the functions that measure a device import torch when called: the planner itself runs without
+    import torch
 
 
 @dataclass(frozen=True)
@@ -49,9 +51,13 @@ def chip_for_cuda_device(name: str) -> Chip | None:
     return None
 
 
-def measure_matmul_flops(dtype: torch.dtype = torch.float32, device: str = "cpu", n: int = 512,
+def measure_matmul_flops(dtype: torch.dtype | None = None, device: str = "cpu", n: int = 512,
                          seconds: float = 0.3) -> float:
-    """Measured FLOP/s of a square matmul: the CPU's practical peak for MFU (no datasheet applies)."""
+    """Measured FLOP/s of a square matmul (fp32 unless ``dtype``): the CPU's practical peak for MFU (no
+    datasheet applies)."""
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     a @ b  # warm-up
@@ -68,6 +74,8 @@ def datasheet_chip(device: torch.device, dtype: torch.dtype) -> Chip | None:
     """The chip whose datasheet gives ``device``'s peak for ``dtype``, or None where ``peak_flops`` measures it:
     a CPU, a GPU not in the table, and fp32 under torch's default matmul precision, "highest", which runs fp32
     matmuls on the CUDA cores (~67 TFLOP/s on an H100) rather than at the TF32 tensor-core rate (494)."""
+    import torch
+
     if device.type != "cuda":
         return None
     if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
@@ -78,6 +86,8 @@ def datasheet_chip(device: torch.device, dtype: torch.dtype) -> Chip | None:
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     """Peak FLOP/s of one device: the datasheet where ``datasheet_chip`` names one (16-bit: its bf16 rate; TF32:
     half that), else a quick measurement."""
+    import torch
+
     chip = datasheet_chip(device, dtype)
     if chip is not None:
         return chip.bf16_flops if dtype in (torch.bfloat16, torch.float16) else chip.bf16_flops / 2

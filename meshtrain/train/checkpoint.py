@@ -47,6 +47,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from meshtrain import comm
+from meshtrain.errors import CheckpointError
 from meshtrain.mesh import AxisGroup
 from meshtrain.model.source import Box, box_numel, full_box, intersect, relative, tied_aliases, write_safetensors
 from meshtrain.parallel.state import Held, check_shapes, load_state, local_state
@@ -54,10 +55,6 @@ from meshtrain.train.optim import model_params
 
 FORMAT = 2  # 1: whole tensors in model.safetensors / optim.safetensors (still readable)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used, with the file and the fix in the message."""
 
 
 def checkpoint_dir(root: Path, step: int) -> Path:

@@ -24,6 +24,7 @@ import torch
 
 from meshtrain import comm
 from meshtrain.config import Config, ConfigError, ModelConfig, data_blend, save_config
+from meshtrain.errors import NonFiniteError
 from meshtrain.generate import sample
 from meshtrain.mesh import Mesh, init_distributed
 from meshtrain.model.hf import HFSource
@@ -53,10 +54,6 @@ from meshtrain.train.paths import unwritable_reason
 from meshtrain.train.prepare import ensure_prepared
 from meshtrain.train.profiling import StepProfiler
 from meshtrain.train.tokenizer import load_tokenizer
-
-
-class NonFiniteError(RuntimeError):
-    """The run stopped rather than apply or save non-finite values (train.max_bad_steps, or state at a save)."""
 
 
 def resolve_device(kind: str) -> torch.device:
