@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import difflib
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -474,7 +475,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         f"model.n_kv_heads={m.kv_heads} must divide model.n_heads={m.n_heads} (grouped-query attention).",
     )
     _need(m.ffn_hidden >= 0, "model.ffn_hidden must be >= 0 (0 uses the Llama rule).")
-    _need(m.norm_eps > 0, "model.norm_eps must be positive.")
+    _need(math.isfinite(m.norm_eps) and m.norm_eps > 0, f"model.norm_eps must be a positive number (Llama: 1e-5), "
+          f"got {m.norm_eps}.")
     _need(math.isfinite(m.init_std) and m.init_std > 0, f"model.init_std must be a positive number, got {m.init_std}.")
     _need(math.isfinite(m.rope_theta) and m.rope_theta > 0,
           f"model.rope_theta must be a positive number (Llama: 10000, Llama 3: 500000), got {m.rope_theta}.")
@@ -498,6 +500,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     for name in ("eval_every", "ckpt_every", "ckpt_keep", "warmup_steps", "sample_tokens", "threads", "profile_steps",
                  "gc_every"):
         _need(getattr(t, name) >= 0, f"train.{name} must be >= 0, got {getattr(t, name)}.")
+    cpus = os.cpu_count() or 1  # torch.set_num_threads far above the CPUs kills the process without a word
+    _need(t.threads <= cpus, f"train.threads={t.threads} is more than this machine's {cpus} CPUs: set at most {cpus} "
+          f"(0: torch's default).")
     _need(t.profile_steps == 0 or 1 <= t.profile_start <= t.steps - t.profile_steps + 1,
           f"train.profile_start={t.profile_start} with train.profile_steps={t.profile_steps} must trace steps 1 to "
           f"train.steps={t.steps}: set train.profile_start between 1 and {max(t.steps - t.profile_steps + 1, 1)}"
@@ -670,11 +675,15 @@ def _check_moe(m: ModelConfig) -> None:
           f"model.moe_experts={m.moe_experts}.")
     _need(m.moe_shared_experts >= 0, "model.moe_shared_experts must be >= 0.")
     _need(m.moe_hidden >= 0, "model.moe_hidden must be >= 0 (0: the dense MLP's hidden size).")
-    _need(m.moe_capacity_factor >= 0, "model.moe_capacity_factor must be >= 0 (0: dropless).")
-    _need(m.moe_aux_loss_coef >= 0, "model.moe_aux_loss_coef must be >= 0 (0 disables the balancing loss).")
-    _need(m.moe_z_loss_coef >= 0, "model.moe_z_loss_coef must be >= 0 (0 disables the router z-loss; ST-MoE "
-          "uses 0.001).")
-    _need(m.moe_bias_update_rate >= 0, "model.moe_bias_update_rate must be >= 0 (0 disables bias balancing).")
+    # isfinite too: an inf weight or rate is no setting, and it makes every step's loss or bias non-finite
+    _need(math.isfinite(m.moe_capacity_factor) and m.moe_capacity_factor >= 0,
+          "model.moe_capacity_factor must be a number >= 0 (0: dropless).")
+    _need(math.isfinite(m.moe_aux_loss_coef) and m.moe_aux_loss_coef >= 0,
+          "model.moe_aux_loss_coef must be a number >= 0 (0 disables the balancing loss).")
+    _need(math.isfinite(m.moe_z_loss_coef) and m.moe_z_loss_coef >= 0,
+          "model.moe_z_loss_coef must be a number >= 0 (0 disables the router z-loss; ST-MoE uses 0.001).")
+    _need(math.isfinite(m.moe_bias_update_rate) and m.moe_bias_update_rate >= 0,
+          "model.moe_bias_update_rate must be a number >= 0 (0 disables bias balancing).")
 
 
 def _check_context_and_experts(cfg: Config, dp: int, known: bool) -> None:

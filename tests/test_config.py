@@ -180,6 +180,37 @@ def test_values_that_would_train_to_nan_or_fail_late_are_refused(override, messa
     assert message in str(e.value)
 
 
+def test_no_number_option_takes_infinity():
+    """Every float option of every section, set to inf where it is in use (experts on, Llama 3 RoPE scaling), is
+    refused: none has a meaning for it (model.norm_eps=inf trained a model whose every output is uniform, an inf
+    MoE loss weight made every step non-finite). A new option must be checked as it is added."""
+    import dataclasses
+
+    from meshtrain.config import Config
+
+    accepted = []
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(getattr(Config(), section.name)):
+            if f.type in ("float", float):
+                try:
+                    load_config("tiny", ["model.moe_experts=4", "model.rope_scaling=llama3",
+                                         f"{section.name}.{f.name}=.inf"])
+                    accepted.append(f"{section.name}.{f.name}")
+                except ConfigError:
+                    pass
+    assert accepted == []
+
+
+def test_more_threads_than_the_machine_has_cpus_are_refused():
+    """torch.set_num_threads(100000) ended the process with a segfault and no message."""
+    import os
+
+    cpus = os.cpu_count()
+    with pytest.raises(ConfigError, match=f"train.threads={cpus + 1} is more than this machine's {cpus} CPUs"):
+        load_config("tiny", [f"train.threads={cpus + 1}"])
+    assert load_config("tiny", [f"train.threads={cpus}"]).train.threads == cpus
+
+
 def test_config_files_that_are_not_a_yaml_mapping_of_sections_get_one_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     for text, message in [("1: 2\n", "unknown config section '1'"),
