@@ -428,6 +428,37 @@ def test_cli_table_output(capsys):
     assert "layouts tried" in text and "Best layout" in text and " 1  dp" in text
 
 
+@pytest.mark.parametrize("field, value, said", [
+    ("devices_per_node", "eight", "devices_per_node is 'eight', not a finite number"),
+    ("devices_per_node", 0, "devices_per_node is 0, not positive"),
+    ("bf16_flops", float("nan"), "bf16_flops is nan, not a finite number"),
+    ("domain", 2.5, "domain is 2.5, not a whole number"),
+    ("mesh_axes", [4, 0], "mesh_axes is [4, 0], not a list of positive whole numbers"),
+    ("elem_s", -1, "elem_s is -1, negative"),
+    ("axis_block_s", [], "axis_block_s is [], not a JSON object"),
+])
+def test_a_hardware_profile_with_a_bad_value_is_refused_in_one_line(tmp_path, capsys, field, value, said):
+    """Each of these ended in a traceback deep in the search (ZeroDivisionError, TypeError) or an unnamed
+    'cannot convert float NaN to integer'."""
+    path = tmp_path / "hw.json"
+    save_profile(get_hardware("h100"), path)
+    path.write_text(json.dumps({**json.loads(path.read_text()), field: value}))
+    assert cli.main(["plan", "--model", "tiny", "--hardware", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--hardware {path}: {said}; pass a file written by" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_hardware_profile_that_cannot_be_read_is_refused_in_one_line(tmp_path, capsys):
+    (tmp_path / "dir.json").mkdir()
+    assert cli.main(["plan", "--model", "tiny", "--hardware", str(tmp_path / "dir.json")]) == 2
+    err = capsys.readouterr().err
+    assert "dir.json cannot be read (Is a directory): pass a file" in err and len(err.strip().splitlines()) == 1
+    path = tmp_path / "whole.json"  # counts written as 8.0 are counts
+    save_profile(get_hardware("h100"), path)
+    path.write_text(json.dumps({**json.loads(path.read_text()), "devices_per_node": 8.0}))
+    assert get_hardware(str(path)).devices_per_node == 8 and isinstance(get_hardware(str(path)).devices_per_node, int)
+
+
 def test_cpu_local_profile(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MESHTRAIN_CACHE", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="--calibrate"):

@@ -8,6 +8,7 @@ which needs processes and collectives, so it sits above this layer); here are on
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import MISSING, dataclass, field, fields
@@ -284,19 +285,47 @@ def hardware_cache_dir() -> Path:
 def load_profile(path: str | Path) -> Hardware:
     """Read a profile written by ``save_profile`` (JSON of the ``Hardware`` fields); a file that is not one is a
     ``ValueError`` naming it."""
+    fix = "pass a file written by `meshtrain plan --calibrate` or a preset name"
     try:
         data = json.loads(Path(path).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"--hardware {path} is not a hardware profile (not JSON: {e}): pass a file written by "
-                         f"`meshtrain plan --calibrate` or a preset name.") from None
+        raise ValueError(f"--hardware {path} is not a hardware profile (not JSON: {e}): {fix}.") from None
+    except OSError as e:
+        raise ValueError(f"--hardware {path} cannot be read ({e.strerror or e}): {fix}.") from None
     known = {f.name for f in fields(Hardware)}
     required = {f.name for f in fields(Hardware) if f.default is MISSING and f.default_factory is MISSING}
     if not isinstance(data, dict) or required - set(data):
         missing = sorted(required - set(data)) if isinstance(data, dict) else ["(not a JSON object)"]
-        raise ValueError(f"--hardware {path} is not a hardware profile: it lacks {', '.join(missing)}; pass a "
-                         f"file written by `meshtrain plan --calibrate` or a preset name.")
+        raise ValueError(f"--hardware {path} is not a hardware profile: it lacks {', '.join(missing)}; {fix}.")
+    for f in fields(Hardware):
+        if f.name in data and (why := _bad_field(f.name, f.type, data[f.name], f.name in required)):
+            raise ValueError(f"--hardware {path}: {f.name} is {data[f.name]!r}, {why}; {fix}.")
+        if f.type == "int" and f.name in data:
+            data[f.name] = int(data[f.name])  # 8.0 -> 8: counts index ranges
     data["mesh_axes"] = tuple(data.get("mesh_axes", ()))
     return Hardware(**{k: v for k, v in data.items() if k in known})
+
+
+def _bad_field(name: str, kind: str, value: object, required: bool) -> str | None:
+    """Why a profile's value cannot be that field's (None: it can). Sizes and rates are finite numbers, those
+    every profile has positive, the measured ones >= 0 (0: not measured); counts whole."""
+    if kind in ("float", "int"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return "not a finite number"
+        if kind == "int" and value != int(value):
+            return "not a whole number"
+        if required and value <= 0 or value < 0:
+            return "not positive" if required else "negative"
+        if name == "tp_max" and value < 1:
+            return "not positive"
+    elif kind == "str" and not isinstance(value, str):
+        return "not a string"
+    elif kind == "dict" and not isinstance(value, dict):
+        return "not a JSON object"
+    elif name == "mesh_axes" and not (isinstance(value, list) and all(
+            isinstance(a, int) and not isinstance(a, bool) and a > 0 for a in value)):
+        return "not a list of positive whole numbers"
+    return None
 
 
 def save_profile(hw: Hardware, path: str | Path) -> Path:
