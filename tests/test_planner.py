@@ -365,6 +365,11 @@ def test_cli_plan_json_emit_and_plot(tmp_path, capsys):
     cfg = load_config(out)
     assert cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp == 16
     assert png.stat().st_size > 10_000
+    # a refused --emit leaves no figure behind (it was drawn before the search)
+    rc = cli.main(["plan", "--model", "llama3-70b", "--devices", "8", "--emit", str(tmp_path / "no.yaml"),
+                   "--plot", str(tmp_path / "no.png")])
+    assert rc == 2 and "nothing to --emit" in capsys.readouterr().err
+    assert not (tmp_path / "no.png").exists() and not (tmp_path / "no.yaml").exists()
 
 
 def test_plan_a_huggingface_folder(tmp_path, capsys):

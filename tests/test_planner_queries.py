@@ -235,6 +235,13 @@ def test_every_query_prints_text_and_json(argv, capsys):
     (["roofline", "--no-such-option"], "--no-such-option"),
     (["min-devices", "--hardware", "nope"], "--hardware"),
     (["layer-comm", "--devices", "8", "--nodes", "1"], "--nodes"),
+    # each of these was accepted: a size min-devices ignored, 400 GB of an 80 GB device, a negative sequence,
+    # nan and inf printed (inf as JSON's invalid Infinity)
+    (["min-devices", "--devices", "8"], "unrecognized arguments: --devices 8"),
+    (["min-devices", "--memory-fraction", "5"], "--memory-fraction must be in (0, 1], got 5"),
+    (["activations", "--seq-len", "-5"], "--seq-len must be >= 0"),
+    (["roofline", "--tokens-per-chip", "nan"], "--tokens-per-chip must be a positive, finite number, got nan"),
+    (["roofline", "--tokens-per-chip", "inf", "--json"], "--tokens-per-chip must be a positive, finite number"),
 ])
 def test_query_bad_input_is_one_error_line(argv, names, capsys):
     assert cli.main(["plan", *argv]) == 2

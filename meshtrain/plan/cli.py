@@ -218,10 +218,6 @@ def main(argv: list[str]) -> int:
     if args.plot:
         check_output_file("--plot", args.plot, ".png")
     problem = build_problem(args)
-    if args.plot:
-        plot_comm_vs_compute(problem, args.plot)
-        if not args.json:
-            print(f"wrote {args.plot}")
     opts = SearchOptions(tps=args.tp, pps=args.pp, cps=args.cp, zeros=args.zero,
                          cp_attentions=tuple(a for a in args.cp_attention.split(",") if a),
                          schedules=tuple(s for s in args.schedules.split(",") if s), max_pp=args.max_pp,
@@ -241,6 +237,10 @@ def main(argv: list[str]) -> int:
         if chosen is None:
             raise ConfigError("no layout that fits is runnable by meshtrain today; nothing to --emit")
         emitted = (emit_yaml(problem, chosen, args.emit), chosen)
+    if args.plot:  # after --emit's refusal, which would leave it behind
+        plot_comm_vs_compute(problem, args.plot)
+        if not args.json:
+            print(f"wrote {args.plot}")
     if args.json:
         out = {
             "problem": {"model": problem.model_name, "hardware": problem.hw.to_dict(), "nodes": problem.nodes,

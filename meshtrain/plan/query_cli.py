@@ -46,8 +46,9 @@ def main(argv: list[str]) -> int:
     ap = ArgumentParser(prog=f"meshtrain plan {name}", description=QUERIES[name])
     ap.add_argument("--model", default="llama3-8b", help="preset name, YAML config or HuggingFace model folder")
     ap.add_argument("--hardware", default="h100", help=f"one of {', '.join(HARDWARE)}, or a profile .json")
-    ap.add_argument("--devices", type=int, default=0, help="devices (default: one node; 4096 for a TPU)")
-    ap.add_argument("--nodes", type=int, default=0, help="nodes (hosts) of --hardware, instead of --devices")
+    if name != "min-devices":  # which finds the device count: a slice size given to it would be ignored
+        ap.add_argument("--devices", type=int, default=0, help="devices (default: one node; 4096 for a TPU)")
+        ap.add_argument("--nodes", type=int, default=0, help="nodes (hosts) of --hardware, instead of --devices")
     ap.add_argument("--batch-tokens", default="4M", help="global batch in tokens (4M = 4 x 2^20; 3e6 as written)")
     ap.add_argument("--seq-len", type=int, default=0, help="sequence length (default: the config's)")
     ap.add_argument("--json", action="store_true", help="print JSON")
@@ -82,18 +83,21 @@ def main(argv: list[str]) -> int:
     if cfg.model.vocab_size == 0:  # taken from the tokenizer at run time; plan with the byte tokenizer's
         cfg.model.vocab_size = 257
     hw = get_hardware(args.hardware)
-    if args.devices < 0 or args.nodes < 0 or (args.devices and args.nodes):
+    devices, nodes = getattr(args, "devices", 0), getattr(args, "nodes", 0)
+    if devices < 0 or nodes < 0 or (devices and nodes):
         raise ValueError("give --devices or --nodes (not both), each >= 1")
-    devices = args.devices or args.nodes * hw.devices_per_node or (4096 if hw.torus else hw.devices_per_node)
+    devices = devices or nodes * hw.devices_per_node or (4096 if hw.torus else hw.devices_per_node)
+    if args.seq_len < 0:
+        raise ValueError(f"--seq-len must be >= 0 (0: the config's train.seq_len), got {args.seq_len}")
     setting = queries.Setting(cfg.model, str(args.model), hw, devices, parse_tokens(args.batch_tokens),
                               args.seq_len or cfg.train.seq_len)
-    if name == "min-devices":
+    if name in ("min-devices", "max-model"):
         _positive("bytes-per-param", args.bytes_per_param)
-        _positive("memory-fraction", args.memory_fraction)
+        if not 0 < args.memory_fraction <= 1:  # also refuses nan
+            raise ValueError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction:g}")
+    if name == "min-devices":
         out = queries.min_devices_query(setting, args.remat, args.bytes_per_param, args.memory_fraction)
     elif name == "max-model":
-        _positive("bytes-per-param", args.bytes_per_param)
-        _positive("memory-fraction", args.memory_fraction)
         out = queries.max_model_query(setting, args.bytes_per_param, args.memory_fraction, args.with_activations)
     elif name == "train-time":
         _positive("train-tokens", args.train_tokens)
@@ -105,8 +109,10 @@ def main(argv: list[str]) -> int:
             raise ValueError("--pp and --microbatches must be >= 1 and --pods >= 0")
         out = queries.critical_batch_query(setting, args.pods, args.pp, args.microbatches, args.zero3)
     elif name == "roofline":
-        if args.decode_batch < 1 or (args.tokens_per_chip is not None and args.tokens_per_chip <= 0):
-            raise ValueError("--decode-batch must be >= 1 and --tokens-per-chip positive")
+        if args.decode_batch < 1:
+            raise ValueError(f"--decode-batch must be >= 1, got {args.decode_batch}")
+        if args.tokens_per_chip is not None:
+            _positive("tokens-per-chip", args.tokens_per_chip)
         out = queries.roofline_query(setting, args.tokens_per_chip, args.decode_batch)
     elif name == "layer-comm":
         out = queries.layer_comm_query(setting)
