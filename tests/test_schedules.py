@@ -241,5 +241,14 @@ def test_cli_writes_png(tmp_path, capsys):
 def test_cli_reports_bad_options(capsys):
     from meshtrain.cli import main
 
-    assert main(["schedule", "--schedule", "interleaved", "--microbatches", "6"]) == 2
-    assert "parallel.microbatches" in capsys.readouterr().err
+    # each error names the option typed, not the training config's key behind it
+    for argv, said in [(["--schedule", "interleaved", "--microbatches", "6"], "--microbatches"),
+                       (["--pp", "0"], "--pp must be an integer >= 1, got 0: set --pp to"),
+                       (["--schedule", "bogus"], "--schedule 'bogus' is not a pipeline schedule"),
+                       (["--schedule", "1f1b", "--virtual", "3"], "so --virtual must be 1 (got 3): set --virtual 1"),
+                       (["--schedule", "1f1b", "--w", "0.3"], "--w is the weight half of a split backward")]:
+        assert main(["schedule", *argv]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "parallel." not in err and len(err.strip().splitlines()) == 1, (argv, err)
+    assert main(["schedule", "--pp", "2", "--microbatches", "4", "--schedule", "zb-h1", "--w", "0.3"]) == 0
+    assert "W=0.3" in capsys.readouterr().out

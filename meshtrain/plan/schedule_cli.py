@@ -12,6 +12,10 @@ from meshtrain.config import SCHEDULES, ArgumentParser, check_output_file
 from meshtrain.plan.schedules import DEFAULT_VIRTUAL, build_schedule
 from meshtrain.plan.simulator import check_schedule, png_chart, simulate, text_chart
 
+# build_schedule's errors name the training config's keys; here the user typed these options
+_OPTIONS = {"parallel.virtual_stages": "--virtual", "parallel.microbatches": "--microbatches",
+            "parallel.schedule": "--schedule", "parallel.pp": "--pp"}
+
 
 def main(argv: list[str]) -> int:
     """Parse ``argv`` (without the command name), print the simulated schedule, write the PNG if asked; return 0."""
@@ -42,7 +46,16 @@ def main(argv: list[str]) -> int:
         raise ValueError(f"--width must be at least 10 columns, got {args.width}")
     if args.png:
         check_output_file("--png", args.png, ".png")
-    sched = build_schedule(args.schedule, args.pp, args.microbatches, virtual, gen_costs=gen_costs)
+    try:
+        sched = build_schedule(args.schedule, args.pp, args.microbatches, virtual, gen_costs=gen_costs)
+    except ValueError as e:
+        message = str(e)
+        for key, option in _OPTIONS.items():
+            message = message.replace(f"{key}=", f"{option} ").replace(key, option)
+        raise ValueError(message) from None
+    if args.w is not None and not sched.split_backward:
+        raise ValueError(f"--w is the weight half of a split backward (zb-h1, dualpipev); {sched.name} runs the "
+                         f"whole backward (--b): leave --w out.")
     check_schedule(sched)
     res = simulate(sched, args.f, args.b, w, args.p2p)
 
