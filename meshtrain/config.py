@@ -353,7 +353,7 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def _read_yaml(path: Path, option: str = "--config") -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:  # PyYAML's message spans lines: the problem and where, on one
@@ -364,17 +364,18 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as e:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else "not UTF-8 text"
         raise ConfigError(f"Config file {path} cannot be read ({reason}): pass a YAML file or a preset name "
-                          f"to --config.") from None
+                          f"to {option}.") from None
     return data or {}
 
 
 def load_config(source: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
-                check: bool = True) -> Config:
+                check: bool = True, option: str = "--config") -> Config:
     """Build a validated config from a preset name or YAML file and dotted overrides.
 
     A YAML file may start from a preset with a top-level ``preset: NAME`` key. ``check=False`` leaves the
     validation to the caller: with ``train.init_from`` the model section is replaced by the HF folder's first
     (``train/trainer.resolve_init_from``), and the layout must be checked against that model, not the preset's.
+    ``option`` is the command-line option that named ``source``, for the errors.
     """
     cfg = Config()
     if source:
@@ -386,8 +387,8 @@ def load_config(source: str | Path | None = None, overrides: list[str] | tuple[s
                     f"No config file or preset named '{source}'. Presets: {', '.join(preset_names())}."
                 )
         if not path.exists():
-            raise ConfigError(f"Config file {source} does not exist (option --config).")
-        data = _read_yaml(path)
+            raise ConfigError(f"Config file {source} does not exist (option {option}).")
+        data = _read_yaml(path, option)
         if isinstance(data, dict) and data.get("preset"):
             base = PRESET_DIR / f"{data['preset']}.yaml"
             if not base.exists():

@@ -416,6 +416,15 @@ def test_when_nothing_fits_the_answer_names_the_leanest_layout_and_how_far_it_is
     assert lean.layout.describe() in text and f"{lean.memory_total / problem.memory_budget:.2f}x the budget" in text
 
 
+def test_a_model_that_is_no_config_is_refused_naming_model(tmp_path, capsys):
+    """--model's mistakes name --model (they said --config, an option plan does not have)."""
+    for model, said in [(tmp_path, f"--model {tmp_path} is a folder without a config.json"),
+                        (tmp_path / "nope.yaml", "does not exist (option --model)")]:
+        assert cli.main(["plan", "--model", str(model)]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "--config" not in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_nodes_and_devices_together_are_refused_in_one_line(capsys):
     """Both size the slice; taking one silently planned 8 devices for `--nodes 128 --devices 8`."""
     assert cli.main(["plan", "--model", "llama3-70b", "--nodes", "128", "--devices", "8"]) == 2

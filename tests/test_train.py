@@ -192,7 +192,7 @@ def test_bad_checkpoints_are_refused_before_starting_processes(tmp_path):
     r = _cli("generate", "--ckpt", str(step), "--prompt", "a", "--tokens", "2")
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "holds no model config" in r.stderr, r.stderr
     msg = refused("parallel.dp=2", f"train.init_from={tmp_path / 'no_such_hf_folder'}")
-    assert "no_such_hf_folder" in msg
+    assert f"train.init_from={tmp_path / 'no_such_hf_folder'} is not a folder: give a HuggingFace model" in msg
 
 
 def test_synthetic_source_trains_without_files():

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshtrain.config import Config, ModelConfig, load_config
+from meshtrain.config import Config, ConfigError, ModelConfig, load_config
 from meshtrain.plan.book import DEFAULT_REVISION
 from meshtrain.plan.flops import step_mfu
 from meshtrain.plan.hardware import Hardware
@@ -27,7 +27,10 @@ def plan_config(model: str) -> Config:
         cfg.model = hf_model_config(model)
         cfg.train.seq_len = min(cfg.model.max_seq_len, HF_PLAN_SEQ)
         return cfg
-    return load_config(model)
+    if Path(model).is_dir():
+        raise ConfigError(f"--model {model} is a folder without a config.json: pass a preset name, a YAML config "
+                          f"or a HuggingFace model folder.")
+    return load_config(model, option="--model")
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,9 @@ def resolve_init_from(cfg: Config) -> None:
     """With ``train.init_from=HF_DIR``, replace the model section by the folder's config.json (checking the
     folder: architecture, shards, shapes; one-line errors). Call before validating the layout."""
     if cfg.train.init_from:
+        if not Path(cfg.train.init_from).is_dir():  # HFSource's own line would not name the option
+            raise ConfigError(f"train.init_from={cfg.train.init_from} is not a folder: give a HuggingFace model "
+                              f"folder (config.json and safetensors), or leave train.init_from out.")
         cfg.model = HFSource(cfg.train.init_from).cfg
 
 
