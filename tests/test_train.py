@@ -147,6 +147,15 @@ def test_cli_refuses_bad_layouts_before_starting_processes():
     assert r.returncode == 2 and "does not exist" in r.stderr
 
 
+def test_a_data_tokenizer_the_prepared_folder_does_not_hold_is_refused_in_one_process(stdlib_data):
+    """The trainer checks it as check_data does before a launch (it trained with the folder's byte tokenizer)."""
+    r = _cli("train", "--config", "tiny", f"data.path={stdlib_data}", "data.tokenizer=hf", "train.steps=1")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: data.tokenizer=hf is not the tokenizer data.path {stdlib_data} was prepared with (byte): a prepared "
+        f"folder brings its own, so leave data.tokenizer out, or prepare the data again with `meshtrain prepare-data "
+        f"--tokenizer FILE`."], r.stderr
+
+
 def test_cli_nproc_relaunches_under_torchrun(tmp_path):
     """... and leaves nothing in the temp dir (torchrun, left to itself, leaves a torchelastic_* folder there)."""
     out, tmp = tmp_path / "torchrun", tmp_path / "tmp"

@@ -53,7 +53,7 @@ from meshtrain.train.optim import build_optimizer, clip_divisor, non_finite, opt
 from meshtrain.train.paths import unwritable_reason
 from meshtrain.train.prepare import ensure_prepared
 from meshtrain.train.profiling import StepProfiler
-from meshtrain.train.tokenizer import load_tokenizer
+from meshtrain.train.tokenizer import load_tokenizer, tokenizer_tag
 
 
 def resolve_device(kind: str) -> torch.device:
@@ -171,6 +171,21 @@ def check_out_dir(out_dir: str | Path | None, before_launch: bool = False) -> No
                           f"folders: move it away, or choose another --out.")
 
 
+def _check_tokenizer_option(spec: str, meta: dict, path: Path) -> None:
+    """``data.tokenizer`` is the default corpus's tokenizer; a prepared ``data.path`` brings its own. One that is
+    not the folder's would be ignored without a word: refused. (``byte``, the default, cannot be told from a
+    choice, so it passes.)"""
+    if spec == "byte":
+        return
+    folder = "byte" if meta["tokenizer"] == "byte" else tokenizer_tag(str(path / "tokenizer.json"))
+    if (folder != "byte") if spec == "hf" else folder == tokenizer_tag(spec):  # hf: the folder's tokenizer.json
+        return
+    again = spec if spec != "hf" else "FILE"
+    raise ConfigError(f"data.tokenizer={spec} is not the tokenizer data.path {path} was prepared with "
+                      f"({meta['tokenizer']}): a prepared folder brings its own, so leave data.tokenizer out, or "
+                      f"prepare the data again with `meshtrain prepare-data --tokenizer {again}`.")
+
+
 def _check_vocab(cfg: Config, data_vocab: int) -> None:
     if cfg.model.vocab_size and cfg.model.vocab_size < data_vocab:
         raise ConfigError(
@@ -231,6 +246,7 @@ def _check_train_data(cfg: Config) -> dict | None:
         return None  # a data.val_path's tokenizer is checked against it once prepared (the trainer's val_folder)
     meta = read_meta(path)  # meta.json only: the ranks open the token files
     load_tokenizer(meta["tokenizer"], path)
+    _check_tokenizer_option(d.tokenizer, meta, path)
     _check_vocab(cfg, int(meta["vocab_size"]))
     check_fits(path, "train", int(meta["train_tokens"]), cfg.train.seq_len)
     if meta["format"] >= 3:  # rank 0 reads them for the unigram baseline: a bad file is refused before launch
@@ -418,6 +434,8 @@ class Trainer:
         comm.barrier(self.mesh.group("world"))
         if self.mesh.rank != 0:
             path = ensure_prepared(self.cfg.data.path or None, self.cfg.data.tokenizer, self.cfg.data.val_fraction)
+        if self.cfg.data.path:  # as check_data does before a launch
+            _check_tokenizer_option(self.cfg.data.tokenizer, read_meta(path), path)
         return path
 
     def _check_one_dtype(self) -> None:
