@@ -270,10 +270,10 @@ def _generate(argv: list[str]) -> int:
                                                   "HuggingFace model folder with its tokenizer.json")
     ap.add_argument("--prompt", action="append", help="a prompt; repeat for a batch (default: 'def ')")
     ap.add_argument("--tokens", type=int, default=200, help="new tokens per prompt")
-    ap.add_argument("--temperature", type=float, default=0.8)
-    ap.add_argument("--top-k", type=int, default=40, help="sample from the k most likely tokens (0: all)")
+    ap.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 0.8)")
+    ap.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (0: all; default 40)")
     ap.add_argument("--greedy", action="store_true", help="the most likely token each step (temperature 0)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=None, help="the sampling's seed (default 0)")
     ap.add_argument("--nproc", type=int, default=None, help="relaunch under torchrun with N tensor-parallel ranks")
     ap.add_argument("--stats", action="store_true", help="print tokens/s and KV cache bytes per rank (a last line)")
     ap.add_argument("overrides", nargs="*", help=f"generation options: {', '.join(_generate_options())}")
@@ -283,6 +283,15 @@ def _generate(argv: list[str]) -> int:
 
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: launch at least 1 process (--nproc N, N >= 1).")
+    if args.greedy and (given := [f"--{n.replace('_', '-')}" for n in ("temperature", "top_k", "seed")
+                                  if getattr(args, n) is not None]):
+        raise ConfigError(f"--greedy takes the most likely token, so {' and '.join(given)} would do nothing: give "
+                          f"--greedy or the sampling options, not both.")
+    if not args.ckpt.strip():  # an unset shell variable must not mean the current folder
+        raise ConfigError("--ckpt is empty: give a checkpoint, run or HuggingFace model folder.")
+    args.temperature = 0.8 if args.temperature is None else args.temperature
+    args.top_k = 40 if args.top_k is None else args.top_k
+    args.seed = 0 if args.seed is None else args.seed
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise ConfigError(f"--temperature must be a number >= 0 (0 or --greedy: the most likely token), got "
                           f"{args.temperature}.")

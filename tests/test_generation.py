@@ -228,6 +228,11 @@ def test_cli_refuses_bad_generation_input_with_one_line(run_folder, tmp_path):
         (["--ckpt", str(run_folder), "--nproc", "2", "parallel.tp=4"], "pass parallel.tp=2"),
         (["--ckpt", str(run_folder), "parallel.pp=2"], "drop parallel.pp=2"),
         (["--ckpt", str(run_folder), "--tokens", "0"], "--tokens 0"),
+        # sampling options beside --greedy did nothing; an empty --ckpt meant the current folder
+        (["--ckpt", str(run_folder), "--greedy", "--top-k", "3", "--seed", "7"],
+         "--greedy takes the most likely token, so --top-k and --seed would do nothing"),
+        (["--ckpt", str(run_folder), "--greedy", "--temperature", "1.5"], "so --temperature would do nothing"),
+        (["--ckpt", ""], "--ckpt is empty"),
     ]
     for args, message in cases:
         r = _cli("generate", *args)
