@@ -368,6 +368,34 @@ def test_cli(tmp_path: Path, corpus: Path, capsys: pytest.CaptureFixture[str]) -
     assert err.startswith("error: ") and "--src" in err and len(err.strip().splitlines()) == 1
 
 
+def test_options_that_would_do_nothing_are_refused(tmp_path: Path, corpus: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Each was ignored without a word: --format without --src (the standard library was read as text), --ext
+    with one JSONL file (read as text: its JSON became the tokens), --field on text files, and an already
+    prepared --out answered "already prepared" whatever the options asked."""
+    out = tmp_path / "out"
+    assert prep.main(["--src", str(corpus), "--out", str(out)]) == 0
+    capsys.readouterr()
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text('{"text": "a"}\n{"text": "b"}\n')
+    for argv, said in [
+        (["--format", "jsonl", "--prompt-field", "p"], "--format and --prompt-field read --src, which is not given"),
+        (["--src", str(jsonl), "--ext", ".txt", "--out", str(tmp_path / "x")], "--ext picks the files of a folder"),
+        (["--src", str(corpus), "--format", "parquet", "--ext", ".py"], "--format parquet reads its own suffixes"),
+        (["--src", str(corpus), "--field", "body", "--out", str(tmp_path / "x")], "--src " + str(corpus) + " is read "
+         "as text: leave --field out"),
+        (["--src", str(corpus), "--out", str(out), "--format", "jsonl"], "already prepared, with format text, not "
+         "jsonl: pass --force"),
+        (["--src", str(corpus), "--out", str(out), "--tokenizer", str(jsonl)], "tokenizer byte, not " + str(jsonl)),
+    ]:
+        assert prep.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert said in err and len(err.strip().splitlines()) == 1, (argv, err)
+    assert not (tmp_path / "x").exists()
+    assert prep.main(["--src", str(corpus), "--out", str(out), "--tokenizer", "byte"]) == 0  # what it holds
+    assert "already prepared" in capsys.readouterr().out
+
+
 def test_default_dirs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert (prep.default_source_dir() / "os.py").is_file()
     monkeypatch.setenv("MESHTRAIN_CACHE", str(tmp_path))

@@ -9,6 +9,7 @@ standard library is used, so training works out of the box with no download.
 
 from __future__ import annotations
 
+import argparse
 import glob
 import hashlib
 import json
@@ -32,10 +33,11 @@ from meshtrain.train.sources import (  # noqa: F401  (list_source_files: re-expo
     DEFAULT_EXCLUDE_DIRS,
     DEFAULT_EXTENSIONS,
     FORMATS,
+    detect_format,
     list_source_files,
     open_corpus,
 )
-from meshtrain.train.tokenizer import HFTokenizer, load_tokenizer, tokenizer_tag
+from meshtrain.train.tokenizer import HFTokenizer, load_tokenizer, same_tokenizer, tokenizer_tag
 
 log = logging.getLogger(__name__)
 
@@ -455,6 +457,39 @@ def ensure_prepared(path: str | None, tokenizer: str = "byte", val_fraction: flo
     )
 
 
+def _check_options(args: argparse.Namespace) -> None:
+    """Options that would do nothing as given are refused (each was ignored without a word)."""
+    if not args.src:
+        given = [o for o, v in (("--format", args.format != "auto"), ("--field", args.field is not None),
+                                ("--prompt-field", args.prompt_field is not None)) if v]
+        if given:
+            raise ValueError(f"{' and '.join(given)} read --src, which is not given (the default source is this "
+                             f"Python's standard library, as text): give --src")
+        return
+    src = Path(args.src)
+    if args.ext and src.is_file():
+        raise ValueError(f"--ext picks the files of a folder, and --src {src} is one file: leave --ext out")
+    if args.ext and args.format in ("jsonl", "parquet"):
+        raise ValueError(f"--ext picks text files, and --format {args.format} reads its own suffixes: leave --ext out")
+    if args.field is not None and src.exists() and detect_format(src, args.format, args.ext) == "text":
+        raise ValueError(f"--field names a JSONL field or Parquet column, and --src {src} is read as text: leave "
+                         f"--field out, or give --format jsonl or parquet")
+
+
+def _differences(args: argparse.Namespace, meta: dict[str, Any], out: Path) -> list[str]:
+    """What the options ask for that the folder prepared at ``out`` does not hold (what its meta.json records)."""
+    differs = []
+    if not same_tokenizer(args.tokenizer, meta["tokenizer"], out):
+        differs.append(f"tokenizer {meta['tokenizer']}, not {args.tokenizer}")
+    if args.src and args.format != "auto" and meta.get("source_format", args.format) != args.format:
+        differs.append(f"format {meta.get('source_format')}, not {args.format}")
+    for option, key in (("field", "field"), ("prompt_field", "prompt_field")):
+        asked = getattr(args, option)
+        if asked is not None and meta.get(key) != asked:
+            differs.append(f"--{option.replace('_', '-')} {meta.get(key)}, not {asked}")
+    return differs
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``meshtrain prepare-data`` (``argv`` excludes the subcommand name)."""
     parser = ArgumentParser(
@@ -466,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="output folder (default: a cache folder under ~/.cache/meshtrain)")
     parser.add_argument("--format", default="auto", choices=FORMATS,
                         help="how to read --src (default auto: by the files' suffixes; text otherwise)")
-    parser.add_argument("--field", default="text", help="the JSONL field / Parquet column holding the text")
+    parser.add_argument("--field", help="the JSONL field / Parquet column holding the text (default: text)")
     parser.add_argument("--prompt-field", help="JSONL / Parquet: each record's prompt, read before --field (the "
                                                "completion) and not learned: its tokens get no loss")
     parser.add_argument("--tokenizer", default="byte", help="'byte' (default) or a path to a tokenizer.json")
@@ -481,9 +516,13 @@ def main(argv: list[str] | None = None) -> int:
     fmt = args.format if args.src else "text"
     t0 = time.perf_counter()
     try:
+        _check_options(args)
         out = Path(args.out) if args.out else default_data_dir(args.tokenizer, args.val_fraction)
         if (out / "meta.json").is_file() and not args.force:
             meta = _read_meta(out)
+            if differs := _differences(args, meta, out):
+                raise ValueError(f"--out {out} is already prepared, with {'; '.join(differs)}: pass --force to "
+                                 f"rebuild it, or another --out")
             print(
                 f"already prepared: {meta['files']} documents, {meta['train_tokens']:,} train tokens, "
                 f"{meta['val_tokens']:,} val tokens in {out} (use --force to rebuild)"
@@ -491,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         check_out_parent(out)  # before tokenizing, not after
         meta = prepare_data(src, out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
-                            extensions=tuple(args.ext) if args.ext else None, fmt=fmt, field=args.field,
+                            extensions=tuple(args.ext) if args.ext else None, fmt=fmt, field=args.field or "text",
                             overwrite=args.force, progress=None, prompt_field=args.prompt_field)
     except (OSError, ValueError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)

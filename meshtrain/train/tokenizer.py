@@ -145,6 +145,14 @@ def tokenizer_tag(spec: str) -> str:
     raise ValueError(_missing(spec, p))
 
 
+def same_tokenizer(spec: str, prepared: str, folder: Path) -> bool:
+    """Does ``spec`` (a ``data.tokenizer`` or ``--tokenizer`` value) name the tokenizer a prepared ``folder`` holds
+    (``prepared``: its meta.json's ``tokenizer``, ``byte`` or ``hf``, the latter with its tokenizer.json)? ``hf``
+    names the folder's own; a file is compared by content. A missing file is a ``ValueError`` naming it."""
+    theirs = "byte" if prepared == "byte" else tokenizer_tag(str(folder / "tokenizer.json"))
+    return theirs != "byte" if spec == "hf" else theirs == tokenizer_tag(spec)
+
+
 def _missing(spec: str, path: Path) -> str:
     # A path that is not there is the usual mistake (a typo, a relative path from another folder): say so first.
     return (f"the tokenizer file {path} is missing (data.tokenizer={spec!r}, or --tokenizer of prepare-data): "

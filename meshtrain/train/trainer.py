@@ -53,7 +53,7 @@ from meshtrain.train.optim import build_optimizer, clip_divisor, non_finite, opt
 from meshtrain.train.paths import unwritable_reason
 from meshtrain.train.prepare import ensure_prepared
 from meshtrain.train.profiling import StepProfiler
-from meshtrain.train.tokenizer import load_tokenizer, tokenizer_tag
+from meshtrain.train.tokenizer import load_tokenizer, same_tokenizer
 
 
 def resolve_device(kind: str) -> torch.device:
@@ -175,10 +175,7 @@ def _check_tokenizer_option(spec: str, meta: dict, path: Path) -> None:
     """``data.tokenizer`` is the default corpus's tokenizer; a prepared ``data.path`` brings its own. One that is
     not the folder's would be ignored without a word: refused. (``byte``, the default, cannot be told from a
     choice, so it passes.)"""
-    if spec == "byte":
-        return
-    folder = "byte" if meta["tokenizer"] == "byte" else tokenizer_tag(str(path / "tokenizer.json"))
-    if (folder != "byte") if spec == "hf" else folder == tokenizer_tag(spec):  # hf: the folder's tokenizer.json
+    if spec == "byte" or same_tokenizer(spec, meta["tokenizer"], path):
         return
     again = spec if spec != "hf" else "FILE"
     raise ConfigError(f"data.tokenizer={spec} is not the tokenizer data.path {path} was prepared with "
