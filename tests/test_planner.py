@@ -284,7 +284,7 @@ def test_llama3_70b_on_1024_h100(llama70b):
     assert 0.3 < best.mfu < 0.75  # below the 0.75 matmul ceiling, above a communication-bound layout
     text = planner.explain(problem, result)
     for needed in ("Best layout", "Sharding", "W", "critical path", "Bound by", "Memory per device",
-                   "revision 003 (default)"):
+                   "revision 003 (this plan's, the default)"):
         assert needed in text
     # what memory rules out is named: the fastest layout overall does not fit
     assert not result.fastest_any.fits and "Memory binds" in text
@@ -423,6 +423,12 @@ def test_a_model_that_is_no_config_is_refused_naming_model(tmp_path, capsys):
         assert cli.main(["plan", "--model", str(model)]) == 2
         err = capsys.readouterr().err
         assert said in err and "--config" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_revision_asked_for_is_not_labelled_the_default(capsys):
+    assert cli.main(["plan", "--model", "llama3-8b", "--devices", "8", "--revision", "000", "--top", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "revision 000 (this plan's):" in text and "revision 003 (the default):" in text
 
 
 def test_nodes_and_devices_together_are_refused_in_one_line(capsys):

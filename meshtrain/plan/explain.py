@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from meshtrain.config import ModelConfig
 from meshtrain.plan.book import (
+    DEFAULT_REVISION,
     MIXED_REVISIONS,
     critical_batch_per_device,
     dcn_min_batch_per_pod,
@@ -226,7 +227,10 @@ def book_summary(problem: Problem) -> list[str]:
     x, y = split_fsdp_tp(batch, n, f, hw.tp_max)
     w_x, w_y, how = mixed_bandwidths(hw, n, max(2, y))
     for rev in MIXED_REVISIONS:
-        tag = " (default)" if rev == problem.revision else ""
+        # the one --revision chose, and the default (it labelled the chosen one "default", whichever it was)
+        parts = [p for p, on in (("this plan's", rev == problem.revision), ("the default", rev == DEFAULT_REVISION))
+                 if on]
+        tag = f" ({', '.join(parts)})" if parts else ""
         bound = mixed_min_batch_per_device(f, c, hw.intra_bw, rev, fsdp_bw=w_x, tp_bw=w_y)
         lines.append(f"mixed FSDP+TP bound, revision {rev}{tag}: B/N > {bound:,.0f} tokens per device "
                      f"({how})")
