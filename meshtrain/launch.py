@@ -48,9 +48,10 @@ def add_node_options(ap: argparse.ArgumentParser) -> None:
                     help="this node's index, 0 .. nnodes-1 (SLURM: $SLURM_NODEID); node 0 hosts the rendezvous")
     ap.add_argument("--rdzv-endpoint", default=None,
                     help="HOST:PORT of the rendezvous (torchrun's c10d backend): an address of node 0's machine")
-    ap.add_argument("--rdzv-id", default="meshtrain",
-                    help="the job's name at the rendezvous, the same on every node (SLURM: $SLURM_JOB_ID)")
-    ap.add_argument("--rdzv-timeout", type=float, default=DEFAULT_RDZV_TIMEOUT_S,
+    ap.add_argument("--rdzv-id", default=None,
+                    help="the job's name at the rendezvous, the same on every node (SLURM: $SLURM_JOB_ID; default "
+                         "meshtrain)")
+    ap.add_argument("--rdzv-timeout", type=float, default=None,
                     help=f"seconds to wait for every node to join (default {DEFAULT_RDZV_TIMEOUT_S:.0f})")
     ap.add_argument("--local-addr", default=None,
                     help="the address other nodes reach this node at, when its hostname does not resolve to it")
@@ -76,7 +77,16 @@ def nodes_from_args(args: argparse.Namespace) -> Nodes | None:
     """The validated multi-node options, or None for a one-node launch (``--standalone``)."""
     multi = args.nnodes != 1 or args.node_rank is not None or args.rdzv_endpoint is not None
     if not multi:
+        given = [o for o, v in (("--rdzv-id", args.rdzv_id), ("--rdzv-timeout", args.rdzv_timeout),
+                                ("--local-addr", args.local_addr)) if v is not None]
+        if given:  # torchrun's one-node launch would drop them without a word
+            one = len(given) == 1
+            raise ConfigError(f"{' and '.join(given)} {'belongs' if one else 'belong'} to a launch over several nodes "
+                              f"(--nnodes N --node-rank R --rdzv-endpoint HOST:PORT): give those too, or leave "
+                              f"{'it' if one else 'them'} out.")
         return None
+    rdzv_id = "meshtrain" if args.rdzv_id is None else args.rdzv_id
+    timeout = DEFAULT_RDZV_TIMEOUT_S if args.rdzv_timeout is None else args.rdzv_timeout
     if args.nnodes < 1:
         raise ConfigError(f"--nnodes {args.nnodes}: give the number of nodes, >= 1.")
     if args.nproc is None:
@@ -90,13 +100,13 @@ def nodes_from_args(args: argparse.Namespace) -> Nodes | None:
                           f"(SLURM: $SLURM_NODEID); node 0 hosts the rendezvous.")
     if not 0 <= args.node_rank < args.nnodes:
         raise ConfigError(f"--node-rank {args.node_rank} is outside 0..{args.nnodes - 1} (--nnodes {args.nnodes}).")
-    if not 0 < args.rdzv_timeout <= 7 * 86400:  # also refuses nan and inf (torchrun takes whole seconds)
-        raise ConfigError(f"--rdzv-timeout {args.rdzv_timeout}: give the seconds to wait for the nodes, > 0 and at "
+    if not 0 < timeout <= 7 * 86400:  # also refuses nan and inf (torchrun takes whole seconds)
+        raise ConfigError(f"--rdzv-timeout {timeout}: give the seconds to wait for the nodes, > 0 and at "
                           f"most a week (604800).")
-    if not args.rdzv_id or any(c in args.rdzv_id for c in ", ="):
-        raise ConfigError(f"--rdzv-id {args.rdzv_id!r}: give a name without spaces, commas or '=' (e.g. the job id).")
+    if not rdzv_id or any(c in rdzv_id for c in ", ="):
+        raise ConfigError(f"--rdzv-id {rdzv_id!r}: give a name without spaces, commas or '=' (e.g. the job id).")
     host, port = parse_endpoint(args.rdzv_endpoint)
-    return Nodes(args.nnodes, args.node_rank, host, port, args.rdzv_id, args.rdzv_timeout, args.local_addr)
+    return Nodes(args.nnodes, args.node_rank, host, port, rdzv_id, timeout, args.local_addr)
 
 
 def torchrun_command(nproc: int, max_restarts: int, nodes: Nodes | None, cli_args: list[str]) -> list[str]:

@@ -241,6 +241,10 @@ def test_sbatch_template_launches_the_planner_config_unchanged(tmp_path):
      "--rdzv-timeout 0"),
     (["--nproc", "2", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "h:1", "--rdzv-id", "a,b"],
      "--rdzv-id"),
+    # on one node torchrun's line dropped them without a word
+    (["--nproc", "2", "--rdzv-timeout", "-5", "--local-addr", "nowhere"],
+     "--rdzv-timeout and --local-addr belong to a launch over several nodes"),
+    (["--nproc", "2", "--rdzv-id", "job7"], "--rdzv-id belongs to a launch over several nodes"),
 ])
 def test_bad_node_options_are_one_line_each(args, says, capsys):
     """Refused before anything is checked or launched (in this process: main() prints the line, returns 2)."""
