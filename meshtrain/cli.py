@@ -297,6 +297,8 @@ def _generate(argv: list[str]) -> int:
                           f"{args.temperature}.")
     if args.top_k < 0:
         raise ConfigError(f"--top-k must be >= 0 (0: sample from every token), got {args.top_k}.")
+    if args.seed < 0:  # as train.seed
+        raise ConfigError(f"--seed must be >= 0, got {args.seed}.")
     path, source, saved, tok, stop_ids = _generation_source(args.ckpt)
     cfg = generation_config(saved, args.overrides)
     prompts = args.prompt or ["def "]

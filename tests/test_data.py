@@ -188,6 +188,8 @@ def test_load_tokenizer_specs(tmp_path: Path) -> None:
         load_tokenizer("hf", data_dir=tmp_path)  # no tokenizer.json there
     with pytest.raises(ValueError, match="data.tokenizer"):
         load_tokenizer("hf")
+    with pytest.raises(ValueError, match=f"the folder {tmp_path} holds no tokenizer.json"):  # not "file missing"
+        load_tokenizer(str(tmp_path))
 
 
 # ---------------------------------------------------------------- prepare-data

@@ -233,6 +233,7 @@ def test_cli_refuses_bad_generation_input_with_one_line(run_folder, tmp_path):
          "--greedy takes the most likely token, so --top-k and --seed would do nothing"),
         (["--ckpt", str(run_folder), "--greedy", "--temperature", "1.5"], "so --temperature would do nothing"),
         (["--ckpt", ""], "--ckpt is empty"),
+        (["--ckpt", str(run_folder), "--seed", "-3"], "--seed must be >= 0, got -3."),
     ]
     for args, message in cases:
         r = _cli("generate", *args)

@@ -665,6 +665,9 @@ def test_export_is_atomic(tmp_path):
     export_hf(good, cfg, tmp_path / "hf")
     with pytest.raises(ValueError, match="already exists and is not empty"):
         export_hf(good, cfg, tmp_path / "hf")
+    (tmp_path / "file").write_text("")  # an empty file is no folder, not a "non-empty" one
+    with pytest.raises(ValueError, match=f"--out {tmp_path / 'file'} is a file: choose a new folder"):
+        export_hf(good, cfg, tmp_path / "file")
 
 
 # ----------------------------------------------------------------------------- bad folders

@@ -649,7 +649,9 @@ def export_hf(source: TensorSource, cfg: ModelConfig, out_dir: str | Path,
     if sys.byteorder != "little":  # safetensors is little-endian and tensors are written as raw bytes
         raise RuntimeError("export_hf writes raw little-endian bytes; this machine is big-endian.")
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file: choose a new folder.")
+    if out.exists() and any(out.iterdir()):
         raise ValueError(f"--out {out} already exists and is not empty: choose a new folder or delete it.")
     tensors = hf_names(cfg)
     if cfg.tie_embeddings:

@@ -155,6 +155,9 @@ def same_tokenizer(spec: str, prepared: str, folder: Path) -> bool:
 
 def _missing(spec: str, path: Path) -> str:
     # A path that is not there is the usual mistake (a typo, a relative path from another folder): say so first.
+    if path.is_dir():
+        return (f"the folder {path} holds no tokenizer.json (data.tokenizer={spec!r}, or --tokenizer of "
+                f"prepare-data): data.tokenizer must be {TOKENIZER_CHOICES}")
     return (f"the tokenizer file {path} is missing (data.tokenizer={spec!r}, or --tokenizer of prepare-data): "
             f"data.tokenizer must be {TOKENIZER_CHOICES}")
 
