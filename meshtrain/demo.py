@@ -31,6 +31,8 @@ from meshtrain.plan.problem import Estimate, Problem
 from meshtrain.plan.search import SearchResult, search, to_config
 from meshtrain.plan.validate import validate_layout
 
+DEMO_CONFIG = "configs/small.yaml"  # the repository's, relative to its root (README's command runs there)
+
 
 def default_nproc() -> int:
     """One process per core this process may use, at most 4 (the demo model gains nothing from more)."""
@@ -107,7 +109,8 @@ def main(argv: list[str], launch: Callable[[list[str]], int], sample: Callable[.
     the command line, which imports this module."""
     ap = ArgumentParser(prog="meshtrain demo", description="Plan a layout for this machine, train under "
                                  "it on several processes, then compare with the prediction and write a report.")
-    ap.add_argument("--config", default="configs/small.yaml", help="YAML config or preset (default: the demo's)")
+    ap.add_argument("--config", default=None,
+                    help=f"YAML config or preset (default: the repository's {DEMO_CONFIG}, from its root)")
     ap.add_argument("--out", default="runs/small", help="the run folder (must hold no earlier run's checkpoints)")
     ap.add_argument("--nproc", type=int, default=None,
                     help=f"local processes (default: one per core, at most 4; here {default_nproc()})")
@@ -117,6 +120,10 @@ def main(argv: list[str], launch: Callable[[list[str]], int], sample: Callable[.
     nproc = default_nproc() if args.nproc is None else args.nproc
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc}: run at least 1 process.")
+    if args.config is None and not Path(DEMO_CONFIG).is_file():  # a relative default: say so, not "--config"
+        raise ConfigError(f"meshtrain demo runs the repository's {DEMO_CONFIG} by default, and {Path.cwd()} holds "
+                          f"none: run it from the repository's root, or pass --config (e.g. --config small).")
+    args.config = args.config or DEMO_CONFIG
     cfg = load_config(args.config, args.overrides)
     if cfg.parallel.dp or cfg.parallel.tp > 1 or cfg.parallel.pp > 1 or cfg.parallel.cp > 1:
         mine = [o for o in args.overrides if o.split("=", 1)[0] in ("parallel.dp", "parallel.tp", "parallel.pp",

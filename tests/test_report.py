@@ -161,3 +161,15 @@ def test_demo_recalibrates_a_profile_measured_in_another_dtype(tmp_path, monkeyp
     assert calls == [] and hw.dtype == "bf16" and "cached" in note
     _, note = demo.machine_profile(2, dtype="fp32")
     assert calls == [(2, "fp32")] and "calibrated just now" in note
+
+
+def test_demo_outside_the_repository_says_where_its_default_config_is(tmp_path, monkeypatch, capsys):
+    """Its default, configs/small.yaml, is relative to the repository's root: elsewhere the error named --config,
+    which the user never passed."""
+    from meshtrain import cli
+
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["demo", "--nproc", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"runs the repository's configs/small.yaml by default, and {tmp_path} holds none" in err
+    assert len(err.strip().splitlines()) == 1 and "(option --config)" not in err
