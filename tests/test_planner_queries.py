@@ -256,6 +256,10 @@ def test_query_bad_input_is_one_error_line(argv, names, capsys):
     (["--seq-len", "-5"], "--seq-len must be >= 0"), (["--top", "0"], "--top and --max-pp must be >= 1"),
     (["--train-tokens", "nan"], "--train-tokens must be"),
     (["--zero", "2,3", "--pp", "2,4"], "ZeRO-2/3 do not combine with pipeline parallelism"),
+    # each of these was ignored without a word: --max-pp under an explicit --pp, options beside a mode
+    (["--pp", "8", "--max-pp", "2"], "--pp 8 goes above --max-pp 2"),
+    (["--list-hardware", "--nodes", "128", "--json"], "--nodes, --json: leave them out, or plan without"),
+    (["--list-hardware", "--check-run", "x"], "--check-run and --list-hardware are separate modes"),
 ])
 def test_search_bad_flags_are_one_error_line(argv, names, capsys):
     """Each crashed (a ZeroDivisionError, an IndexError, a KeyError) or was taken for another value (--devices 0

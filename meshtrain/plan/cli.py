@@ -31,6 +31,9 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
+DEFAULT_MAX_PP = 16
+
+
 def check_search_flags(args: argparse.Namespace) -> None:
     """The search's flags, each refused in one line naming it: sizes >= 1, ZeRO stages 0-3, known schedules, no
     empty list, a top, a max pp and a token budget that make sense."""
@@ -57,8 +60,32 @@ def check_search_flags(args: argparse.Namespace) -> None:
                          f"got {args.cp_attention or 'none'}.")
     if args.top < 1 or args.max_pp < 1:
         raise ValueError(f"--top and --max-pp must be >= 1, got {args.top} and {args.max_pp}.")
+    if args.pp and args.max_pp != DEFAULT_MAX_PP and max(args.pp) > args.max_pp:  # which one did the user mean?
+        raise ValueError(f"--pp {listed(args.pp)} goes above --max-pp {args.max_pp}: drop the sizes above it, or "
+                         f"raise --max-pp.")
     if not (math.isfinite(args.train_tokens) and args.train_tokens >= 0):
         raise ValueError(f"--train-tokens must be a number of tokens >= 0, got {args.train_tokens}.")
+
+
+# The modes of ``meshtrain plan`` besides the search, and the options each reads (others would be ignored).
+MODES = {"jax_check": {"model", "seq_len"}, "check_run": set(), "calibrate": set(), "list_hardware": set()}
+
+
+def check_one_mode(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """One mode at a time, without options it does not read: each was ignored without a word (``--list-hardware
+    --json`` printed text, ``--check-run DIR --list-hardware`` only the check)."""
+    def flag(dest: str) -> str:
+        return "--" + dest.replace("_", "-")
+
+    modes = [m for m in MODES if getattr(args, m)]
+    if len(modes) > 1:
+        raise ValueError(f"{' and '.join(map(flag, modes))} are separate modes of meshtrain plan: give one.")
+    if modes:
+        ignored = [flag(d) for d, v in vars(args).items()
+                   if d not in MODES and d not in MODES[modes[0]] and v != ap.get_default(d)]
+        if ignored:
+            raise ValueError(f"{flag(modes[0])} reads no {', '.join(ignored)}: leave "
+                             f"{'it' if len(ignored) == 1 else 'them'} out, or plan without {flag(modes[0])}.")
 
 
 def build_problem(args: argparse.Namespace) -> Problem:
@@ -165,7 +192,7 @@ def main(argv: list[str]) -> int:
                     help="context-parallel attentions to try (parallel.cp_attention): some of ring, allgather, ulysses")
     ap.add_argument("--zero", type=_ints, default=(0, 1, 2, 3), help="ZeRO stages to try")
     ap.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES), help="pipeline schedules to try")
-    ap.add_argument("--max-pp", type=int, default=16)
+    ap.add_argument("--max-pp", type=int, default=DEFAULT_MAX_PP)
     ap.add_argument("--no-hsdp", action="store_true", help="do not try HSDP shard groups")
     ap.add_argument("--all", action="store_true",
                     help="no effect, kept for old command lines: the search tries every parallelism, as the "
@@ -180,6 +207,7 @@ def main(argv: list[str]) -> int:
                     help="compile seed 002's sharded-matmul cases for one --model layer with JAX on a 2 x 4 CPU mesh "
                          "and compare the HLO's collectives with the prediction (needs the jax extra; docs/jax.md)")
     args = ap.parse_args(argv)
+    check_one_mode(ap, args)
 
     if args.jax_check:
         return jax_check(args)
