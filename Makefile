@@ -5,7 +5,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # pytest-xdist workers. Two on 2 cores: a multi-process test leaves a core idle much of the time (ranks starting,
 # waiting at barriers, subprocesses importing torch), and a second worker fills it (docs/testing.md).
+# --dist loadfile: a file's tests run on one worker, in order, so its module fixtures (the multi-rank runs) are
+# computed once, and its planner checks read the runs its equivalence tests wrote before them.
 WORKERS ?= 2
+XDIST = -n $(WORKERS) --dist loadfile
 
 .PHONY: setup train test test-fast lint clean
 
@@ -29,11 +32,11 @@ train: $(STAMP)
 # The whole suite, multi-process equivalence tests included (what CI runs).
 test: $(STAMP)
 	$(BIN)/ruff check meshtrain tests benchmarks
-	$(BIN)/python -m pytest -q -n $(WORKERS) --durations=15
+	$(BIN)/python -m pytest -q $(XDIST) --durations=15
 
 # Quick tier for iteration: no spawned process groups, no training runs.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(WORKERS) -m "not slow"
+	$(BIN)/python -m pytest -q $(XDIST) -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check meshtrain tests benchmarks
