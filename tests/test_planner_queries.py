@@ -240,6 +240,7 @@ def test_every_query_prints_text_and_json(argv, capsys):
     (["min-devices", "--devices", "8"], "unrecognized arguments: --devices 8"),
     (["min-devices", "--memory-fraction", "5"], "--memory-fraction must be in (0, 1], got 5"),
     (["activations", "--seq-len", "-5"], "--seq-len must be >= 0"),
+    (["critical-batch", "--pp", "8", "--microbatches", "4"], "--microbatches 4 counts ZeRO-3's regathers"),
     (["roofline", "--tokens-per-chip", "nan"], "--tokens-per-chip must be a positive, finite number, got nan"),
     (["roofline", "--tokens-per-chip", "inf", "--json"], "--tokens-per-chip must be a positive, finite number"),
 ])

@@ -107,6 +107,9 @@ def main(argv: list[str]) -> int:
     elif name == "critical-batch":
         if args.pp < 1 or args.microbatches < 1 or args.pods < 0:
             raise ValueError("--pp and --microbatches must be >= 1 and --pods >= 0")
+        if args.microbatches != 1 and not args.zero3:  # it was ignored without a word
+            raise ValueError(f"--microbatches {args.microbatches} counts ZeRO-3's regathers: give --zero3 too, or "
+                             f"leave --microbatches out.")
         out = queries.critical_batch_query(setting, args.pods, args.pp, args.microbatches, args.zero3)
     elif name == "roofline":
         if args.decode_batch < 1:
