@@ -1,12 +1,22 @@
 """Pipeline schedules as data: structure, the simulator's bubble and memory numbers, charts and the CLI."""
 
+import random
 from collections import Counter
 
 import pytest
 
 from meshtrain.config import SCHEDULES
-from meshtrain.plan.schedules import Action, PipelineSchedule, build_schedule
-from meshtrain.plan.simulator import SimResult, bubble_of_timelines, check_schedule, png_chart, simulate, text_chart
+from meshtrain.plan.schedules import Action, PipelineSchedule, build_schedule, dependencies, done_key
+from meshtrain.plan.simulator import (
+    SimResult,
+    bubble_of_timelines,
+    check_schedule,
+    compile_schedule,
+    inflight_peaks,
+    png_chart,
+    simulate,
+    text_chart,
+)
 
 VIRTUAL = {"afab": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1, "dualpipev": 2}
 M = 8
@@ -112,6 +122,33 @@ def test_peak_inflight(pp):
     assert max(zb.peak_inflight) <= pp  # with pending W's: never above 1F1B's rank-0 peak
     dv = simulate(sched("dualpipev", pp), 1.0, 2.0, 1.0)
     assert max(dv.peak_inflight) <= 2 * pp  # half-size stages: 2pp of them weigh pp 1F1B stages
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_every_action_starts_when_its_rank_and_inputs_are_ready(name):
+    # The rule of the module docstring checked on the timelines, with uneven costs per stage and a p2p latency:
+    # an action starts exactly at the later of its rank's previous end and each dependency's end (+ p2p across
+    # ranks). A schedule compiled once gives the same run, and the in-flight peaks it counts without costs are
+    # the ones the timelines show.
+    rng = random.Random(7)
+    s = sched(name, 4, 8)
+    compiled = compile_schedule(s)
+    for _ in range(3):
+        costs = {"F": [rng.uniform(0.0, 2.0) for _ in range(s.n_stages)],
+                 "B": [rng.uniform(1.0, 4.0) for _ in range(s.n_stages)]}
+        p2p = rng.uniform(0.0, 0.5)
+        res = simulate(s, p2p=p2p, costs=costs)
+        again = simulate(compiled, p2p=p2p, costs=costs)
+        assert again.timelines == res.timelines and again.peak_inflight == res.peak_inflight
+        assert (res.peak_inflight, res.peak_before_input) == inflight_peaks(res.timelines)
+        ends = {done_key(a): (en, r) for r, tl in enumerate(res.timelines) for _, en, a in tl}
+        for r, tl in enumerate(res.timelines):
+            assert [a for _, _, a in tl] == s.actions[r]
+            free = 0.0
+            for st, en, a in tl:
+                ready = [ends[k][0] + (p2p if ends[k][1] != r else 0.0) for k in dependencies(a, s.n_stages)]
+                assert st == max([free, *ready]), (name, r, a)
+                free = en
 
 
 def test_small_layouts_all_check():

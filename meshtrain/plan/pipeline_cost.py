@@ -7,8 +7,8 @@ import math
 
 from meshtrain.config import ModelConfig
 from meshtrain.plan.partition import partition_model
-from meshtrain.plan.schedules import PipelineSchedule, build_schedule
-from meshtrain.plan.simulator import simulate
+from meshtrain.plan.schedules import build_schedule
+from meshtrain.plan.simulator import CompiledSchedule, compile_schedule, simulate
 
 
 def pipeline_sim(schedule: str, pp: int, microbatches: int, virtual: int = 1, f: float = 1.0, b: float = 2.0,
@@ -18,8 +18,7 @@ def pipeline_sim(schedule: str, pp: int, microbatches: int, virtual: int = 1, f:
     deferred weight part of split schedules, default b/2) and ``p2p`` per cross-rank dependency. The order of
     generated schedules is built with the runtime's default costs, as the runtime builds it. The in-flight
     peaks are what activation memory multiplies (each counts one stage's layers for one microbatch)."""
-    sched = _cached_schedule(schedule, pp, microbatches, virtual)
-    res = simulate(sched, f, b, w, p2p)
+    res = simulate(_compiled_schedule(schedule, pp, microbatches, virtual), f, b, w, p2p)
     return res.makespan, res.idle_time, list(res.peak_inflight)
 
 
@@ -29,13 +28,13 @@ def bubble_fraction(pp: int, microbatches: int) -> float:
     return (pp - 1) / (microbatches + pp - 1)
 
 
-_SCHEDULES: dict[tuple[str, int, int, int], PipelineSchedule] = {}
+_SCHEDULES: dict[tuple[str, int, int, int], CompiledSchedule] = {}
 
 
-def _cached_schedule(name: str, pp: int, m: int, v: int) -> PipelineSchedule:
+def _compiled_schedule(name: str, pp: int, m: int, v: int) -> CompiledSchedule:
     key = (name, pp, m, v)
     if key not in _SCHEDULES:
-        _SCHEDULES[key] = build_schedule(name, pp, m, v)
+        _SCHEDULES[key] = compile_schedule(build_schedule(name, pp, m, v))
     return _SCHEDULES[key]
 
 

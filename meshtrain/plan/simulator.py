@@ -106,41 +106,51 @@ def bubble_of_timelines(timelines: Sequence[Timeline]) -> tuple[float, float]:
     return makespan, 1.0 - busy / (len(timelines) * makespan)
 
 
-def simulate(s: PipelineSchedule, f: float = 1.0, b: float = 2.0, w: float | None = None, p2p: float = 0.0, *,
-             costs: Mapping[str, float | Sequence[float]] | None = None,
-             action_costs: Mapping[Action, float] | None = None) -> SimResult:
-    """Run ``s`` with per-stage action costs and return its timelines, makespan, bubble and in-flight peaks.
+@dataclass(frozen=True)
+class CompiledSchedule:
+    """A schedule turned into an index graph once, for simulating it many times (the planner's search does).
 
-    ``f``/``b`` are the forward / full-backward costs; for split schedules ``W`` costs ``w`` (default ``b / 2``) and
-    ``I`` costs ``b - w``. ``costs={"F": [...], "B": [...], "W": [...]}`` (per stage; optional ``"I"``, scalars
-    allowed) overrides them, e.g. with measured costs; ``action_costs`` gives single actions their own cost (a
-    measured run replayed action by action). ``p2p`` is added to every cross-rank dependency.
-    Raises ``RuntimeError("deadlock ...")`` naming each rank's stuck action when no rank can progress.
+    ``order`` lists every action so that each one's dependencies and its rank's earlier actions come first;
+    ``prev[i]`` is the index in ``order`` of the same rank's previous action (-1 for the first) and ``deps[i]``
+    the ``(index, cross_rank)`` pairs action ``i`` waits for. The in-flight peaks do not depend on the costs
+    (a rank's start times never decrease along its list), so they are counted here once.
     """
-    table = _cost_table(s, f, b, w, costs)
+
+    schedule: PipelineSchedule
+    order: list[Action]
+    rank: list[int]
+    prev: list[int]
+    deps: list[tuple[tuple[int, bool], ...]]
+    peak_inflight: list[int]
+    peak_before_input: list[int]
+
+
+def compile_schedule(s: PipelineSchedule) -> CompiledSchedule:
+    """Order ``s``'s actions as they can run and link each to what it waits for.
+
+    Raises ``RuntimeError("deadlock ...")`` naming each rank's stuck action when no rank can progress: whether a
+    schedule deadlocks does not depend on the costs.
+    """
     n = s.n_stages
-    finish: dict[Key, tuple[float, int]] = {}  # key -> (end time, rank)
-    ptr = [0] * s.pp
-    free = [0.0] * s.pp
-    timelines: list[Timeline] = [[] for _ in range(s.pp)]
-    # Each rank's next start depends only on finished actions, so visiting ranks in any order gives the same times.
+    index: dict[Key, int] = {}  # done key -> position in order
+    order: list[Action] = []
+    rank: list[int] = []
+    prev: list[int] = []
+    deps: list[tuple[tuple[int, bool], ...]] = []
+    ptr, last = [0] * s.pp, [-1] * s.pp
     while True:
         progressed = False
         for r, acts in enumerate(s.actions):
             while ptr[r] < len(acts):
                 a = acts[ptr[r]]
-                start = free[r]
-                deps = dependencies(a, n)
-                if any(d not in finish for d in deps):
+                keys = dependencies(a, n)
+                if any(k not in index for k in keys):
                     break
-                for d in deps:
-                    end, dr = finish[d]
-                    start = max(start, end + (p2p if dr != r else 0.0))
-                cost = action_costs.get(a) if action_costs is not None else None
-                end = start + (table[a.kind][a.stage] if cost is None else cost)
-                timelines[r].append((start, end, a))
-                finish[done_key(a)] = (end, r)
-                free[r] = end
+                deps.append(tuple((index[k], rank[index[k]] != r) for k in keys))
+                order.append(a)
+                rank.append(r)
+                prev.append(last[r])
+                last[r] = index[done_key(a)] = len(order) - 1
                 ptr[r] += 1
                 progressed = True
         if all(p == len(acts) for p, acts in zip(ptr, s.actions, strict=True)):
@@ -151,13 +161,49 @@ def simulate(s: PipelineSchedule, f: float = 1.0, b: float = 2.0, w: float | Non
                 if ptr[r] < len(acts):
                     a = acts[ptr[r]]
                     missing = [f"{'B/I' if k[0] == 'BI' else k[0]}{k[1]}@{k[2]}" for k in dependencies(a, n)
-                               if k not in finish]
+                               if k not in index]
                     stuck.append(f"rank {r} at {a} waiting for {', '.join(missing)}")
             raise RuntimeError(f"deadlock in schedule {s.name!r}: " + "; ".join(stuck))
+    peaks, peaks_full = inflight_peaks([[(0.0, 0.0, a) for a in acts] for acts in s.actions])
+    return CompiledSchedule(s, order, rank, prev, deps, peaks, peaks_full)
+
+
+def _clock(c: CompiledSchedule, cost: Sequence[float], p2p: float) -> tuple[list[float], list[float]]:
+    """(start, end) of every action of ``c.order`` given its cost: each starts when its rank is free and its
+    dependencies have finished, plus ``p2p`` for one on another rank."""
+    start, end = [0.0] * len(cost), [0.0] * len(cost)
+    for i, (before, waits) in enumerate(zip(c.prev, c.deps, strict=True)):
+        t = end[before] if before >= 0 else 0.0
+        for j, cross in waits:
+            t = max(t, end[j] + p2p if cross else end[j])
+        start[i], end[i] = t, t + cost[i]
+    return start, end
+
+
+def simulate(s: PipelineSchedule | CompiledSchedule, f: float = 1.0, b: float = 2.0, w: float | None = None,
+             p2p: float = 0.0, *, costs: Mapping[str, float | Sequence[float]] | None = None,
+             action_costs: Mapping[Action, float] | None = None) -> SimResult:
+    """Run ``s`` with per-stage action costs and return its timelines, makespan, bubble and in-flight peaks.
+
+    ``f``/``b`` are the forward / full-backward costs; for split schedules ``W`` costs ``w`` (default ``b / 2``) and
+    ``I`` costs ``b - w``. ``costs={"F": [...], "B": [...], "W": [...]}`` (per stage; optional ``"I"``, scalars
+    allowed) overrides them, e.g. with measured costs; ``action_costs`` gives single actions their own cost (a
+    measured run replayed action by action). ``p2p`` is added to every cross-rank dependency. ``s`` may be
+    compiled already (``compile_schedule``), which saves its ordering when one schedule is run many times.
+    Raises ``RuntimeError("deadlock ...")`` naming each rank's stuck action when no rank can progress.
+    """
+    c = s if isinstance(s, CompiledSchedule) else compile_schedule(s)
+    table = _cost_table(c.schedule, f, b, w, costs)
+    cost = [table[a.kind][a.stage] for a in c.order]
+    if action_costs is not None:
+        cost = [action_costs.get(a, x) for a, x in zip(c.order, cost, strict=True)]
+    start, end = _clock(c, cost, p2p)
+    timelines: list[Timeline] = [[] for _ in range(c.schedule.pp)]
+    for r, a, st, en in zip(c.rank, c.order, start, end, strict=True):
+        timelines[r].append((st, en, a))
     makespan, bubble = bubble_of_timelines(timelines)
-    peaks, peaks_full = inflight_peaks(timelines)
     busy = [sum(en - st for st, en, _ in tl) for tl in timelines]
-    return SimResult(timelines, makespan, bubble, peaks, peaks_full, busy)
+    return SimResult(timelines, makespan, bubble, list(c.peak_inflight), list(c.peak_before_input), busy)
 
 
 def check_schedule(s: PipelineSchedule) -> None:
