@@ -54,6 +54,7 @@ from meshtrain.train.paths import unwritable_reason
 from meshtrain.train.prepare import ensure_prepared
 from meshtrain.train.profiling import StepProfiler
 from meshtrain.train.tokenizer import load_tokenizer, same_tokenizer
+from meshtrain.train.unread_options import replaced_model_options, unread_options
 
 
 def resolve_device(kind: str) -> torch.device:
@@ -100,14 +101,17 @@ def check_compile(cfg: Config, device: torch.device) -> None:
         raise ConfigError(f"train.compile=true but {reason}; or set train.compile=false.")
 
 
-def resolve_init_from(cfg: Config) -> None:
+def resolve_init_from(cfg: Config) -> list[str]:
     """With ``train.init_from=HF_DIR``, replace the model section by the folder's config.json (checking the
-    folder: architecture, shards, shapes; one-line errors). Call before validating the layout."""
-    if cfg.train.init_from:
-        if not Path(cfg.train.init_from).is_dir():  # HFSource's own line would not name the option
-            raise ConfigError(f"train.init_from={cfg.train.init_from} is not a folder: give a HuggingFace model "
-                              f"folder (config.json and safetensors), or leave train.init_from out.")
-        cfg.model = HFSource(cfg.train.init_from).cfg
+    folder: architecture, shards, shapes; one-line errors). Call before validating the layout. Returns a line for
+    each model option the folder's value replaced (``unread_options.replaced_model_options``)."""
+    if not cfg.train.init_from:
+        return []
+    if not Path(cfg.train.init_from).is_dir():  # HFSource's own line would not name the option
+        raise ConfigError(f"train.init_from={cfg.train.init_from} is not a folder: give a HuggingFace model "
+                          f"folder (config.json and safetensors), or leave train.init_from out.")
+    given, cfg.model = cfg.model, HFSource(cfg.train.init_from).cfg
+    return replaced_model_options(given, cfg.model, cfg.train.init_from)
 
 
 def check_before_launch(cfg: Config, out_dir: str | Path | None, world_size: int, local_procs: int | None = None,
@@ -325,7 +329,7 @@ class Trainer:
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         if self.restart:
             cfg.train.resume = True
-        resolve_init_from(cfg)
+        replaced = resolve_init_from(cfg)
         validate_layout(cfg, world_size)  # before any process group starts
         check_out_dir(out_dir, before_launch=world_size == 1)  # alone, it can probe without leaving a folder
         if cfg.train.resume and out_dir is None:
@@ -333,7 +337,8 @@ class Trainer:
         if cfg.train.wandb:
             import_wandb()  # before the process group and the model: a missing extra is one line, not a late failure
         self.cfg = cfg
-        self.notes: list[str] = []  # what the run's log says first (rank 0): a fresh start despite resume, ...
+        # What the run's log says first (rank 0): options it does not read, a fresh start despite resume, ...
+        self.notes: list[str] = [*replaced, *unread_options(cfg)]
         self.out_dir = Path(out_dir) if out_dir else None
         t = cfg.train
         if t.threads:
