@@ -4,7 +4,7 @@
     meshtrain train ... --nproc N --nnodes M --node-rank R --rdzv-endpoint HOST:PORT   (one node of M: multi-node.md)
     meshtrain prepare-data [--src DIR|FILE] [--out DIR] [--format auto|text|jsonl|parquet] [--field text]
                            [--tokenizer byte|tokenizer.json]
-    meshtrain generate --ckpt DIR [--prompt TEXT ...] [--tokens N] [--greedy] [--nproc N parallel.tp=N]
+    meshtrain generate --ckpt DIR [--prompt TEXT ...] [--tokens N] [--greedy] [--nproc N parallel.tp=T parallel.pp=P]
     meshtrain convert --ckpt DIR --out HF_DIR [--max-shard-size 5GB]   (a checkpoint -> a HuggingFace Llama folder)
     meshtrain schedule --pp 4 --microbatches 8 --schedule 1f1b [--png out.png]
     meshtrain plan --model llama3-70b --hardware h100 --nodes 128 --batch-tokens 4M [--emit run.yaml] [--json]
@@ -264,8 +264,8 @@ def _generation_source(arg: str) -> tuple[Path, TensorSource | None, Config, Any
 
 def _generate(argv: list[str]) -> int:
     ap = ArgumentParser(prog="meshtrain generate", description="Generate text from a checkpoint "
-                                 "(KV cache, batched prompts, tensor parallel with --nproc N parallel.tp=N; "
-                                 "docs/generation.md).")
+                                 "(KV cache, batched prompts; over --nproc N ranks, tensor parallel with parallel.tp "
+                                 "and pipelined with parallel.pp; docs/generation.md).")
     ap.add_argument("--ckpt", required=True, help="a checkpoint folder (step_NNNNNN), a run folder (--out), or a "
                                                   "HuggingFace model folder with its tokenizer.json")
     ap.add_argument("--prompt", action="append", help="a prompt; repeat for a batch (default: 'def ')")
@@ -274,7 +274,7 @@ def _generate(argv: list[str]) -> int:
     ap.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (0: all; default 40)")
     ap.add_argument("--greedy", action="store_true", help="the most likely token each step (temperature 0)")
     ap.add_argument("--seed", type=int, default=None, help="the sampling's seed (default 0)")
-    ap.add_argument("--nproc", type=int, default=None, help="relaunch under torchrun with N tensor-parallel ranks")
+    ap.add_argument("--nproc", type=int, default=None, help="relaunch under torchrun with N ranks (tp x pp)")
     ap.add_argument("--stats", action="store_true", help="print tokens/s and KV cache bytes per rank (a last line)")
     ap.add_argument("overrides", nargs="*", help=f"generation options: {', '.join(_generate_options())}")
     args = ap.parse_intermixed_args(argv)
@@ -320,7 +320,8 @@ def _generate(argv: list[str]) -> int:
         print("\n---\n".join(p + tok.decode(t) for p, t in zip(prompts, run.out.tokens, strict=True)))
         if args.stats:
             print(f"generated {run.new_tokens} tokens ({len(prompts)} prompt(s)) in {run.seconds:.3f} s: "
-                  f"{run.tokens_per_s:,.1f} tokens/s on tp={cfg.parallel.tp}; KV cache bytes per rank "
+                  f"{run.tokens_per_s:,.1f} tokens/s on tp={cfg.parallel.tp} pp={cfg.parallel.pp}; KV cache bytes "
+                  f"per rank "
                   f"{', '.join(f'{b:,}' for b in kv)}")
     sys.stdout.flush()
     if gm.mesh.world_size > 1:  # an orderly shutdown, as a training worker's (see _train)

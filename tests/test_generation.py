@@ -1,11 +1,13 @@
-"""Generation with a KV cache, batched prompts, and tensor parallelism (docs/generation.md).
+"""Generation with a KV cache, batched prompts, tensor and pipeline parallelism (docs/generation.md).
 
 One device: the cached, left-padded batch gives each prompt the logits of the plain model on that prompt alone
 (1e-5) and the same greedy tokens as the recompute-everything loop (``sample``); the cache's bytes are exactly
 B x kv_heads x capacity x head_dim x 4 x 2 x layers. Tensor parallel (spawned gloo processes): greedy and top-k
 sampled tokens equal one device's for a batch of prompts, with kv heads divisible by tp (the cache is 1/tp per
 rank) and fewer than tp (replicated: 1/kv_heads per rank), and a vocabulary tp does not divide; the global
-argmax breaks ties across ranks as ``argmax`` does. The CLI refuses bad input with one line before launching.
+argmax breaks ties across ranks as ``argmax`` does. Pipelined (pp 2 and 3, with tp 2, tied embeddings): the same
+tokens, each rank holding its stage's blocks and their cache only. The CLI refuses bad input with one line before
+launching.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from meshtrain.generate import generate, left_pad, sample
 from meshtrain.model.kv_cache import KVCache
 from meshtrain.model.llama import InitSource, build_model
 from meshtrain.parallel.next_token import VocabSlice
+from meshtrain.plan.partition import partition_model
 from meshtrain.testing.spawn import spawn
 
 # init_std 0.2: logits far from uniform, so greedy choices are not decided by rounding
@@ -91,15 +94,24 @@ def test_stop_token_ends_a_row_only():
 # ----------------------------------------------------------------------------- tensor parallel
 
 
-def _generate_on_layout(rank: int, world: int, model: dict, temperature: float, top_k: int) -> tuple:
+SAMPLINGS = ((0.0, 0), (0.8, 5))  # greedy; top-k sampling
+
+
+def _generate_on_layout(rank: int, world: int, model: dict, pp: int = 1) -> list[tuple]:
+    """Greedy and top-k generation on tp = world / pp x pp ranks: per sampling, (tokens, KV cache bytes, weight
+    bytes, the blocks this rank holds)."""
     from meshtrain.train.inference import load_for_generation, run_generation
 
-    cfg = Config(model=ModelConfig(**model), parallel=ParallelConfig(tp=world))
+    cfg = Config(model=ModelConfig(**model), parallel=ParallelConfig(tp=world // pp, pp=pp))
     cfg.train.device, cfg.train.seed = "cpu", SEED
     shapes = {n: tuple(p.shape) for n, p in build_model(cfg.model, SEED, meta=True).named_parameters()}
     gm = load_for_generation(cfg, None, source=InitSource(cfg.model, SEED, shapes))
-    run = run_generation(gm, PROMPTS, 16, temperature, top_k, seed=7)
-    return run.out.tokens, run.out.kv_bytes
+    blocks = sorted(int(k) for k in getattr(gm.model, "stage", gm.model).layers)
+    out = []
+    for temperature, top_k in SAMPLINGS:
+        run = run_generation(gm, PROMPTS, 16, temperature, top_k, seed=7)
+        out.append((run.out.tokens, run.out.kv_bytes, gm.param_bytes, blocks))
+    return out
 
 
 @pytest.mark.slow
@@ -109,14 +121,38 @@ def test_tensor_parallel_generation_equals_one_device(tp, kv_heads, vocab):
     times (kv heads a rank holds / kv heads). (In bf16 the row-parallel sums round differently from one device's,
     so tokens may part at a near tie: the bf16 test below compares logits.)"""
     model = {**MODEL, "n_kv_heads": kv_heads, "vocab_size": vocab}
-    for temperature, top_k in ((0.0, 0), (0.8, 5)):
-        one = spawn(_generate_on_layout, 1, (model, temperature, top_k))[0]
-        ranks = spawn(_generate_on_layout, tp, (model, temperature, top_k))
-        held = max(1, kv_heads // tp)
-        for tokens, kv_bytes in ranks:
-            assert tokens == one[0]
-            assert kv_bytes * kv_heads == one[1] * held
-        assert len({len(t) for t in one[0]}) == 1 and len(one[0][0]) == 16
+    one = spawn(_generate_on_layout, 1, (model,))[0]
+    ranks = spawn(_generate_on_layout, tp, (model,))
+    held = max(1, kv_heads // tp)
+    for i, (tokens, kv_bytes, _, _) in enumerate(one):
+        for rank in ranks:
+            assert rank[i][0] == tokens
+            assert rank[i][1] * kv_heads == kv_bytes * held
+        assert len({len(t) for t in tokens}) == 1 and len(tokens[0]) == 16
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp,extra", [(1, 2, {}), (2, 2, {}), (1, 3, {"tie_embeddings": True})],
+                         ids=["pp2", "tp2 pp2", "pp3 tied"])
+def test_pipelined_generation_equals_one_device(tp, pp, extra):
+    """Greedy and top-k sampling over pp stages (3 blocks: an uneven cut at pp2, a block each at pp3, where the
+    last rank also holds the tied embedding): every rank returns one device's tokens. The pp ranks hold the
+    training partition's blocks, each exactly once, and their KV cache is one device's times their share of the
+    blocks (over tp as above); without tied embeddings their weights add up to one device's."""
+    model = {**MODEL, "n_layers": 3, **extra}
+    one = spawn(_generate_on_layout, 1, (model,))[0]
+    ranks = spawn(_generate_on_layout, tp * pp, (model, pp))
+    want = partition_model(ModelConfig(**model), Config().train.seq_len, pp).layers
+    for i, (tokens, kv_bytes, param_bytes, _) in enumerate(one):
+        assert all(rank[i][0] == tokens for rank in ranks)
+        for r, rank in enumerate(ranks):
+            blocks = rank[i][3]
+            assert blocks == want[r // tp]  # ranks are laid out pp-major, tp fastest
+            assert rank[i][1] * 3 * tp == kv_bytes * len(blocks)
+        weights = sum(rank[i][2] for rank in ranks[::tp])  # one tp coordinate's pp ranks
+        if tp == 1 and not extra:
+            assert weights == param_bytes
+        assert max(rank[i][2] for rank in ranks) < param_bytes
 
 
 FOLLOW = torch.tensor([[3, 14], [15, 92], [65, 35], [89, 7]])  # two decode steps' tokens, a row each
@@ -226,7 +262,10 @@ def test_cli_refuses_bad_generation_input_with_one_line(run_folder, tmp_path):
         (["--ckpt", str(tmp_path / "none")], "does not exist"),
         (["--ckpt", str(run_folder), "--nproc", "3", "parallel.tp=3"], "parallel.tp=3 must divide model.n_heads=8"),
         (["--ckpt", str(run_folder), "--nproc", "2", "parallel.tp=4"], "pass parallel.tp=2"),
-        (["--ckpt", str(run_folder), "parallel.pp=2"], "drop parallel.pp=2"),
+        (["--ckpt", str(run_folder), "parallel.dp=2"], "drop parallel.dp=2"),
+        (["--ckpt", str(run_folder), "--nproc", "2", "parallel.pp=2", "parallel.tp=2"],
+         "generation runs one process per rank of tp x pp; pass parallel.tp=1 parallel.pp=2 (or --nproc 4)"),
+        (["--ckpt", str(run_folder), "--nproc", "3", "parallel.pp=3"], "parallel.pp=3 stages need a block each"),
         (["--ckpt", str(run_folder), "--tokens", "0"], "--tokens 0"),
         # sampling options beside --greedy did nothing; an empty --ckpt meant the current folder
         (["--ckpt", str(run_folder), "--greedy", "--top-k", "3", "--seed", "7"],
@@ -243,14 +282,18 @@ def test_cli_refuses_bad_generation_input_with_one_line(run_folder, tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_tensor_parallel_greedy_equals_one_device(run_folder):
+def test_cli_tensor_parallel_and_pipelined_greedy_equals_one_device(run_folder):
     args = ["generate", "--ckpt", str(run_folder), "--prompt", "def f", "--prompt", "    return", "--prompt", "d",
             "--tokens", "24", "--greedy", "--stats"]
-    one, two = _cli(*args), _cli(*args, "--nproc", "2", "parallel.tp=2")
-    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    one = _cli(*args)
+    assert one.returncode == 0, one.stderr
     *text1, stats1 = one.stdout.strip().splitlines()
-    *text2, stats2 = two.stdout.strip().splitlines()
-    assert text1 == text2 and text1[0].startswith("def f") and text1.count("---") == 2
+    assert text1[0].startswith("def f") and text1.count("---") == 2
     b1 = int(stats1.rsplit(" ", 1)[1].replace(",", ""))
-    b2 = [int(x.replace(",", "")) for x in stats2.split("per rank ")[1].split(", ")]
-    assert b2 == [b1 // 2, b1 // 2] and "tp=2" in stats2
+    for layout in ("parallel.tp=2", "parallel.pp=2"):  # a half of the heads, or of the blocks, per rank
+        two = _cli(*args, "--nproc", "2", layout)
+        assert two.returncode == 0, two.stderr
+        *text2, stats2 = two.stdout.strip().splitlines()
+        assert text2 == text1
+        b2 = [int(x.replace(",", "")) for x in stats2.split("per rank ")[1].split(", ")]
+        assert b2 == [b1 // 2, b1 // 2] and layout.split(".")[1] in stats2, stats2

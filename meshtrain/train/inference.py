@@ -1,10 +1,13 @@
 """``meshtrain generate``'s engine: a checkpoint loaded into a generation layout (one device, or tensor parallel
-over ``parallel.tp`` processes), each rank reading only its pieces, then ``generate`` (KV cache, batched prompts).
+over ``parallel.tp`` and pipelined over ``parallel.pp`` processes), each rank reading only its pieces, then
+``generate`` (KV cache, batched prompts).
 
-Generation splits the model over tp only: every rank runs the same tokens, its attention holds n_heads / tp
-query heads and their kv heads (so its KV cache too), and the vocabulary-parallel head's next-token choice is
-agreed over tp without gathering the logits (``parallel/next_token.py``). No sequence parallelism (a decode
-step has one position), no pipeline (not built: docs/generation.md), no data parallelism (batch the prompts).
+Tensor parallelism: every rank runs the same tokens, its attention holds n_heads / tp query heads and their kv
+heads (so its KV cache too), and the vocabulary-parallel head's next-token choice is agreed over tp without
+gathering the logits (``parallel/next_token.py``). Pipeline parallelism: each pp rank holds the blocks of one
+stage (the training partition's) and their cache, and the hidden states pass from stage to stage
+(``parallel/pipeline/decode.py``). No sequence parallelism (a decode step has one position), no data parallelism
+(batch the prompts).
 """
 
 from __future__ import annotations
@@ -26,43 +29,53 @@ from meshtrain.model.source import full_box
 from meshtrain.parallel.next_token import VocabSlice
 from meshtrain.parallel.parallelize import materialize
 from meshtrain.parallel.pieces import optim_param
+from meshtrain.parallel.pipeline.decode import PipelineDecoder
+from meshtrain.parallel.pipeline.engine import prune_to_stages
 from meshtrain.parallel.state import check_shapes, load_state
 from meshtrain.parallel.tensor import VocabParallelHead, apply_tensor_parallel
+from meshtrain.plan.partition import partition_model
 from meshtrain.rules import rules_for
 from meshtrain.train.checkpoint import CheckpointReader
 from meshtrain.train.trainer import resolve_device, resolve_dtype
 
-# The options `meshtrain generate` takes as overrides: the layout is tp only, the rest is the checkpoint's.
+# The options `meshtrain generate` takes as overrides: the layout is tp x pp, the rest is the checkpoint's.
 # ``train.dtype`` is the weights' and the KV cache's dtype here (bf16: both held in bf16, as transformers'
 # ``torch_dtype=torch.bfloat16``), not training's autocast over fp32 weights.
-GENERATE_OPTIONS = ("parallel.tp", "train.dtype", "train.device", "train.threads", "train.collective_timeout_s")
+GENERATE_OPTIONS = ("parallel.tp", "parallel.pp", "train.dtype", "train.device", "train.threads",
+                    "train.collective_timeout_s")
 GENERATION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def generation_config(saved: Config, overrides: list[str]) -> Config:
-    """The checkpoint's model with a generation layout: tp (default 1) and the device from ``overrides``; the
-    training layout and options it was saved with do not apply. One ``error:`` line for any other option."""
+    """The checkpoint's model with a generation layout: tp and pp (default 1) and the device from ``overrides``;
+    the training layout and options it was saved with do not apply. One ``error:`` line for any other option."""
     cfg = Config(model=saved.model, train=TrainConfig(seed=saved.train.seed, seq_len=saved.train.seq_len))
     for item in overrides:
         section, key, value = parse_override(item)
         if f"{section}.{key}" not in GENERATE_OPTIONS:
             raise ConfigError(f"meshtrain generate takes {', '.join(GENERATE_OPTIONS)}; {section}.{key} is not one "
-                              f"of them (generation splits the model over tp only, and the model is the "
+                              f"of them (generation splits the model over tp and pp only, and the model is the "
                               f"checkpoint's): drop {item}.")
         update_from_dict(cfg, {section: {key: value}}, "the command line")
     return cfg
 
 
 def check_generation(cfg: Config, world_size: int, new_tokens: int) -> None:
-    """What can be refused before any process starts: the layout (tp divides the heads, the MLP; --nproc equals
-    tp), the device (a GPU per process), the number of tokens."""
-    tp = cfg.parallel.tp
-    if tp < 1:
-        raise ConfigError(f"parallel.tp={tp}: generation needs parallel.tp >= 1 (one process per tensor-parallel "
-                          f"rank; pass --nproc N parallel.tp=N).")
-    if world_size != tp:
-        raise ConfigError(f"--nproc {world_size} with parallel.tp={tp}: generation runs one process per "
-                          f"tensor-parallel rank; pass parallel.tp={world_size} (or --nproc {tp}).")
+    """What can be refused before any process starts: the layout (tp divides the heads, the MLP; a block per
+    stage at least; --nproc equals tp x pp), the device (a GPU per process), the number of tokens."""
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    for name, size in (("tp", tp), ("pp", pp)):
+        if size < 1:
+            raise ConfigError(f"parallel.{name}={size}: generation needs parallel.{name} >= 1 (one process per rank "
+                              f"of tp x pp; pass --nproc N parallel.tp=N).")
+    if pp > cfg.model.n_layers:
+        raise ConfigError(f"parallel.pp={pp} stages need a block each, but the model has model.n_layers="
+                          f"{cfg.model.n_layers}: pass parallel.pp={cfg.model.n_layers} or fewer.")
+    if world_size != tp * pp:
+        layout = f"parallel.tp={tp}" + (f" x parallel.pp={pp}" if pp > 1 else "")
+        raise ConfigError(f"--nproc {world_size} with {layout}: generation runs one process per rank of tp x pp; "
+                          f"pass parallel.tp={world_size // pp if world_size % pp == 0 else world_size}"
+                          f"{f' parallel.pp={pp}' if world_size % pp == 0 and pp > 1 else ''} (or --nproc {tp * pp}).")
     if new_tokens < 1:
         raise ConfigError(f"--tokens {new_tokens}: ask for at least 1 new token.")
     validate(cfg, world_size)
@@ -74,30 +87,39 @@ def check_generation(cfg: Config, world_size: int, new_tokens: int) -> None:
 
 @dataclass
 class GenerationModel:
-    """A model ready to generate on this rank: the module (whole, or this rank's tp slices), which vocabulary
-    columns its logits hold, and the mesh (tp only)."""
+    """A model ready to generate on this rank: the module (whole, this rank's tp slices, or under pp its stage's
+    ``PipelineDecoder``), which vocabulary columns its logits hold, and the mesh (tp x pp)."""
 
-    model: Llama
+    model: Llama | PipelineDecoder
     vocab: VocabSlice
     mesh: Mesh
     param_bytes: int = field(default=0)
 
 
 def load_for_generation(cfg: Config, path: str | Path | None, source=None) -> GenerationModel:
-    """Build the model for ``cfg.parallel.tp`` ranks and fill this rank's pieces from the checkpoint at ``path``
-    (or from ``source``, any ``TensorSource``), reading only the boxes it holds."""
+    """Build the model for ``cfg.parallel.tp`` x ``cfg.parallel.pp`` ranks and fill this rank's pieces from the
+    checkpoint at ``path`` (or from ``source``, any ``TensorSource``), reading only the boxes it holds: tensor
+    parallelism first, then the pipeline's cut, as training applies them (``parallel/parallelize.py``)."""
     device = resolve_device(cfg.train.device)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     init_distributed(device.type, cfg.train.collective_timeout_s)
     comm.configure(cfg.train.collective_timeout_s)
-    tp = cfg.parallel.tp
-    mesh = Mesh(tp=tp, kv_share=max(1, tp // cfg.model.kv_heads), device=device,
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    mesh = Mesh(pp=pp, tp=tp, kv_share=max(1, tp // cfg.model.kv_heads), device=device,
                 timeout_s=cfg.train.collective_timeout_s)
     model = build_model(cfg.model, cfg.train.seed, device, meta=True)
     placements = {}
     if tp > 1:
         placements = apply_tensor_parallel(model, mesh, rules_for(cfg.parallel), sp=False).placements
+    head = model.output  # every rank's vocabulary slice, taken before the pipeline's cut drops the head
+    vocab = VocabSlice(head.start, head.end - head.start, head.vocab, head.group) \
+        if isinstance(head, VocabParallelHead) else VocabSlice.whole(cfg.model.vocab_size)
+    module: Llama | PipelineDecoder = model
+    if pp > 1:
+        stage = mesh.coord("pp")
+        cut = prune_to_stages(model, [stage], partition_model(cfg.model, cfg.train.seq_len, pp))[stage]
+        module = PipelineDecoder(cut, mesh, head.weight.shape[0])
     params = dict(model.named_parameters())
     # bf16 weights from the start: a rank never holds its fp32 copy; every box read is cast as it is copied in.
     # The model computes in its weights' dtype (the norms and RoPE in fp32 inside, returning it: model/layers.py),
@@ -111,11 +133,8 @@ def load_for_generation(cfg: Config, path: str | Path | None, source=None) -> Ge
         for name, b in model.named_buffers():  # the MoE selection bias (persistent buffers are whole on every rank)
             if source.shape(name) is not None and tuple(source.shape(name)) == tuple(b.shape):
                 b.copy_(source.read(name, full_box(b.shape)))
-    head = model.output
-    vocab = VocabSlice(head.start, head.end - head.start, head.vocab, head.group) \
-        if isinstance(head, VocabParallelHead) else VocabSlice.whole(cfg.model.vocab_size)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return GenerationModel(model, vocab, mesh, nbytes)
+    return GenerationModel(module, vocab, mesh, nbytes)
 
 
 @dataclass

@@ -80,8 +80,21 @@ def split(model: Llama, mesh: Mesh, schedule: PipelineSchedule, partition: Parti
     """Prune ``model`` to this rank's stages (in place) and return {stage: PipelineStage}. With ``wgrad``
     (zero-bubble schedules) the stages' linear layers defer their weight gradients to W actions."""
     rank = mesh.coord("pp")
-    mine = [s for s, r in enumerate(schedule.placement) if r == rank]
-    last = schedule.n_stages - 1
+    stages = prune_to_stages(model, [s for s, r in enumerate(schedule.placement) if r == rank], partition)
+    if wgrad is not None:
+        for stage in stages.values():
+            defer_weight_grads(stage, wgrad)
+            for attr in ("tok_embeddings", "norm", "output"):  # the model keeps holding the stage's modules
+                if getattr(stage, attr) is not None:
+                    setattr(model, attr, getattr(stage, attr))
+    return stages
+
+
+def prune_to_stages(model: Llama, mine: list[int], partition: Partition) -> dict[int, PipelineStage]:
+    """Prune ``model`` (in place) to the stages ``mine`` of ``partition`` and return {stage: PipelineStage}: the
+    blocks of other stages are dropped, the embedding unless a stage is the first, the final norm and the head
+    unless one is the last. Training (``split``) and pipelined generation (``pipeline/decode.py``) both cut so."""
+    last = partition.n_stages - 1
     stages = {s: PipelineStage(model, partition.layers[s], s == 0, s == last) for s in mine}
     keep = {str(i) for s in mine for i in partition.layers[s]}
     for key in list(model.layers.keys()):
@@ -95,12 +108,6 @@ def split(model: Llama, mesh: Mesh, schedule: PipelineSchedule, partition: Parti
     if last not in mine:
         model.norm = None
         model.output = None
-    if wgrad is not None:
-        for stage in stages.values():
-            defer_weight_grads(stage, wgrad)
-            for attr in ("tok_embeddings", "norm", "output"):  # the model keeps holding the stage's modules
-                if getattr(stage, attr) is not None:
-                    setattr(model, attr, getattr(stage, attr))
     return stages
 
 
