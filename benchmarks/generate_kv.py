@@ -5,17 +5,17 @@
    Rounds alternate cached/recompute/recompute/cached/... so drift of a shared machine hits both; every round
    asserts both produce the same tokens. Reported: tokens/s of each (median over rounds), the speed-up
    cached/recompute per round (median, min-max).
-2. **Tensor parallel**: a batch of prompts through ``meshtrain.train.inference`` (each rank loads only its pieces)
-   on 1 and on ``--tp`` spawned processes (gloo on CPU, alternating tp1/tpN/tpN/tp1/...), asserting every rank's
-   tokens equal one device's; reported: tokens/s (slowest rank) of each and KV cache bytes per rank against one
-   device's.
+2. **Tensor parallel and pipelined**: a batch of prompts through ``meshtrain.train.inference`` (each rank loads
+   only its pieces) on 1 and on ``--tp`` x ``--pp`` spawned processes (gloo on CPU, alternating 1/N/N/1/...),
+   asserting every rank's tokens equal one device's; reported: tokens/s (slowest rank) of each and KV cache bytes
+   per rank against one device's.
 3. **bf16 against fp32** (``--bf16``): the same batch on one device loaded with ``train.dtype`` bf16 and fp32
    (weights and KV cache in that dtype; alternating fp32/bf16/bf16/fp32 launches), asserting every row got its
    new tokens and that bf16 holds exactly half the parameter and KV bytes (the tokens themselves may part at a near
    tie: bf16 rounds); reported: tokens/s of each and their ratio.
 
     python benchmarks/generate_kv.py [--d-model 256] [--layers 4] [--prompt 32] [--tokens 128] [--rounds 5]
-                                     [--tp 2] [--batch 4] [--device cpu|cuda] [--bf16]
+                                     [--tp 2] [--pp 1] [--batch 4] [--device cpu|cuda] [--bf16]
 """
 
 from __future__ import annotations
@@ -86,10 +86,10 @@ def cached_vs_recompute(args) -> dict:
             "speedup": statistics.median(per_round), "speedup_min": min(per_round), "speedup_max": max(per_round)}
 
 
-def _tp_worker(rank: int, world: int, args, rounds: int, dtype: str = "fp32") -> dict:
+def _tp_worker(rank: int, world: int, args, rounds: int, dtype: str = "fp32", pp: int = 1) -> dict:
     from meshtrain.train.inference import load_for_generation, run_generation
 
-    cfg = Config(model=_model_cfg(args), parallel=ParallelConfig(tp=world))
+    cfg = Config(model=_model_cfg(args), parallel=ParallelConfig(tp=world // pp, pp=pp))
     cfg.train.device, cfg.train.seed, cfg.train.dtype = args.device, SEED, dtype
     shapes = {n: tuple(p.shape) for n, p in build_model(cfg.model, SEED, meta=True).named_parameters()}
     gm = load_for_generation(cfg, None, source=InitSource(cfg.model, SEED, shapes))
@@ -102,20 +102,22 @@ def _tp_worker(rank: int, world: int, args, rounds: int, dtype: str = "fp32") ->
 
 def tensor_parallel(args) -> dict:
     backend = "nccl" if args.device == "cuda" else "gloo"
-    secs: dict[int, list[float]] = {1: [], args.tp: []}
+    n = args.tp * args.pp
+    secs: dict[int, list[float]] = {1: [], n: []}
     results: dict[int, list[dict]] = {}
     for r in range(args.tp_rounds):
-        for world in ((1, args.tp) if r % 2 == 0 else (args.tp, 1)):
-            ranks = spawn(_tp_worker, world, (args, 3), timeout=3000, backend=backend, threads=args.threads)
+        for world in ((1, n) if r % 2 == 0 else (n, 1)):
+            ranks = spawn(_tp_worker, world, (args, 3, "fp32", args.pp if world > 1 else 1), timeout=3000,
+                          backend=backend, threads=args.threads)
             results[world] = ranks
             secs[world] += [max(s) for s in zip(*(x["seconds"] for x in ranks), strict=True)]  # slowest rank
     one = results[1][0]
-    for x in results[args.tp]:
-        assert x["tokens"] == one["tokens"], "tensor-parallel tokens differ from one device's"
+    for x in results[n]:
+        assert x["tokens"] == one["tokens"], "parallel tokens differ from one device's"
     tok_s = {w: one["new"] / statistics.median(s) for w, s in secs.items()}
-    return {"tok_s_1": tok_s[1], "tok_s_tp": tok_s[args.tp], "kv_1": one["kv_bytes"],
-            "kv_tp": [x["kv_bytes"] for x in results[args.tp]], "param_1": one["param_bytes"],
-            "param_tp": [x["param_bytes"] for x in results[args.tp]]}
+    return {"tok_s_1": tok_s[1], "tok_s_tp": tok_s[n], "kv_1": one["kv_bytes"],
+            "kv_tp": [x["kv_bytes"] for x in results[n]], "param_1": one["param_bytes"],
+            "param_tp": [x["param_bytes"] for x in results[n]]}
 
 
 def bf16_vs_fp32(args) -> dict:
@@ -146,6 +148,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128, help="new tokens per prompt")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages (each rank one stage's blocks and cache)")
     ap.add_argument("--tp-rounds", type=int, default=2, help="alternating tp1/tpN launches (each 3 timed runs)")
     ap.add_argument("--batch", type=int, default=4, help="prompts in the tensor-parallel batch")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per spawned rank")
@@ -171,9 +174,10 @@ def main() -> None:
         return
     t = tensor_parallel(args)
     kv_share = ", ".join(f"{b / t['kv_1']:.3f}" for b in t["kv_tp"])
-    print(f"batch {args.batch}: tp=1 {t['tok_s_1']:,.1f} tok/s, tp={args.tp} {t['tok_s_tp']:,.1f} tok/s "
+    layout = f"tp={args.tp}" + (f" pp={args.pp}" if args.pp > 1 else "")
+    print(f"batch {args.batch}: one device {t['tok_s_1']:,.1f} tok/s, {layout} {t['tok_s_tp']:,.1f} tok/s "
           f"(ratio {t['tok_s_tp'] / t['tok_s_1']:.2f}; same tokens asserted on every rank)")
-    print(f"KV cache bytes: one device {t['kv_1']:,}; per tp rank {', '.join(f'{b:,}' for b in t['kv_tp'])} "
+    print(f"KV cache bytes: one device {t['kv_1']:,}; per rank {', '.join(f'{b:,}' for b in t['kv_tp'])} "
           f"(= {kv_share} of one device's); parameters per rank {', '.join(f'{b:,}' for b in t['param_tp'])} "
           f"vs {t['param_1']:,}")
 
