@@ -24,6 +24,7 @@ from meshtrain.generate import generate, left_pad, sample
 from meshtrain.model.kv_cache import KVCache
 from meshtrain.model.llama import InitSource, build_model
 from meshtrain.parallel.next_token import VocabSlice
+from meshtrain.plan.generation import stage_bytes
 from meshtrain.plan.partition import partition_model
 from meshtrain.testing.spawn import spawn
 
@@ -114,6 +115,13 @@ def _generate_on_layout(rank: int, world: int, model: dict, pp: int = 1) -> list
     return out
 
 
+def _planned(model: dict, tp: int, pp: int) -> list:
+    """The planner's bytes per stage (``meshtrain plan generate``) for ``_generate_on_layout``'s run: fp32, the
+    batch of PROMPTS, a cache of the longest prompt plus 15 fed-back tokens, the trainer's default seq_len cut."""
+    return stage_bytes(ModelConfig(**model), tp, pp, len(PROMPTS), max(len(p) for p in PROMPTS) + 15, 4,
+                       Config().train.seq_len)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,kv_heads,vocab", [(2, 2, 97), (4, 2, 101)], ids=["tp2 kv2", "tp4 kv2 replicated"])
 def test_tensor_parallel_generation_equals_one_device(tp, kv_heads, vocab):
@@ -124,10 +132,12 @@ def test_tensor_parallel_generation_equals_one_device(tp, kv_heads, vocab):
     one = spawn(_generate_on_layout, 1, (model,))[0]
     ranks = spawn(_generate_on_layout, tp, (model,))
     held = max(1, kv_heads // tp)
+    planned = _planned(model, tp, 1)
     for i, (tokens, kv_bytes, _, _) in enumerate(one):
         for rank in ranks:
             assert rank[i][0] == tokens
             assert rank[i][1] * kv_heads == kv_bytes * held
+            assert (rank[i][2], rank[i][1]) == (planned[0].weights, planned[0].kv)  # meshtrain plan generate's
         assert len({len(t) for t in tokens}) == 1 and len(tokens[0]) == 16
 
 
@@ -143,12 +153,14 @@ def test_pipelined_generation_equals_one_device(tp, pp, extra):
     one = spawn(_generate_on_layout, 1, (model,))[0]
     ranks = spawn(_generate_on_layout, tp * pp, (model, pp))
     want = partition_model(ModelConfig(**model), Config().train.seq_len, pp).layers
+    planned = _planned(model, tp, pp)
     for i, (tokens, kv_bytes, param_bytes, _) in enumerate(one):
         assert all(rank[i][0] == tokens for rank in ranks)
         for r, rank in enumerate(ranks):
             blocks = rank[i][3]
             assert blocks == want[r // tp]  # ranks are laid out pp-major, tp fastest
             assert rank[i][1] * 3 * tp == kv_bytes * len(blocks)
+            assert (rank[i][2], rank[i][1]) == (planned[r // tp].weights, planned[r // tp].kv)
         weights = sum(rank[i][2] for rank in ranks[::tp])  # one tp coordinate's pp ranks
         if tp == 1 and not extra:
             assert weights == param_bytes
@@ -226,6 +238,24 @@ def test_global_argmax_breaks_ties_like_argmax():
     full = torch.tensor([[0.0, 5.0, 1.0, 2.0, 5.0, 0.0, 3.0], [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0],
                          [7.0, 1.0, 1.0, 7.0, 2.0, 4.0, 4.0]])
     assert spawn(_greedy_with_ties, 2) == [full.argmax(-1).tolist()] * 2 == [[1, 5, 0]] * 2
+
+
+def test_a_launch_over_several_nodes_counts_the_gpus_of_its_own_node(monkeypatch):
+    """tp=2 x pp=2 over two nodes of two GPUs (torchrun sets LOCAL_WORLD_SIZE=2 on each): each node has the GPUs
+    for its own processes. It was refused, the check comparing all 4 processes with one node's GPUs."""
+    from meshtrain.config import ConfigError
+    from meshtrain.train import inference
+
+    saved = Config(model=ModelConfig(**MODEL))
+    saved.train.seq_len = 32
+    cfg = inference.generation_config(saved, ["parallel.tp=2", "parallel.pp=2"])
+    monkeypatch.setattr(inference, "resolve_device", lambda kind: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with pytest.raises(ConfigError, match="--nproc 4 runs one process per GPU but 2 GPU"):
+        inference.check_generation(cfg, 4, 8)  # --nproc 4 on one node
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    inference.check_generation(cfg, 4, 8)
 
 
 # ----------------------------------------------------------------------------- the command line

@@ -25,8 +25,10 @@ from meshtrain.plan.book_batch import (
 from meshtrain.plan.book_memory import checkpoint_bytes, largest_model, min_devices, remat_flops_per_token
 from meshtrain.plan.book_roofline import decode_roofline, hbm_critical_batch, matmul_roofline
 from meshtrain.plan.explain import book_summary, why_best
+from meshtrain.plan.flops import param_count
 from meshtrain.plan.hardware import get_hardware
 from meshtrain.plan.megatron import megatron_flops_per_iteration, megatron_params, megatron_training_days
+from meshtrain.plan.problem import plan_config
 
 V5P, H100 = get_hardware("v5p"), get_hardware("h100")
 C, W = V5P.bf16_flops, V5P.intra_bw  # 4.59e14, 1.8e11 per ICI axis (seed 000)
@@ -208,6 +210,31 @@ def test_megatron_closed_forms():
     assert out["params"]["megatron"] < out["params"]["meshtrain"]  # a GPT block: 4h MLP, no gate (LLaMA: 2.7h x 3)
 
 
+def test_generation_layouts_for_405b_on_one_and_two_h100_nodes(capsys):
+    """Llama-3 405B in bf16 (810 GB) with 8 sequences of 8,192 positions: on one node of 80 GB H100s nothing fits,
+    and the answer names the leanest layout and how far over it is; on two nodes tp=8 x pp=2 is the fastest, each
+    rank holding a sixteenth of the weights. Its step is at least the weights one rank of each stage reads from
+    HBM, stage after stage (the whole model over tp), and within 50% of it: the rest (29%) is the cache and the
+    253 small all-reduces per stage, each mostly latency."""
+    argv = ["plan", "generate", "--model", "llama3-405b", "--hardware", "h100", "--decode-batch", "8",
+            "--context", "8192", "--json"]
+    assert cli.main(argv) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert not one["fits"] and all(r["bytes_per_device"] > one["budget_bytes"] for r in one["layouts"])
+    assert cli.main([*argv[:-1]]) == 0
+    assert "nothing fits on 8 devices: the leanest, tp=" in capsys.readouterr().out
+    assert cli.main([*argv, "--nodes", "2"]) == 0
+    two = json.loads(capsys.readouterr().out)
+    best = two["layouts"][0]
+    assert two["fits"] and (best["tp"], best["pp"]) == (8, 2)
+    weights = param_count(plan_config("llama3-405b").model).total * 2
+    assert best["weights_bytes"] == pytest.approx(weights / 16, rel=0.01)
+    floor = weights / 8 / get_hardware("h100").hbm_bw
+    assert floor <= best["step_s"] <= 1.5 * floor
+    fitting = [r for r in two["layouts"] if r["fits"]]
+    assert [r["step_s"] for r in fitting] == sorted(r["step_s"] for r in fitting)
+
+
 # ----------------------------------------------------------------------------- CLI and the why-sentence
 
 
@@ -220,6 +247,7 @@ def test_megatron_closed_forms():
     ["layer-comm", "--model", "llama2-13b", "--hardware", "v5p", "--devices", "4096", "--batch-tokens", "3e6"],
     ["activations", "--model", "llama2-13b", "--batch-tokens", "16e6", "--devices", "4096"],
     ["megatron", "--model", "llama2-13b", "--hardware", "a100", "--nodes", "128", "--tflops", "140"],
+    ["generate", "--model", "llama3-8b", "--hardware", "h100", "--decode-batch", "32"],
 ])
 def test_every_query_prints_text_and_json(argv, capsys):
     assert cli.main(["plan", *argv]) == 0
@@ -243,6 +271,11 @@ def test_every_query_prints_text_and_json(argv, capsys):
     (["critical-batch", "--pp", "8", "--microbatches", "4"], "--microbatches 4 counts ZeRO-3's regathers"),
     (["roofline", "--tokens-per-chip", "nan"], "--tokens-per-chip must be a positive, finite number, got nan"),
     (["roofline", "--tokens-per-chip", "inf", "--json"], "--tokens-per-chip must be a positive, finite number"),
+    (["generate", "--decode-batch", "0"], "--decode-batch and --top must be >= 1 and --context >= 0"),
+    (["generate", "--context", "-1"], "--context >= 0"),
+    (["generate", "--memory-fraction", "1.5"], "--memory-fraction must be in (0, 1], got 1.5"),
+    (["generate", "--dtype", "int8"], "--dtype"),
+    (["generate", "--tokens-per-chip", "4"], "unrecognized arguments: --tokens-per-chip 4"),
 ])
 def test_query_bad_input_is_one_error_line(argv, names, capsys):
     assert cli.main(["plan", *argv]) == 2

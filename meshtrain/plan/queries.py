@@ -35,6 +35,7 @@ from meshtrain.plan.book_memory import (
 )
 from meshtrain.plan.book_roofline import decode_roofline, hbm_critical_batch, matmul_roofline
 from meshtrain.plan.flops import flops_per_token, param_count
+from meshtrain.plan.generation import generation_layouts
 from meshtrain.plan.hardware import Hardware
 from meshtrain.plan.megatron import SOURCE as MEGATRON
 from meshtrain.plan.megatron import megatron_flops_per_iteration, megatron_params, megatron_training_days
@@ -224,6 +225,43 @@ def roofline_query(s: Setting, tokens_per_chip: float | None = None, decode_batc
              f"{dec['seconds'] * 1e3:,.2f} ms, {dec['tokens_per_s']:,.0f} tokens/s per chip holding the model"]
     return {"query": "roofline", "hbm_critical_batch": crit, "hbm_critical_batch_int8": crit8, "matmul": mm,
             "decode": dec, "lines": lines}
+
+
+def generate_query(s: Setting, batch: int, context: int, dtype_bytes: int, memory_fraction: float,
+                   top: int = 5) -> dict:
+    """The generation layouts (tp x pp) on at most ``s.devices`` devices whose weights and KV cache fit, fastest
+    decode step first (``plan/generation.py``); where none fits, the leanest and by how much it is over."""
+    hw, cfg = s.hw, s.model
+    layouts = generation_layouts(cfg, hw, s.devices, batch, context, dtype_bytes, memory_fraction, s.seq_len)
+    fitting = [e for e in layouts if e.fits]
+    budget = memory_fraction * hw.hbm_bytes
+    dtype = {2: "bf16", 4: "fp32"}[dtype_bytes]
+    lines = [f"{s.model_name}: generation of {batch} sequence(s) at {context:,} positions, {dtype} weights and KV "
+             f"cache, on up to {s.devices:,} x {hw.name} ({budget / 1e9:.1f} GB usable each)"]
+    lines.append(f"  {'tp':>3} {'pp':>3} {'devices':>7} {'weights':>10} {'KV cache':>10} {'per device':>11} "
+                 f"{'step':>10} {'tokens/s':>10}")
+    for e in (fitting or layouts)[:top]:
+        r = e.row()
+        lines.append(f"  {e.tp:>3} {e.pp:>3} {e.devices:>7} {r['weights_bytes'] / 1e9:>8.1f}GB "
+                     f"{r['kv_bytes'] / 1e9:>8.1f}GB {e.per_device / 1e9:>9.1f}GB {e.step_s * 1e3:>8.2f}ms "
+                     f"{e.tokens_per_s:>10,.0f}" + ("" if e.fits else "  (does not fit)"))
+    if fitting:
+        fewest = min(fitting, key=lambda e: (e.devices, e.step_s))
+        best = fitting[0]
+        lines.append(f"fastest: tp={best.tp} pp={best.pp} ({best.devices} devices, {best.step_s * 1e3:.2f} ms a step); "
+                     f"fewest devices: tp={fewest.tp} pp={fewest.pp} ({fewest.devices}, {fewest.step_s * 1e3:.2f} ms)")
+        launch = f"--nproc {best.devices}" if best.devices <= hw.devices_per_node else \
+            f"under torchrun over {-(-best.devices // hw.devices_per_node)} nodes (docs/generation.md)"
+        lines.append(f"  meshtrain generate parallel.tp={best.tp} parallel.pp={best.pp} train.dtype={dtype} {launch}")
+    else:
+        lean = min(layouts, key=lambda e: e.per_device)
+        lines.append(f"nothing fits on {s.devices:,} devices: the leanest, tp={lean.tp} pp={lean.pp}, needs "
+                     f"{lean.per_device / 1e9:.1f} GB per device ({lean.per_device / budget:.2f}x the budget): "
+                     f"give more --devices or --nodes, a smaller --decode-batch or --context")
+    lines.append("  (weights exact as meshtrain generate holds them; a step's time from the HBM roofline, stages in "
+                 "turn: a model not yet measured on a GPU)")
+    return {"query": "generate", "batch": batch, "context": context, "dtype": dtype, "budget_bytes": budget,
+            "layouts": [e.row() for e in layouts], "fits": bool(fitting), "lines": lines}
 
 
 def layer_comm_query(s: Setting) -> dict:

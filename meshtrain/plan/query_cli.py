@@ -8,6 +8,7 @@
     meshtrain plan layer-comm     --model llama2-13b --hardware v5p --devices 4096 --batch-tokens 3e6
     meshtrain plan activations    --model llama2-13b --batch-tokens 16e6 --devices 4096
     meshtrain plan megatron       --model llama3-70b --hardware a100 --devices 1024 --train-tokens 300e9 --tflops 140
+    meshtrain plan generate       --model llama3-405b --hardware h100 --nodes 2 --decode-batch 8 --context 8192
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ QUERIES = {
     "layer-comm": "one layer's matmul time and each axis's communication time, by strategy",
     "activations": "checkpoint memory in the book's c x [B, D] form, by remat policy",
     "megatron": "the Megatron-LM paper's parameter, FLOP and training-time formulas beside ours",
+    "generate": "the generation layouts (tp x pp) whose weights and KV cache fit, fastest decode step first",
 }
 
 
@@ -76,7 +78,14 @@ def main(argv: list[str]) -> int:
     if name == "roofline":
         ap.add_argument("--tokens-per-chip", type=float, default=None,
                         help="tokens in one chip's matmul (default: --batch-tokens / --devices)")
+    if name in ("roofline", "generate"):
         ap.add_argument("--decode-batch", type=int, default=1, help="sequences in one decode step")
+    if name == "generate":
+        ap.add_argument("--context", type=int, default=0,
+                        help="positions each sequence's KV cache holds (default: the model's max_seq_len)")
+        ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="the weights' and cache's dtype")
+        ap.add_argument("--memory-fraction", type=float, default=0.9, help="usable fraction of device memory")
+        ap.add_argument("--top", type=int, default=5, help="layouts to print")
     args = ap.parse_args(argv[1:])
 
     cfg = plan_config(args.model)
@@ -117,6 +126,14 @@ def main(argv: list[str]) -> int:
         if args.tokens_per_chip is not None:
             _positive("tokens-per-chip", args.tokens_per_chip)
         out = queries.roofline_query(setting, args.tokens_per_chip, args.decode_batch)
+    elif name == "generate":
+        if args.decode_batch < 1 or args.context < 0 or args.top < 1:
+            raise ValueError(f"--decode-batch and --top must be >= 1 and --context >= 0 (0: the model's "
+                             f"max_seq_len), got {args.decode_batch}, {args.top} and {args.context}")
+        if not 0 < args.memory_fraction <= 1:
+            raise ValueError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction:g}")
+        out = queries.generate_query(setting, args.decode_batch, args.context or cfg.model.max_seq_len,
+                                     {"bf16": 2, "fp32": 4}[args.dtype], args.memory_fraction, args.top)
     elif name == "layer-comm":
         out = queries.layer_comm_query(setting)
     elif name == "activations":

@@ -80,8 +80,10 @@ def check_generation(cfg: Config, world_size: int, new_tokens: int) -> None:
         raise ConfigError(f"--tokens {new_tokens}: ask for at least 1 new token.")
     validate(cfg, world_size)
     device = resolve_device(cfg.train.device)
-    if device.type == "cuda" and torch.cuda.device_count() < world_size:
-        raise ConfigError(f"--nproc {world_size} runs one process per GPU but {torch.cuda.device_count()} GPU(s) "
+    # this node's processes: all of them under --nproc, a node's share when torchrun spans several nodes
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if device.type == "cuda" and torch.cuda.device_count() < local:
+        raise ConfigError(f"--nproc {local} runs one process per GPU but {torch.cuda.device_count()} GPU(s) "
                           f"are visible: pass --nproc {torch.cuda.device_count()}, or train.device=cpu.")
 
 
