@@ -1037,11 +1037,12 @@ def test_generate_reads_a_huggingface_folder_with_transformers_greedy_tokens(tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_generate_from_a_huggingface_folder_on_two_tensor_parallel_ranks(tmp_path, arch):
+@pytest.mark.parametrize("arch, layout", [("llama", "parallel.tp=2"), ("qwen2", "parallel.tp=2"),
+                                          ("qwen3", "parallel.tp=2"), ("llama", "parallel.pp=2")])
+def test_generate_from_a_huggingface_folder_on_two_ranks(tmp_path, arch, layout):
     """The same on tp=2: each rank reads only its slices of the HF folder (a Qwen2's biases too: each rank adds its
-    heads' rows; a Qwen3's norms whole), and the tokens are transformers'."""
+    heads' rows; a Qwen3's norms whole); and on pp=2, a stage per rank. The tokens are transformers'."""
     folder, prompt, want = _greedy_case(tmp_path, arch)
     r = _meshtrain("generate", "--ckpt", str(folder), "--prompt", prompt, "--tokens", "12", "--greedy",
-                   "--nproc", "2", "parallel.tp=2")
+                   "--nproc", "2", layout)
     assert r.returncode == 0 and r.stdout == want, (r.stdout, want, r.stderr)
