@@ -74,10 +74,11 @@ def _train(argv: list[str]) -> int:
     if args.dry_run and args.nproc is None:
         raise ConfigError("--dry-run prints the torchrun line of a launch: use it with --nproc N.")
     cfg = load_config(args.config, args.overrides, check=False)
+    replaced: list[str] = []  # model options init_from's config.json replaces: the run's log names them
     if cfg.train.init_from:  # its config.json is the model: the layout is checked against it, not the preset's
         from meshtrain.train.trainer import resolve_init_from
 
-        resolve_init_from(cfg)
+        replaced = resolve_init_from(cfg)
     validate(cfg)
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
         from meshtrain.train.trainer import check_before_launch
@@ -106,7 +107,7 @@ def _train(argv: list[str]) -> int:
 
     from meshtrain.train.trainer import Trainer
 
-    Trainer(cfg, args.out).train()
+    Trainer(cfg, args.out, notes=replaced).train()
     if dist.is_initialized():  # an orderly shutdown: every rank done before any tears down
         dist.barrier()
         dist.destroy_process_group()

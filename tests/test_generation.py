@@ -117,9 +117,8 @@ def _generate_on_layout(rank: int, world: int, model: dict, pp: int = 1) -> list
 
 def _planned(model: dict, tp: int, pp: int) -> list:
     """The planner's bytes per stage (``meshtrain plan generate``) for ``_generate_on_layout``'s run: fp32, the
-    batch of PROMPTS, a cache of the longest prompt plus 15 fed-back tokens, the trainer's default seq_len cut."""
-    return stage_bytes(ModelConfig(**model), tp, pp, len(PROMPTS), max(len(p) for p in PROMPTS) + 15, 4,
-                       Config().train.seq_len)
+    batch of PROMPTS, a cache of the longest prompt plus 15 fed-back tokens."""
+    return stage_bytes(ModelConfig(**model), tp, pp, len(PROMPTS), max(len(p) for p in PROMPTS) + 15, 4)
 
 
 @pytest.mark.slow
@@ -152,7 +151,7 @@ def test_pipelined_generation_equals_one_device(tp, pp, extra):
     model = {**MODEL, "n_layers": 3, **extra}
     one = spawn(_generate_on_layout, 1, (model,))[0]
     ranks = spawn(_generate_on_layout, tp * pp, (model, pp))
-    want = partition_model(ModelConfig(**model), Config().train.seq_len, pp).layers
+    want = partition_model(ModelConfig(**model), model["max_seq_len"], pp).layers  # training's cut at the context
     planned = _planned(model, tp, pp)
     for i, (tokens, kv_bytes, param_bytes, _) in enumerate(one):
         assert all(rank[i][0] == tokens for rank in ranks)
@@ -291,10 +290,14 @@ def test_cli_refuses_bad_generation_input_with_one_line(run_folder, tmp_path):
     cases = [
         (["--ckpt", str(tmp_path / "none")], "does not exist"),
         (["--ckpt", str(run_folder), "--nproc", "3", "parallel.tp=3"], "parallel.tp=3 must divide model.n_heads=8"),
-        (["--ckpt", str(run_folder), "--nproc", "2", "parallel.tp=4"], "pass parallel.tp=2"),
+        (["--ckpt", str(run_folder), "--nproc", "2", "parallel.tp=4"], "pass --nproc 4, or parallel.tp=2 for 2"),
+        (["--ckpt", str(run_folder), "--nproc", "3", "parallel.pp=2"], "= 2 ranks: generation runs one process per "
+                                                                       "rank; pass --nproc 2."),
+        (["--ckpt", str(run_folder), "parallel.pp=2"], "1 process(es) for parallel.tp=1 x parallel.pp=2"),
         (["--ckpt", str(run_folder), "parallel.dp=2"], "drop parallel.dp=2"),
         (["--ckpt", str(run_folder), "--nproc", "2", "parallel.pp=2", "parallel.tp=2"],
-         "generation runs one process per rank of tp x pp; pass parallel.tp=1 parallel.pp=2 (or --nproc 4)"),
+         "2 process(es) for parallel.tp=2 x parallel.pp=2 = 4 ranks: generation runs one process per rank; pass "
+         "--nproc 4, or parallel.tp=1 for 2 processes."),
         (["--ckpt", str(run_folder), "--nproc", "3", "parallel.pp=3"], "parallel.pp=3 stages need a block each"),
         (["--ckpt", str(run_folder), "--tokens", "0"], "--tokens 0"),
         # sampling options beside --greedy did nothing; an empty --ckpt meant the current folder

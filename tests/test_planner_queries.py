@@ -215,7 +215,7 @@ def test_generation_layouts_for_405b_on_one_and_two_h100_nodes(capsys):
     and the answer names the leanest layout and how far over it is; on two nodes tp=8 x pp=2 is the fastest, each
     rank holding a sixteenth of the weights. Its step is at least the weights one rank of each stage reads from
     HBM, stage after stage (the whole model over tp), and within 50% of it: the rest (29%) is the cache and the
-    253 small all-reduces per stage, each mostly latency."""
+    253 small all-reduces in all, each mostly latency."""
     argv = ["plan", "generate", "--model", "llama3-405b", "--hardware", "h100", "--decode-batch", "8",
             "--context", "8192", "--json"]
     assert cli.main(argv) == 0
@@ -276,6 +276,10 @@ def test_every_query_prints_text_and_json(argv, capsys):
     (["generate", "--memory-fraction", "1.5"], "--memory-fraction must be in (0, 1], got 1.5"),
     (["generate", "--dtype", "int8"], "--dtype"),
     (["generate", "--tokens-per-chip", "4"], "unrecognized arguments: --tokens-per-chip 4"),
+    # a training batch generation does not read; a cache generate never allocates (its RoPE tables end there)
+    (["generate", "--batch-tokens", "4M"], "unrecognized arguments: --batch-tokens 4M"),
+    (["generate", "--model", "llama3-8b", "--context", "100000"], "--context 100000 is more than llama3-8b's "
+                                                                  "model.max_seq_len=8192"),
 ])
 def test_query_bad_input_is_one_error_line(argv, names, capsys):
     assert cli.main(["plan", *argv]) == 2

@@ -76,14 +76,24 @@ def test_the_run_log_says_what_it_does_not_read(capsys):
     assert "train.muon_lr=0.02 is not read: only train.optimizer=muon reads it." in out
 
 
-def test_model_options_init_from_replaces_are_named(tmp_path):
+def test_model_options_init_from_replaces_are_named(tmp_path, capsys):
+    """Directly, and in the log of ``meshtrain train``, which resolves the folder before the trainer does (the
+    trainer's own resolve then sees the folder's model and nothing to name: the CLI hands its notes over)."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from meshtrain import cli
 
     hf = LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, max_position_embeddings=64)
     LlamaForCausalLM(hf).save_pretrained(tmp_path / "hf")
     # d_model differs from the folder's, max_seq_len equals it, the rest are at their defaults: only d_model is named
-    cfg = load_config("tiny", [f"train.init_from={tmp_path / 'hf'}", "model.d_model=48", "model.max_seq_len=64"])
+    given = [f"train.init_from={tmp_path / 'hf'}", "model.d_model=48", "model.max_seq_len=64"]
+    cfg = load_config("tiny", given)
     notes = resolve_init_from(cfg)
-    assert notes == [f"model.d_model=48 is not read: train.init_from={tmp_path / 'hf'} gives 32."], notes
+    said = f"model.d_model=48 is not read: train.init_from={tmp_path / 'hf'} gives 32."
+    assert notes == [said], notes
     assert cfg.model.d_model == 32
+    run = ["train.steps=1", "data.source=synthetic", "train.progress=false", "train.tensorboard=false",
+           "train.peak_flops=1e11"]
+    assert cli.main(["train", "--config", "tiny", *given, *run]) == 0
+    assert said in capsys.readouterr().out

@@ -2,13 +2,14 @@
 ``meshtrain generate`` allocates them, and a decode step's time from the HBM roofline.
 
 Memory, exact (``tests/test_generation.py`` holds it equal to what the ranks allocate): a rank's weights are its
-stage's units on one tensor-parallel rank (``units.unit_numels``; the stage is the training cut,
-``partition_model``, as ``train/inference.py`` cuts it) in the weight dtype; its KV cache holds, for each of the
-stage's blocks, K and V of its kv heads (n_kv_heads / tp, or one head replicated when tp exceeds them) for
-batch x context positions. Activations of a decode step ([B, 1, d] per block) are not counted.
+stage's units on one tensor-parallel rank (``units.unit_numels``; the stages are ``generation_partition``'s, which
+``train/inference.py`` cuts by) in the weight dtype; its KV cache holds, for each of the stage's blocks, K and V
+of its kv heads (n_kv_heads / tp, or one head replicated when tp exceeds them) for batch x context positions.
+Activations of a decode step ([B, 1, d] per block) are not counted.
 
 Time, a model not yet checked on a GPU: the stages run one after another (a decode step is one position); each
-reads its weights and its cache once from HBM or does its FLOPs, whichever is longer (the roofline of
+reads its weights (all but an untied embedding table, of which a step reads B rows; every expert of a mixture)
+and its cache once from HBM or does its FLOPs, whichever is longer (the roofline of
 ``book_roofline.decode_roofline``, per stage), plus per block the two tensor-parallel all-reduces of [B, d] (and
 the embedding's one) and the next token's all-gather, the hidden states sent to the next stage, and the last
 stage's logits broadcast over pp.
@@ -16,23 +17,26 @@ stage's logits broadcast over pp.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from meshtrain.config import ModelConfig
 from meshtrain.plan.hardware import Hardware
 from meshtrain.plan.network import group_link
-from meshtrain.plan.partition import partition_model
+from meshtrain.plan.partition import layer_costs, partition_model, partitions_up_to
 from meshtrain.plan.steptime import op_time
 from meshtrain.plan.units import unit_numels
 
 
 @dataclass(frozen=True)
 class StageBytes:
-    """What one pp stage's ranks hold: ``weights`` and ``kv`` bytes per tp rank, and its blocks."""
+    """What one pp stage's ranks hold: ``weights`` and ``kv`` bytes per tp rank, and its blocks; ``read``: the
+    weight bytes a decode step reads (an untied embedding table only looked up is not)."""
 
     weights: int
     kv: int
     blocks: int
+    read: int
 
 
 @dataclass(frozen=True)
@@ -80,16 +84,31 @@ def generation_tps(cfg: ModelConfig, limit: int) -> list[int]:
     return out
 
 
+def generation_partition(cfg: ModelConfig, pp: int) -> list[list[int]]:
+    """The blocks of each of ``pp`` generation stages: training's FLOP-balanced cut (``partition_model``) at the
+    model's own context, ``max_seq_len``, so that it depends on the model alone (``meshtrain generate`` and this
+    planner cut alike, whatever sequence length a checkpoint was trained at)."""
+    return partition_model(cfg, cfg.max_seq_len, pp).layers
+
+
+def generation_partitions(cfg: ModelConfig, max_pp: int) -> dict[int, list[list[int]]]:
+    """``generation_partition(cfg, pp)`` for every pp up to ``max_pp``, from one table (``partitions_up_to``)."""
+    return partitions_up_to(layer_costs(cfg, cfg.max_seq_len), max_pp)
+
+
 def stage_bytes(cfg: ModelConfig, tp: int, pp: int, batch: int, context: int, dtype_bytes: int,
-                seq_len: int) -> list[StageBytes]:
-    """Each pp stage's weight and KV cache bytes on one of its tp ranks, ``context`` positions per sequence."""
-    layers = partition_model(cfg, seq_len, pp).layers if pp > 1 else [list(range(cfg.n_layers))]
+                layers: list[list[int]] | None = None) -> list[StageBytes]:
+    """Each pp stage's weight and KV cache bytes on one of its tp ranks, ``context`` positions per sequence
+    (``layers``: ``generation_partition(cfg, pp)``, given when already computed)."""
+    layers = generation_partition(cfg, pp) if layers is None else layers
     kv_heads = max(cfg.kv_heads // tp, 1)
+    table = math.ceil(cfg.vocab_size / tp) * cfg.d_model * dtype_bytes  # the embedding's tp slice (units.py)
     out = []
     for s, blocks in enumerate(layers):
         weights = sum(unit_numels(cfg, tp, blocks, s == 0, s == pp - 1)) * dtype_bytes
         kv = 2 * batch * kv_heads * context * cfg.head_dim * dtype_bytes * len(blocks)
-        out.append(StageBytes(weights, kv, len(blocks)))
+        looked_up = table if s == 0 and not (cfg.tie_embeddings and pp == 1) else 0  # tied at pp 1: the head's too
+        out.append(StageBytes(weights, kv, len(blocks), weights - looked_up))
     return out
 
 
@@ -102,8 +121,8 @@ def decode_step_time(cfg: ModelConfig, hw: Hardware, tp: int, stages: list[Stage
     total = 0.0
     for i, s in enumerate(stages):
         attention = 4.0 * batch * context * cfg.head_dim * heads * s.blocks  # q.k and p.v over the context
-        flops = 2.0 * batch * s.weights / dtype_bytes + attention
-        total += max(flops / hw.bf16_flops, (s.weights + s.kv) / hw.hbm_bw)
+        flops = 2.0 * batch * s.read / dtype_bytes + attention
+        total += max(flops / hw.bf16_flops, (s.read + s.kv) / hw.hbm_bw)
         total += op_time(hw, "all_reduce", hidden, tp_link, calls=2 * s.blocks + (1 if i == 0 else 0))
     total += op_time(hw, "all_gather", 16 * batch, tp_link)  # the greedy choice's (value, index) per row
     pp = len(stages)
@@ -116,15 +135,16 @@ def decode_step_time(cfg: ModelConfig, hw: Hardware, tp: int, stages: list[Stage
 
 
 def generation_layouts(cfg: ModelConfig, hw: Hardware, devices: int, batch: int, context: int, dtype_bytes: int = 2,
-                       memory_fraction: float = 0.9, seq_len: int = 0) -> list[GenerationEstimate]:
+                       memory_fraction: float = 0.9) -> list[GenerationEstimate]:
     """Every tp x pp on at most ``devices`` devices (tp within ``hw.tp_max``, pp up to the blocks), fastest first
-    among those that fit ``memory_fraction`` of a device, then the rest by bytes per device. ``seq_len``: the
-    sequence length the training cut balances FLOPs at (default ``context``)."""
+    among those that fit ``memory_fraction`` of a device, then the rest by bytes per device."""
     budget = memory_fraction * hw.hbm_bytes
+    tps = generation_tps(cfg, min(hw.tp_max, devices))
+    cuts = generation_partitions(cfg, min(cfg.n_layers, devices))
     out = []
-    for tp in generation_tps(cfg, min(hw.tp_max, devices)):
+    for tp in tps:
         for pp in range(1, min(cfg.n_layers, devices // tp) + 1):
-            stages = stage_bytes(cfg, tp, pp, batch, context, dtype_bytes, seq_len or context)
+            stages = stage_bytes(cfg, tp, pp, batch, context, dtype_bytes, cuts[pp])
             step = decode_step_time(cfg, hw, tp, stages, batch, context, dtype_bytes)
             out.append(GenerationEstimate(tp, pp, tuple(stages), budget, step, batch))
     return sorted(out, key=lambda e: (not e.fits, e.step_s if e.fits else e.per_device))

@@ -40,37 +40,52 @@ class Partition:
 def partition_layers(costs: list[float], n_stages: int) -> list[list[int]]:
     """Contiguous split of ``costs`` into ``n_stages`` non-empty runs minimising the largest run's sum
     (exact, by dynamic programming; ties go to the earliest split)."""
+    return partitions_up_to(costs, n_stages)[n_stages]
+
+
+def partitions_up_to(costs: list[float], max_stages: int) -> dict[int, list[list[int]]]:
+    """``partition_layers(costs, k)`` for every k from 1 to ``max_stages``, from one table: the best split into k
+    runs only reads the splits into fewer (what the generation planner asks for every pp at once)."""
     n = len(costs)
-    if n_stages > n:
-        raise ValueError(f"{n_stages} pipeline stages need at least as many layers, the model has {n}: lower "
+    if max_stages > n:
+        raise ValueError(f"{max_stages} pipeline stages need at least as many layers, the model has {n}: lower "
                          f"parallel.pp (or parallel.virtual_stages), or use more model.n_layers.")
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
     inf = float("inf")
     # best[k][i]: the smallest max-run cost splitting the first i layers into k runs.
-    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best = [[inf] * (n + 1) for _ in range(max_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(max_stages + 1)]
     best[0][0] = 0.0
-    for k in range(1, n_stages + 1):
+    for k in range(1, max_stages + 1):
         for i in range(k, n + 1):
             for j in range(k - 1, i):
                 v = max(best[k - 1][j], prefix[i] - prefix[j])
                 if v < best[k][i] - 1e-12:
                     best[k][i], cut[k][i] = v, j
-    runs, i = [], n
-    for k in range(n_stages, 0, -1):
-        j = cut[k][i]
-        runs.append(list(range(j, i)))
-        i = j
-    return runs[::-1]
+    out = {}
+    for stages in range(1, max_stages + 1):
+        runs, i = [], n
+        for k in range(stages, 0, -1):
+            j = cut[k][i]
+            runs.append(list(range(j, i)))
+            i = j
+        out[stages] = runs[::-1]
+    return out
 
 
-def partition_model(cfg: ModelConfig, seq_len: int, n_stages: int) -> Partition:
-    """Balance the model's blocks over ``n_stages`` stages by forward FLOPs per token."""
+def layer_costs(cfg: ModelConfig, seq_len: int) -> list[float]:
+    """Forward FLOPs per token of each block, the embedding's added to the first and the head's to the last."""
     emb, block, head = stage_part_flops(cfg, seq_len)
     costs = [block] * cfg.n_layers
     costs[0] += emb
     costs[-1] += head
+    return costs
+
+
+def partition_model(cfg: ModelConfig, seq_len: int, n_stages: int) -> Partition:
+    """Balance the model's blocks over ``n_stages`` stages by forward FLOPs per token."""
+    costs = layer_costs(cfg, seq_len)
     runs = partition_layers(costs, n_stages)
     return Partition(runs, [sum(costs[i] for i in r) for r in runs])

@@ -232,7 +232,7 @@ def generate_query(s: Setting, batch: int, context: int, dtype_bytes: int, memor
     """The generation layouts (tp x pp) on at most ``s.devices`` devices whose weights and KV cache fit, fastest
     decode step first (``plan/generation.py``); where none fits, the leanest and by how much it is over."""
     hw, cfg = s.hw, s.model
-    layouts = generation_layouts(cfg, hw, s.devices, batch, context, dtype_bytes, memory_fraction, s.seq_len)
+    layouts = generation_layouts(cfg, hw, s.devices, batch, context, dtype_bytes, memory_fraction)
     fitting = [e for e in layouts if e.fits]
     budget = memory_fraction * hw.hbm_bytes
     dtype = {2: "bf16", 4: "fp32"}[dtype_bytes]

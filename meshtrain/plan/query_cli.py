@@ -51,8 +51,9 @@ def main(argv: list[str]) -> int:
     if name != "min-devices":  # which finds the device count: a slice size given to it would be ignored
         ap.add_argument("--devices", type=int, default=0, help="devices (default: one node; 4096 for a TPU)")
         ap.add_argument("--nodes", type=int, default=0, help="nodes (hosts) of --hardware, instead of --devices")
-    ap.add_argument("--batch-tokens", default="4M", help="global batch in tokens (4M = 4 x 2^20; 3e6 as written)")
-    ap.add_argument("--seq-len", type=int, default=0, help="sequence length (default: the config's)")
+    if name != "generate":  # a training batch: generation's are --decode-batch sequences of --context positions
+        ap.add_argument("--batch-tokens", default="4M", help="global batch in tokens (4M = 4 x 2^20; 3e6 as written)")
+        ap.add_argument("--seq-len", type=int, default=0, help="sequence length (default: the config's)")
     ap.add_argument("--json", action="store_true", help="print JSON")
     if name in ("min-devices", "max-model"):
         ap.add_argument("--bytes-per-param", type=float, default=10.0,
@@ -96,10 +97,11 @@ def main(argv: list[str]) -> int:
     if devices < 0 or nodes < 0 or (devices and nodes):
         raise ValueError("give --devices or --nodes (not both), each >= 1")
     devices = devices or nodes * hw.devices_per_node or (4096 if hw.torus else hw.devices_per_node)
-    if args.seq_len < 0:
-        raise ValueError(f"--seq-len must be >= 0 (0: the config's train.seq_len), got {args.seq_len}")
-    setting = queries.Setting(cfg.model, str(args.model), hw, devices, parse_tokens(args.batch_tokens),
-                              args.seq_len or cfg.train.seq_len)
+    seq_len = getattr(args, "seq_len", 0)
+    if seq_len < 0:
+        raise ValueError(f"--seq-len must be >= 0 (0: the config's train.seq_len), got {seq_len}")
+    batch_tokens = parse_tokens(getattr(args, "batch_tokens", "4M"))
+    setting = queries.Setting(cfg.model, str(args.model), hw, devices, batch_tokens, seq_len or cfg.train.seq_len)
     if name in ("min-devices", "max-model"):
         _positive("bytes-per-param", args.bytes_per_param)
         if not 0 < args.memory_fraction <= 1:  # also refuses nan
@@ -132,6 +134,10 @@ def main(argv: list[str]) -> int:
                              f"max_seq_len), got {args.decode_batch}, {args.top} and {args.context}")
         if not 0 < args.memory_fraction <= 1:
             raise ValueError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction:g}")
+        if args.context > cfg.model.max_seq_len:  # generate never caches more: its RoPE tables end there
+            raise ValueError(f"--context {args.context} is more than {args.model}'s model.max_seq_len="
+                             f"{cfg.model.max_seq_len}, the most positions meshtrain generate caches: give at most "
+                             f"that")
         out = queries.generate_query(setting, args.decode_batch, args.context or cfg.model.max_seq_len,
                                      {"bf16": 2, "fp32": 4}[args.dtype], args.memory_fraction, args.top)
     elif name == "layer-comm":

@@ -5,9 +5,9 @@ over ``parallel.tp`` and pipelined over ``parallel.pp`` processes), each rank re
 Tensor parallelism: every rank runs the same tokens, its attention holds n_heads / tp query heads and their kv
 heads (so its KV cache too), and the vocabulary-parallel head's next-token choice is agreed over tp without
 gathering the logits (``parallel/next_token.py``). Pipeline parallelism: each pp rank holds the blocks of one
-stage (the training partition's) and their cache, and the hidden states pass from stage to stage
-(``parallel/pipeline/decode.py``). No sequence parallelism (a decode step has one position), no data parallelism
-(batch the prompts).
+stage (training's cut at the model's context: ``plan/generation.py``) and their cache, and the hidden states
+pass from stage to stage (``parallel/pipeline/decode.py``). No sequence parallelism (a decode step has one
+position), no data parallelism (batch the prompts).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from meshtrain.parallel.pipeline.decode import PipelineDecoder
 from meshtrain.parallel.pipeline.engine import prune_to_stages
 from meshtrain.parallel.state import check_shapes, load_state
 from meshtrain.parallel.tensor import VocabParallelHead, apply_tensor_parallel
-from meshtrain.plan.partition import partition_model
+from meshtrain.plan.generation import generation_partition
 from meshtrain.rules import rules_for
 from meshtrain.train.checkpoint import CheckpointReader
 from meshtrain.train.trainer import resolve_device, resolve_dtype
@@ -66,16 +66,16 @@ def check_generation(cfg: Config, world_size: int, new_tokens: int) -> None:
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
     for name, size in (("tp", tp), ("pp", pp)):
         if size < 1:
-            raise ConfigError(f"parallel.{name}={size}: generation needs parallel.{name} >= 1 (one process per rank "
-                              f"of tp x pp; pass --nproc N parallel.tp=N).")
+            raise ConfigError(f"parallel.{name}={size}: generation needs parallel.{name} >= 1 (1: the model not "
+                              f"split that way).")
     if pp > cfg.model.n_layers:
         raise ConfigError(f"parallel.pp={pp} stages need a block each, but the model has model.n_layers="
                           f"{cfg.model.n_layers}: pass parallel.pp={cfg.model.n_layers} or fewer.")
     if world_size != tp * pp:
-        layout = f"parallel.tp={tp}" + (f" x parallel.pp={pp}" if pp > 1 else "")
-        raise ConfigError(f"--nproc {world_size} with {layout}: generation runs one process per rank of tp x pp; "
-                          f"pass parallel.tp={world_size // pp if world_size % pp == 0 else world_size}"
-                          f"{f' parallel.pp={pp}' if world_size % pp == 0 and pp > 1 else ''} (or --nproc {tp * pp}).")
+        other = f", or parallel.tp={world_size // pp} for {world_size} processes" \
+            if world_size % pp == 0 and world_size // pp != tp else ""
+        raise ConfigError(f"{world_size} process(es) for parallel.tp={tp} x parallel.pp={pp} = {tp * pp} ranks: "
+                          f"generation runs one process per rank; pass --nproc {tp * pp}{other}.")
     if new_tokens < 1:
         raise ConfigError(f"--tokens {new_tokens}: ask for at least 1 new token.")
     validate(cfg, world_size)
@@ -120,7 +120,7 @@ def load_for_generation(cfg: Config, path: str | Path | None, source=None) -> Ge
     module: Llama | PipelineDecoder = model
     if pp > 1:
         stage = mesh.coord("pp")
-        cut = prune_to_stages(model, [stage], partition_model(cfg.model, cfg.train.seq_len, pp))[stage]
+        cut = prune_to_stages(model, [stage], generation_partition(cfg.model, pp))[stage]
         module = PipelineDecoder(cut, mesh, head.weight.shape[0])
     params = dict(model.named_parameters())
     # bf16 weights from the start: a rank never holds its fp32 copy; every box read is cast as it is copied in.

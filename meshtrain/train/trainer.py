@@ -319,9 +319,10 @@ class Trainer:
     """Builds everything a run needs from a validated config, then trains."""
 
     def __init__(self, cfg: Config, out_dir: str | Path | None = None,
-                 grad_hook: Callable[[int, Trainer], None] | None = None) -> None:
+                 grad_hook: Callable[[int, Trainer], None] | None = None, notes: list[str] = ()) -> None:
         """``grad_hook(step, trainer)``, if given, is called on every rank once a step's gradients are
-        synchronised and before they are clipped and applied (equivalence tests gather them there)."""
+        synchronised and before they are clipped and applied (equivalence tests gather them there). ``notes``:
+        lines the log says first, from what resolved the config already (``resolve_init_from``'s, by the CLI)."""
         self.grad_hook = grad_hook
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         # torchrun's elastic restart (meshtrain train --max-restarts): the new workers go on from the latest
@@ -338,7 +339,7 @@ class Trainer:
             import_wandb()  # before the process group and the model: a missing extra is one line, not a late failure
         self.cfg = cfg
         # What the run's log says first (rank 0): options it does not read, a fresh start despite resume, ...
-        self.notes: list[str] = [*replaced, *unread_options(cfg)]
+        self.notes: list[str] = [*notes, *replaced, *unread_options(cfg)]
         self.out_dir = Path(out_dir) if out_dir else None
         t = cfg.train
         if t.threads:

@@ -80,7 +80,7 @@ def split(model: Llama, mesh: Mesh, schedule: PipelineSchedule, partition: Parti
     """Prune ``model`` to this rank's stages (in place) and return {stage: PipelineStage}. With ``wgrad``
     (zero-bubble schedules) the stages' linear layers defer their weight gradients to W actions."""
     rank = mesh.coord("pp")
-    stages = prune_to_stages(model, [s for s, r in enumerate(schedule.placement) if r == rank], partition)
+    stages = prune_to_stages(model, [s for s, r in enumerate(schedule.placement) if r == rank], partition.layers)
     if wgrad is not None:
         for stage in stages.values():
             defer_weight_grads(stage, wgrad)
@@ -90,13 +90,14 @@ def split(model: Llama, mesh: Mesh, schedule: PipelineSchedule, partition: Parti
     return stages
 
 
-def prune_to_stages(model: Llama, mine: list[int], partition: Partition) -> dict[int, PipelineStage]:
-    """Prune ``model`` (in place) to the stages ``mine`` of ``partition`` and return {stage: PipelineStage}: the
-    blocks of other stages are dropped, the embedding unless a stage is the first, the final norm and the head
-    unless one is the last. Training (``split``) and pipelined generation (``pipeline/decode.py``) both cut so."""
-    last = partition.n_stages - 1
-    stages = {s: PipelineStage(model, partition.layers[s], s == 0, s == last) for s in mine}
-    keep = {str(i) for s in mine for i in partition.layers[s]}
+def prune_to_stages(model: Llama, mine: list[int], layers: list[list[int]]) -> dict[int, PipelineStage]:
+    """Prune ``model`` (in place) to the stages ``mine`` (``layers[s]``: the blocks of stage s) and return
+    {stage: PipelineStage}: the blocks of other stages are dropped, the embedding unless a stage is the first, the
+    final norm and the head unless one is the last. Training (``split``) and pipelined generation
+    (``pipeline/decode.py``) both cut so."""
+    last = len(layers) - 1
+    stages = {s: PipelineStage(model, layers[s], s == 0, s == last) for s in mine}
+    keep = {str(i) for s in mine for i in layers[s]}
     for key in list(model.layers.keys()):
         if key not in keep:
             del model.layers[key]
