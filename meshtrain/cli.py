@@ -322,8 +322,7 @@ def _generate(argv: list[str]) -> int:
         if args.stats:
             print(f"generated {run.new_tokens} tokens ({len(prompts)} prompt(s)) in {run.seconds:.3f} s: "
                   f"{run.tokens_per_s:,.1f} tokens/s on tp={cfg.parallel.tp} pp={cfg.parallel.pp}; KV cache bytes "
-                  f"per rank "
-                  f"{', '.join(f'{b:,}' for b in kv)}")
+                  f"per rank {', '.join(f'{b:,}' for b in kv)}")
     sys.stdout.flush()
     if gm.mesh.world_size > 1:  # an orderly shutdown, as a training worker's (see _train)
         import torch.distributed as dist

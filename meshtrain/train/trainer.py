@@ -15,7 +15,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -319,7 +319,7 @@ class Trainer:
     """Builds everything a run needs from a validated config, then trains."""
 
     def __init__(self, cfg: Config, out_dir: str | Path | None = None,
-                 grad_hook: Callable[[int, Trainer], None] | None = None, notes: list[str] = ()) -> None:
+                 grad_hook: Callable[[int, Trainer], None] | None = None, notes: Sequence[str] = ()) -> None:
         """``grad_hook(step, trainer)``, if given, is called on every rank once a step's gradients are
         synchronised and before they are clipped and applied (equivalence tests gather them there). ``notes``:
         lines the log says first, from what resolved the config already (``resolve_init_from``'s, by the CLI)."""
