@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from meshtrain.config import ConfigError, load_config
+from meshtrain.testing.cli import cli_refusal
 from meshtrain.testing.equivalence import GRAD_RTOL, PARAM_RTOL, assert_same_tensors, run_layout
 from meshtrain.train import checkpoint as ckpt_mod
 from meshtrain.train.checkpoint import CheckpointError, latest_checkpoint
@@ -168,23 +169,22 @@ def test_cli_nproc_relaunches_under_torchrun(tmp_path):
     assert [p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")] == []
 
 
-def test_bad_checkpoints_are_refused_before_starting_processes(tmp_path):
+def test_bad_checkpoints_are_refused_before_starting_processes(tmp_path, capsys):
     """Resuming a checkpoint whose shapes disagree with the config, or one written by a newer format, or
-    starting over a run without resume: one line naming the file or option, before torchrun starts."""
+    starting over a run without resume: one line naming the file or option, before torchrun starts (the first
+    case in a real process, the others in this one: ``cli_refusal``)."""
     out = tmp_path / "run"
     base = ["train", "--config", "tiny", "--out", str(out), "data.source=synthetic", "train.steps=1",
             "train.progress=false"]
     assert _cli(*base).returncode == 0
     step = latest_checkpoint(out / "checkpoints")
+    r = _cli(*base, "--nproc", "2", "parallel.dp=2")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "already holds checkpoints" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
     def refused(*extra: str) -> str:
-        r = _cli(*base, "--nproc", "2", *extra)
-        assert r.returncode == 2, r.stderr
-        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
-        assert not any(ln.startswith("[rank") for ln in r.stderr.splitlines())  # no process was started
-        return r.stderr
+        return cli_refusal([*base, "--nproc", "2", *extra], capsys)
 
-    assert "already holds checkpoints" in refused("parallel.dp=2")
     msg = refused("parallel.dp=2", "train.resume=true", "model.d_model=64")
     assert "tok_embeddings.weight has shape (257, 32) in the checkpoint but (257, 64)" in msg and str(step) in msg
     shard = step / "rank_00000.safetensors"
@@ -198,8 +198,8 @@ def test_bad_checkpoints_are_refused_before_starting_processes(tmp_path):
     (step / "meta.json").write_text("[]")
     assert "meta.json is corrupt (not a JSON object)" in refused("parallel.dp=2", "train.resume=true")
     (step / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "config"}))
-    r = _cli("generate", "--ckpt", str(step), "--prompt", "a", "--tokens", "2")
-    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "holds no model config" in r.stderr, r.stderr
+    assert "holds no model config" in cli_refusal(["generate", "--ckpt", str(step), "--prompt", "a", "--tokens", "2"],
+                                                   capsys)
     msg = refused("parallel.dp=2", f"train.init_from={tmp_path / 'no_such_hf_folder'}")
     assert f"train.init_from={tmp_path / 'no_such_hf_folder'} is not a folder: give a HuggingFace model" in msg
 
