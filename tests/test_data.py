@@ -540,6 +540,10 @@ def test_synthetic_dataset() -> None:
     follows = (y == (ds.mult * x + ds.incr) % 257).float().mean().item()
     assert 0.85 < follows < 0.95
     assert ds.eos_id == 256 and ds.vocab_size == 257 and ds.num_tokens > 0
+    # A data-parallel rank's rows are those of the global batch; every target is learned.
+    assert all(torch.equal(u, v[1:3]) for u, v in zip(ds.batch(0, 3, 4, 128, rows=slice(1, 3)), (x1, y1),
+                                                        strict=True))
+    assert ds.target_count(0, 3, 4, 128) == 4 * 128
 
 
 def test_a_batch_made_ahead_is_the_one_get_returns_and_any_other_step_is_made_then():

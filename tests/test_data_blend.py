@@ -67,6 +67,12 @@ def test_rows_come_from_the_folder_drawn_for_them_in_the_weights_share(folders):
     assert all((u == v).all() for u, v in zip(again, blend.batch(0, 7, 16, SEQ), strict=True))
     assert not (blend.batch(1, 7, 16, SEQ)[0] == again[0]).all()
     assert not (BlendedDataset([(0.7, a), (0.3, b)], "val").batch(0, 7, 16, SEQ)[0] == again[0]).all()
+    # A data-parallel rank's rows (Trainer.local_batch): those rows of the global batch, each folder reading only
+    # its windows among them; every target of these folders is learned.
+    for rows in (slice(0, 8), slice(8, 16), np.array([3, 15])):
+        part = blend.batch(0, 7, 16, SEQ, rows=rows)
+        assert all((u == v[rows]).all() for u, v in zip(part, again, strict=True)), rows
+    assert blend.target_count(0, 7, 16, SEQ) == 16 * SEQ
     # The unigram baseline of the blend: the folders' distributions, weighted.
     p = blend.token_probs()
     assert p.sum() == pytest.approx(1.0) and p[ord("a")] > 0.6 and p[ord("b")] > 0.25

@@ -79,6 +79,43 @@ def test_a_batch_ignores_exactly_the_prompt_targets(records):
     assert 0.1 < float((targets == -100).float().mean()) < 0.9  # the test data has both
 
 
+class _CountingTokens:
+    """A token array that counts the tokens read through it."""
+
+    def __init__(self, tokens: np.ndarray) -> None:
+        self.tokens, self.read = tokens, 0
+
+    def __getitem__(self, idx):
+        out = self.tokens[idx]
+        self.read += out.size
+        return out
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.tokens.shape
+
+
+def test_a_rank_reads_only_its_rows_and_counts_the_global_targets_without_reading(records):
+    """``batch(rows=)`` is those rows of the global batch, read alone (what a data-parallel rank reads falls as
+    1/dp); ``target_count`` is the global batch's learned targets from the offsets and prompt lengths alone,
+    also for windows that end at the split's last token."""
+    _, data = records
+    ds = TokenDataset(data, "train")
+    n = ds.num_tokens
+    for seed, step, rows, t in ((3, 7, 16, 48), (0, 1, 8, 5), (1, 2, 8, n - 2), (4, 0, 6, n - 3)):
+        inputs, targets = ds.batch(seed, step, rows, t)
+        ds._tokens = _CountingTokens(ds._tokens)
+        assert ds.target_count(seed, step, rows, t) == int((targets != -100).sum()), (seed, step, t)
+        assert ds._tokens.read == 0
+        for part in (slice(0, rows // 2), slice(rows // 2, rows), np.array([1, rows - 1])):
+            x, y = ds.batch(seed, step, rows, t, rows=part)
+            assert torch.equal(x, inputs[part]) and torch.equal(y, targets[part]), (seed, step, t, part)
+        assert ds._tokens.read == (rows + 2) * (t + 1)  # the two halves and two rows: nothing else
+        ds._tokens = ds._tokens.tokens
+    # seq_len n - 2 draws offsets 0 and 1: a window at 1 ends at the split's last token
+    assert (batch_rng(1, 2, ds._split_id, None).integers(0, 2, size=8) == 1).any()
+
+
 def test_the_loss_is_the_mean_over_completion_tokens(records):
     from meshtrain.train.trainer import Trainer
 

@@ -67,21 +67,23 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ORDER = ("tp", "cp", "ep", "pp", "recompute", "compile", "dp")  # the order parallelize applies them in
 
 
-def shard_rows(x: torch.Tensor, index: int, count: int) -> torch.Tensor:
-    """Rows of the global batch ``x`` owned by data-parallel coordinate ``index`` of ``count``.
-
-    Returns the contiguous block ``[index * r, (index + 1) * r)`` with ``r = rows // count`` (a view).
-    """
+def batch_rows(rows: int, index: int, count: int) -> slice:
+    """The rows of a global batch of ``rows`` owned by data-parallel coordinate ``index`` of ``count``: the
+    contiguous block ``[index * r, (index + 1) * r)`` with ``r = rows // count``."""
     if count < 1 or not 0 <= index < count:
         raise ValueError(f"data-parallel index {index} out of range for {count} shards")
-    rows = x.shape[0]
     if rows % count:
         raise ValueError(
             f"train.global_batch ({rows} rows) is not divisible by the {count} data-parallel shards; "
             f"choose a multiple of {count}"
         )
     r = rows // count
-    return x[index * r : (index + 1) * r]
+    return slice(index * r, (index + 1) * r)
+
+
+def shard_rows(x: torch.Tensor, index: int, count: int) -> torch.Tensor:
+    """Rows of the global batch ``x`` owned by data-parallel coordinate ``index`` of ``count`` (a view)."""
+    return x[batch_rows(x.shape[0], index, count)]
 
 
 @torch.no_grad()
@@ -160,13 +162,16 @@ class Parallel:
 
     # ------------------------------------------------------------------ the step
 
+    def batch_rows(self, global_batch: int) -> slice:
+        """This rank's rows of a global batch of ``global_batch`` rows (its dp coordinate's): the only rows it
+        reads, so what a rank reads falls as 1/dp."""
+        return batch_rows(global_batch, self.mesh.coord("dp"), self.mesh.size("dp"))
+
     def shard_batch(self, inputs: torch.Tensor, targets: torch.Tensor, docs: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """This rank's part of a global batch: its dp rows, then (context parallelism) its sequence chunks. The
-        rows' document ids ``docs`` (or None) keep the whole sequence: attention reads those of every key."""
-        dp, index = self.mesh.size("dp"), self.mesh.coord("dp")
-        inputs, targets = shard_rows(inputs, index, dp), shard_rows(targets, index, dp)
-        docs = shard_rows(docs, index, dp) if docs is not None else None
+        """This rank's part of its rows (``batch_rows``) of a global batch: under context parallelism its
+        sequence chunks. The rows' document ids ``docs`` (or None) keep the whole sequence: attention reads
+        those of every key."""
         if self.cp is not None:
             inputs, targets = self.cp.shard(inputs), self.cp.shard(targets)
         return inputs, targets, docs

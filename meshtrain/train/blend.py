@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshtrain.train.data import TokenDataset, batch_rng, check_batch_args, split_index
+from meshtrain.train.data import Rows, TokenDataset, batch_rng, check_batch_args, row_index, split_index
 
 
 class BlendedDataset:
@@ -83,17 +83,32 @@ class BlendedDataset:
         rng = batch_rng(seed, step, self._split_id, stream=0)
         return rng.choice(len(self.parts), size=batch_size, p=self.weights)
 
-    def batch(self, seed: int, step: int, batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The global batch for ``step``, as ``TokenDataset.batch``: each row a window of the folder drawn for it."""
+    def batch(self, seed: int, step: int, batch_size: int, seq_len: int,
+              rows: Rows = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``rows`` (default all) of the global batch for ``step``, as ``TokenDataset.batch``: each row a
+        window of the folder drawn for it, the j-th row drawn for a folder its j-th window of the step."""
         check_batch_args(seed, step, batch_size, seq_len)
         src = self.sources(seed, step, batch_size)
-        inputs = torch.empty(batch_size, seq_len, dtype=torch.int64)
-        targets = torch.empty(batch_size, seq_len, dtype=torch.int64)
+        wanted = np.zeros(batch_size, dtype=bool)
+        wanted[row_index(rows, batch_size)] = True
+        out = np.flatnonzero(wanted)  # the rows returned, in order
+        inputs = torch.empty(len(out), seq_len, dtype=torch.int64)
+        targets = torch.empty(len(out), seq_len, dtype=torch.int64)
         for k, part in enumerate(self.parts):
-            rows = torch.from_numpy(np.flatnonzero(src == k))
-            if len(rows):
-                inputs[rows], targets[rows] = part.batch(seed, step, len(rows), seq_len, stream=k + 1)
+            drawn = np.flatnonzero(src == k)  # the global rows this folder gives, in order
+            mine = wanted[drawn]
+            if mine.any():
+                at = torch.from_numpy(np.searchsorted(out, drawn[mine]))
+                inputs[at], targets[at] = part.batch(seed, step, len(drawn), seq_len, stream=k + 1,
+                                                     rows=np.flatnonzero(mine))
         return inputs, targets
+
+    def target_count(self, seed: int, step: int, batch_size: int, seq_len: int) -> int:
+        """The learned targets of the whole global batch: each folder's, over the rows drawn for it."""
+        check_batch_args(seed, step, batch_size, seq_len)
+        src = self.sources(seed, step, batch_size)
+        return sum(part.target_count(seed, step, n, seq_len, stream=k + 1)
+                   for k, part in enumerate(self.parts) if (n := int((src == k).sum())))
 
     def describe(self) -> str:
         """E.g. ``a blend of 0.7 data/code, 0.3 data/prose (each row drawn by weight)``: the run log's line."""

@@ -1,10 +1,11 @@
 """Datasets and the layout-independent batch sampler.
 
 Every batch is a pure function of ``(seed, step, split)``: the random offsets come from
-``np.random.default_rng([seed, step, split_id])``. Each rank can therefore build the same *global*
-batch and cut out its own rows with ``shard_rows`` (``parallel/parallelize.py``), so the data seen
-does not depend on the parallel layout, and a run resumed at step N sees exactly the batches it would
-have seen without stopping.
+``np.random.default_rng([seed, step, split_id])``. Each rank draws every row's offset of the *global* batch
+(a few integers) and reads only its own rows' tokens (``rows``: its data-parallel coordinate's,
+``Parallel.batch_rows``), so the data seen does not depend on the parallel layout, a run resumed at step N sees
+exactly the batches it would have seen without stopping, and what a rank reads falls as 1/dp. The global batch's
+token count, which the loss divides by, comes from the offsets and the prompt lengths alone (``target_count``).
 """
 
 from __future__ import annotations
@@ -75,6 +76,14 @@ def split_index(split: str) -> int:
     if split not in SPLIT_IDS:
         raise ValueError(f"unknown data split {split!r}; expected one of {sorted(SPLIT_IDS)}")
     return SPLIT_IDS[split]
+
+
+Rows = slice | np.ndarray | None  # which rows of a global batch to read (None: all)
+
+
+def row_index(rows: Rows, batch_size: int) -> slice | np.ndarray:
+    """``rows`` as an index of the global batch's ``batch_size`` rows (None: all of them)."""
+    return slice(0, batch_size) if rows is None else rows
 
 
 def check_batch_args(seed: int, step: int, batch_size: int, seq_len: int) -> None:
@@ -204,6 +213,7 @@ class TokenDataset:
         )
         # Records with a prompt (prepare-data --prompt-field): (document offsets, each one's prompt tokens).
         self._prompts = self._read_prompts() if self.meta.get("prompt_field") is not None else None
+        self._prompt_cumsum: np.ndarray | None = None
 
     def _read_prompts(self) -> tuple[np.ndarray, np.ndarray]:
         """The document offsets and ``<split>.prompts.npy`` (memory-mapped, ``allow_pickle=False``), checked: one
@@ -222,6 +232,16 @@ class TokenDataset:
             raise ValueError(f"{path} is corrupt (not one int64 prompt length per document, each shorter than its "
                              f"document); {fix}")
         return offsets, prompts
+
+    def _prompts_before(self, positions: np.ndarray) -> np.ndarray:
+        """How many prompt tokens of the split lie before each position (``prompt_targets`` counted, without
+        visiting the positions in between)."""
+        offsets, prompts = self._prompts
+        if self._prompt_cumsum is None:  # once: prompt tokens before each document
+            self._prompt_cumsum = np.concatenate([[0], np.cumsum(prompts, dtype=np.int64)])
+        # the split's end (a last row's last target + 1) counts in the last document
+        doc = np.minimum(np.searchsorted(offsets, positions, side="right") - 1, len(prompts) - 1)
+        return self._prompt_cumsum[doc] + np.minimum(positions - offsets[doc], prompts[doc])
 
     def prompt_targets(self, positions: np.ndarray) -> np.ndarray:
         """Whether each token position [B, T] of the split is part of a prompt (records with a prompt field; all
@@ -291,25 +311,39 @@ class TokenDataset:
         counts = self.token_counts().astype(np.float64)
         return counts / max(counts.sum(), 1.0)
 
-    def batch(self, seed: int, step: int, batch_size: int, seq_len: int,
-              stream: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The global batch for ``step``: int64 ``(inputs, targets)`` of shape ``[batch_size, seq_len]``.
+    def _offsets(self, seed: int, step: int, batch_size: int, seq_len: int, stream: int | None) -> np.ndarray:
+        """Where each row of the global batch starts: ``batch_size`` integers, whichever rows are read."""
+        check_batch_args(seed, step, batch_size, seq_len)
+        self.check_fits(seq_len)
+        rng = batch_rng(seed, step, self._split_id, stream)
+        # A window needs seq_len + 1 tokens (inputs plus the one extra target); high is exclusive.
+        return rng.integers(0, self.num_tokens - seq_len, size=batch_size)
+
+    def batch(self, seed: int, step: int, batch_size: int, seq_len: int, stream: int | None = None,
+              rows: Rows = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``rows`` (default all) of the global batch of ``batch_size`` rows for ``step``: int64 ``(inputs,
+        targets)`` of shape ``[len(rows), seq_len]``, read from the token file for those rows only.
 
         Rows are windows at random offsets; ``targets`` is ``inputs`` shifted left by one token, and -100 (not
         learned) where that token belongs to a record's prompt (``prepare-data --prompt-field``). The result
         depends only on ``(seed, step, split)`` (and ``stream``, which a blend sets per source).
         """
-        check_batch_args(seed, step, batch_size, seq_len)
-        self.check_fits(seq_len)
-        n = self.num_tokens
-        rng = batch_rng(seed, step, self._split_id, stream)
-        # A window needs seq_len + 1 tokens (inputs plus the one extra target); high is exclusive.
-        offsets = rng.integers(0, n - seq_len, size=batch_size)
-        idx = offsets[:, None] + np.arange(seq_len + 1)
+        offsets = self._offsets(seed, step, batch_size, seq_len, stream)
+        idx = offsets[row_index(rows, batch_size), None] + np.arange(seq_len + 1)
         window = np.asarray(self._tokens[idx], dtype=np.int64)
         targets = window[:, 1:].copy()
         targets[self.prompt_targets(idx[:, 1:])] = IGNORE
         return torch.from_numpy(window[:, :-1].copy()), torch.from_numpy(targets)
+
+    def target_count(self, seed: int, step: int, batch_size: int, seq_len: int, stream: int | None = None) -> int:
+        """The learned targets (not -100) of the whole global batch of ``step``, from its rows' offsets and the
+        prompt lengths: no token is read."""
+        offsets = self._offsets(seed, step, batch_size, seq_len, stream)
+        if self._prompts is None:
+            return batch_size * seq_len
+        # a row's targets are the split's positions offset + 1 .. offset + seq_len
+        prompt = self._prompts_before(offsets + seq_len + 1) - self._prompts_before(offsets + 1)
+        return int(batch_size * seq_len - prompt.sum())
 
     def __repr__(self) -> str:
         return f"TokenDataset({str(self.path)!r}, split={self.split!r}, num_tokens={self.num_tokens})"
@@ -383,8 +417,11 @@ class SyntheticDataset:
             self._tables[n] = (A, S)
         return self._tables[n]
 
-    def batch(self, seed: int, step: int, batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Same contract as :meth:`TokenDataset.batch`: a pure function of ``(seed, step, split)``."""
+    def batch(self, seed: int, step: int, batch_size: int, seq_len: int,
+              rows: Rows = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Same contract as :meth:`TokenDataset.batch`: a pure function of ``(seed, step, split)``. The random
+        stream runs over the whole batch, so every rank generates all of it (cheap arithmetic, no file) and keeps
+        its ``rows``."""
         check_batch_args(seed, step, batch_size, seq_len)
         n = seq_len + 1
         rng = batch_rng(seed, step, self._split_id)
@@ -397,7 +434,13 @@ class SyntheticDataset:
         k = pos - last
         start = np.take_along_axis(rand, last, axis=1)
         toks = (A[k] * start + self.incr * S[k]) % self._vocab_size
+        toks = toks[row_index(rows, batch_size)]
         return torch.from_numpy(toks[:, :-1].copy()), torch.from_numpy(toks[:, 1:].copy())
+
+    def target_count(self, seed: int, step: int, batch_size: int, seq_len: int) -> int:
+        """Every target is learned."""
+        check_batch_args(seed, step, batch_size, seq_len)
+        return batch_size * seq_len
 
     def __repr__(self) -> str:
         return f"SyntheticDataset(vocab_size={self._vocab_size}, split={self.split!r})"

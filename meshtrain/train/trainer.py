@@ -489,12 +489,13 @@ class Trainer:
 
     def local_batch(self, data, step: int) -> LocalBatch:
         """This rank's part of the global batch of ``step``, on its device, and the global batch's token count
-        (and, with ``train.attention_mask=document``, the document ids of its rows, from the global batch's
-        tokens: under context parallelism every rank needs those of the whole sequence)."""
+        (and, with ``train.attention_mask=document``, the document ids of its rows, from their tokens: under
+        context parallelism every rank needs those of the whole sequence). The rank reads only its rows."""
         t = self.cfg.train
-        inputs, targets = data.batch(t.seed, step, t.global_batch, t.seq_len)
+        inputs, targets = data.batch(t.seed, step, t.global_batch, t.seq_len,
+                                     rows=self.parallel.batch_rows(t.global_batch))
         # A batch of prompts only (records with a prompt field) learns nothing: a loss of 0, not 0 / 0.
-        n_tokens = max(int((targets != -100).sum()), 1)
+        n_tokens = max(data.target_count(t.seed, step, t.global_batch, t.seq_len), 1)
         docs = document_ids(inputs, data.eos_id) if t.attention_mask == "document" else None
         if docs is None and 0 < self.cfg.model.sliding_window < t.seq_len:  # one document: the window's mask alone,
             docs = torch.zeros(inputs.shape, dtype=torch.int32)  # built once per forward (layers.Documents)
