@@ -220,6 +220,19 @@ def test_cli_zero3_on_4_processes_matches_one_process(data, tmp_path):
     assert_same_cli_run("cli zero3 x4", tmp_path / "four", four, tmp_path / "one", one, layout, nproc=4)
 
 
+def _samples_skipped(rank: int, world_size: int) -> dict[int, bool]:
+    return {zero: Trainer(load_config("tiny", [*BASE, "data.source=synthetic", "parallel.dp=2",
+                                               f"parallel.zero={zero}"])).parallel.sampler() is None
+            for zero in (0, 3)}
+
+
+@pytest.mark.slow
+def test_the_end_of_run_sample_is_skipped_where_each_token_would_gather_the_weights():
+    """ZeRO-3 over dp > 1 gathers every weight at each forward, so the end-of-run sample (a forward per token) is
+    skipped, with a line pointing to ``meshtrain generate``; ZeRO-0 samples."""
+    assert spawn(_samples_skipped, 2, timeout=120) == [{0: False, 3: True}] * 2
+
+
 def test_planner_predicts_the_bytes_of_every_layout_above(data):
     """Issue 6: for every layout this file ran, each rank's comm-meter bytes of a steady training step
     equal plan/check.predict_rank's prediction exactly (and state bytes within 5%)."""

@@ -36,6 +36,7 @@ from transformers import (
 )
 
 from meshtrain.config import Config, ModelConfig, update_from_dict
+from meshtrain.model import hf as hf_mod
 from meshtrain.model.hf import HFSource, export_hf, halves_to_interleaved, hf_model_config, interleaved_to_halves
 from meshtrain.model.llama import Llama, build_model
 from meshtrain.model.source import DictSource, load_full, relative, state_source
@@ -622,10 +623,17 @@ def test_export_loads_in_transformers_with_our_logits(tmp_path, tie, max_bytes):
 
 
 @pytest.mark.parametrize("shard", [None, "20KB"])
-def test_round_trip_hf_ours_hf_is_exact(tmp_path, shard):
+def test_round_trip_hf_ours_hf_is_exact(tmp_path, shard, monkeypatch):
     hf_llama(tmp_path / "a", shard=shard)
     original = hf_tensors(tmp_path / "a")
+    opened = []
+    real_open = hf_mod.safe_open
+    monkeypatch.setattr(hf_mod, "safe_open", lambda f, **kw: opened.append(f) or real_open(f, **kw))
     src = HFSource(tmp_path / "a")
+    # its checks read each file's header once (a 70B folder on a shared filesystem: ~30 opens a rank, not ~720)
+    files = sorted(str(f) for f in (tmp_path / "a").glob("*.safetensors"))
+    assert sorted(opened) == files and (len(files) > 2) == bool(shard), opened
+    monkeypatch.undo()
     model = Llama(src.cfg)
     load_full(model, src)
     export_hf(state_source(model), src.cfg, tmp_path / "b")  # through our model

@@ -288,8 +288,12 @@ class Parallel:
 
     def sampler(self) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, int] | None:
         """(full-vocabulary logits from the model's output, sequence padding multiple) for sampling on this
-        layout, or None where the model is not whole along the sequence on each rank (pipeline, context)."""
+        layout, or None where the model is not whole along the sequence on each rank (pipeline, context), or
+        where each token's forward would gather every weight (ZeRO-3 over dp > 1: at Llama-3 70B, tp 8, ~18 GB per
+        rank a token; ``meshtrain generate`` splits the model over tp and pp instead)."""
         if self.schedule is not None or self.cp is not None:
+            return None
+        if self.cfg.parallel.zero == 3 and self.mesh.size("dp") > 1:
             return None
         if self.tp is None:
             return None, 1

@@ -35,8 +35,7 @@ def elements_loaded(trainer) -> tuple[int | None, int]:
     logical state it holds: parameters, optimizer state, buffers)."""
     from meshtrain.parallel.state import held_numel
 
-    read = getattr(trainer.weights, "elements_read", None)
-    return read, held_numel(trainer.parallel.local_state(trainer.optimizer))
+    return trainer.elements_read, held_numel(trainer.parallel.local_state(trainer.optimizer))
 
 
 def mesh_sizes(trainer) -> dict[str, int]:

@@ -401,6 +401,7 @@ class Trainer:
         self.batches = BatchAhead(lambda step: self.local_batch(self.train_data, step))
         self.optimizer = build_optimizer(self.parallel.optim_params(), t)
         self.step = 0
+        self.elements_read: int | None = None  # of the checkpoint resumed (None: a fresh start or init_from)
         self.bad_steps = 0  # consecutive skipped (non-finite) steps
         self.skipped_steps = 0  # in this session
         self.stop_requested = False  # SIGTERM: save at the next step boundary, then stop
@@ -472,18 +473,18 @@ class Trainer:
                               f"{'train.init_from' if t.init_from else 'step 0'} (train.resume_required=true makes "
                               f"this an error)")
         if path is None and t.init_from:  # fine-tuning: each rank reads its pieces of the HF weights
-            self.weights = HFSource(t.init_from)
-            self.parallel.load_state(self.optimizer, self.weights, what=t.init_from)
+            self.parallel.load_state(self.optimizer, HFSource(t.init_from), what=t.init_from)
             return
         if path is None:  # a fresh start (so a restarted job can always pass resume=true)
-            self.weights = InitSource(self.cfg.model, t.seed, self.shapes)
-            self.parallel.load_state(self.optimizer, self.weights)
+            self.parallel.load_state(self.optimizer, InitSource(self.cfg.model, t.seed, self.shapes))
             return
-        self.weights = CheckpointReader(path)
-        check_checkpoint_model(self.cfg.model, self.weights)
-        self.parallel.load_state(self.optimizer, self.weights, self.weights.optimizer_keys(), what=str(path))
+        reader = CheckpointReader(path)
+        check_checkpoint_model(self.cfg.model, reader)
+        self.parallel.load_state(self.optimizer, reader, reader.optimizer_keys(), what=str(path))
         restore_rng(path)
-        self.step = int(self.weights.meta["step"])
+        self.step = int(reader.meta["step"])
+        # The reader's index of every saved box grows with the world size that wrote it: not kept past the load.
+        self.elements_read = reader.elements_read
 
     # ------------------------------------------------------------------ the step
 
@@ -698,8 +699,8 @@ class Trainer:
                               + (f", z-loss {last_rec['z_loss']:.4f}" if "z_loss" in last_rec else ""))
             if self.step == t.steps and t.sample_tokens and self.tokenizer is not None and \
                     self.parallel.sampler() is None:
-                log.write("(no sample under pipeline or context parallelism: run `meshtrain generate --ckpt` on the "
-                          "checkpoint)")
+                log.write("(no sample under pipeline or context parallelism, or ZeRO-3, where every token would "
+                          "gather the weights: run `meshtrain generate --ckpt` on the checkpoint)")
             elif self.step == t.steps and t.sample_tokens and self.tokenizer is not None:
                 # Every rank samples the same tokens (sharded weights are gathered collectively).
                 text = self.generate(t.sample_prompt, t.sample_tokens)
@@ -728,8 +729,8 @@ class Trainer:
             "step_time_s": step_s, "comm_wait_s": wait_s,
             "state": self.parallel.state_bytes(self.optimizer),
         }
-        everyone = comm.gather_objects(mine, self.mesh.group("world"))
-        if self.out_dir is not None and self.is_logger:
+        everyone = comm.gather_objects_to_first(mine, self.mesh.group("world"))  # rank 0's list alone grows with N
+        if self.out_dir is not None and everyone is not None:
             import json
 
             (self.out_dir / "comm.json").write_text(json.dumps({"step": self.step + 1, "ranks": everyone}, indent=1))
