@@ -383,12 +383,22 @@ def test_options_that_would_do_nothing_are_refused(tmp_path: Path, corpus: Path,
     for argv, said in [
         (["--format", "jsonl", "--prompt-field", "p"], "--format and --prompt-field read --src, which is not given"),
         (["--src", str(jsonl), "--ext", ".txt", "--out", str(tmp_path / "x")], "--ext picks the files of a folder"),
-        (["--src", str(corpus), "--format", "parquet", "--ext", ".py"], "--format parquet reads its own suffixes"),
+        (["--src", str(corpus), "--format", "parquet", "--ext", ".py", "--out", str(tmp_path / "x")],
+         "--format parquet reads its own suffixes"),
         (["--src", str(corpus), "--field", "body", "--out", str(tmp_path / "x")], "--src " + str(corpus) + " is read "
          "as text: leave --field out"),
         (["--src", str(corpus), "--out", str(out), "--format", "jsonl"], "already prepared, with format text, not "
          "jsonl: pass --force"),
         (["--src", str(corpus), "--out", str(out), "--tokenizer", str(jsonl)], "tokenizer byte, not " + str(jsonl)),
+        # another source or held-out share on a prepared folder: said, not answered "already prepared"
+        (["--src", str(jsonl), "--out", str(out)], f"already prepared, with source {corpus.resolve()}, not {jsonl}"),
+        (["--src", str(corpus), "--out", str(out), "--val-fraction", "0.5"], "with --val-fraction 0.02, not 0.5"),
+        # without --out, --src went into the standard library's cache (or was answered from it)
+        (["--src", str(corpus)], f"--src {corpus} needs --out"),
+        (["--src", "", "--out", str(tmp_path / "x")], "--src is empty"),  # an empty one read the standard library
+        (["--src", str(corpus), "--out", " "], "--out is empty"),
+        (["--src", str(corpus), "--out", str(tmp_path / "x"), "--tokenizer", "hf"], "--tokenizer hf names a "
+         "prepared folder's own tokenizer.json"),
     ]:
         assert prep.main(argv) == 2, argv
         err = capsys.readouterr().err
@@ -396,6 +406,13 @@ def test_options_that_would_do_nothing_are_refused(tmp_path: Path, corpus: Path,
     assert not (tmp_path / "x").exists()
     assert prep.main(["--src", str(corpus), "--out", str(out), "--tokenizer", "byte"]) == 0  # what it holds
     assert "already prepared" in capsys.readouterr().out
+    for bad in ("{bad", "[1]", "{}"):  # a meta.json that is no prepared folder's: named, with --force
+        (tmp_path / "other").mkdir(exist_ok=True)
+        (tmp_path / "other" / "meta.json").write_text(bad)
+        assert prep.main(["--src", str(corpus), "--out", str(tmp_path / "other")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "other/meta.json is not a prepared folder's meta.json: pass --force" \
+            in err, err
 
 
 def test_default_dirs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -191,6 +191,21 @@ def _read_meta(out: Path) -> dict[str, Any]:
         return json.load(f)
 
 
+def _prepared_meta(out: Path) -> dict[str, Any]:
+    """The meta.json of a folder ``--out`` names, or a ``ValueError`` naming it (and ``--force``) when it is no
+    prepared folder's."""
+    path = out / "meta.json"
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        meta = e
+    if not isinstance(meta, dict) or not all(k in meta for k in ("tokenizer", "files", "train_tokens", "val_tokens")):
+        raise ValueError(f"{path} is not a prepared folder's meta.json: pass --force to rebuild {out}, or give "
+                         f"another --out")
+    return meta
+
+
 def _host() -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "host"
 
@@ -369,8 +384,9 @@ def prepare_data(
             "val_files": val.docs,
             "skipped": skipped,
             "empty": empty,
-            "source": str(src),
+            "source": str(Path(src).resolve()),
             "source_format": corpus.format,
+            "val_fraction": val_fraction,
         }
         if corpus.format != "text":
             meta["field"] = field
@@ -458,7 +474,17 @@ def ensure_prepared(path: str | None, tokenizer: str = "byte", val_fraction: flo
 
 
 def _check_options(args: argparse.Namespace) -> None:
-    """Options that would do nothing as given are refused (each was ignored without a word)."""
+    """Options that would do nothing as given are refused (each was ignored without a word), as are an empty
+    path (which would mean the default, or the current folder) and a source without a folder to prepare into."""
+    for option in ("src", "out"):
+        if getattr(args, option) is not None and not getattr(args, option).strip():
+            raise ValueError(f"--{option} is empty: give a path, or leave --{option} out")
+    if args.src and not args.out:
+        raise ValueError(f"--src {args.src} needs --out: without it the folder is the standard library's cache, "
+                         f"which training uses when data.path is not set")
+    if args.tokenizer == "hf":
+        raise ValueError("--tokenizer hf names a prepared folder's own tokenizer.json, and prepare-data makes the "
+                         "folder: give --tokenizer PATH/tokenizer.json, or byte")
     if not args.src:
         given = [o for o, v in (("--format", args.format != "auto"), ("--field", args.field is not None),
                                 ("--prompt-field", args.prompt_field is not None)) if v]
@@ -479,6 +505,11 @@ def _check_options(args: argparse.Namespace) -> None:
 def _differences(args: argparse.Namespace, meta: dict[str, Any], out: Path) -> list[str]:
     """What the options ask for that the folder prepared at ``out`` does not hold (what its meta.json records)."""
     differs = []
+    was = meta.get("source")
+    if args.src and isinstance(was, str) and was != args.src and Path(was).resolve() != Path(args.src).resolve():
+        differs.append(f"source {was}, not {args.src}")
+    if args.val_fraction is not None and meta.get("val_fraction", args.val_fraction) != args.val_fraction:
+        differs.append(f"--val-fraction {meta['val_fraction']}, not {args.val_fraction}")
     if not same_tokenizer(args.tokenizer, meta["tokenizer"], out):
         differs.append(f"tokenizer {meta['tokenizer']}, not {args.tokenizer}")
     if args.src and args.format != "auto" and meta.get("source_format", args.format) != args.format:
@@ -505,21 +536,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-field", help="JSONL / Parquet: each record's prompt, read before --field (the "
                                                "completion) and not learned: its tokens get no loss")
     parser.add_argument("--tokenizer", default="byte", help="'byte' (default) or a path to a tokenizer.json")
-    parser.add_argument("--val-fraction", type=float, default=0.02,
-                        help="share of documents held out (0..0.5), or 1: all of them, a folder for data.val_path")
+    parser.add_argument("--val-fraction", type=float, default=None,
+                        help="share of documents held out (0..0.5), or 1: all of them, a folder for data.val_path "
+                             "(default 0.02)")
     parser.add_argument("--ext", action="append", help="text format: file extension to include, repeatable "
                                                        "(default: .py)")
     parser.add_argument("--force", action="store_true", help="rebuild even if --out is already prepared")
     args = parser.parse_args(argv)
+    val_fraction = 0.02 if args.val_fraction is None else args.val_fraction  # None: not asked for (_differences)
 
     src = Path(args.src) if args.src else default_source_dir()
     fmt = args.format if args.src else "text"
     t0 = time.perf_counter()
     try:
         _check_options(args)
-        out = Path(args.out) if args.out else default_data_dir(args.tokenizer, args.val_fraction)
+        out = Path(args.out) if args.out else default_data_dir(args.tokenizer, val_fraction)
         if (out / "meta.json").is_file() and not args.force:
-            meta = _read_meta(out)
+            meta = _prepared_meta(out)
             if differs := _differences(args, meta, out):
                 raise ValueError(f"--out {out} is already prepared, with {'; '.join(differs)}: pass --force to "
                                  f"rebuild it, or another --out")
@@ -529,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 0
         check_out_parent(out)  # before tokenizing, not after
-        meta = prepare_data(src, out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
+        meta = prepare_data(src, out, tokenizer=args.tokenizer, val_fraction=val_fraction,
                             extensions=tuple(args.ext) if args.ext else None, fmt=fmt, field=args.field or "text",
                             overwrite=args.force, progress=None, prompt_field=args.prompt_field)
     except (OSError, ValueError, ImportError) as e:
