@@ -234,8 +234,12 @@ _SECTION_TYPES = {"model": ModelConfig, "parallel": ParallelConfig, "train": Tra
 
 
 def check_output_file(flag: str, path: str | Path, suffix: str | None = None) -> Path:
-    """``path`` as a file a command may write (``--emit``, ``--png``): refused in one line naming ``flag`` when it is
-    a folder, lacks ``suffix`` (a library would append one and write elsewhere) or its folder does not exist."""
+    """``path`` as a file a command may write (``--emit``, ``--png``): refused in one line naming ``flag``, before
+    the command's work, when it is empty, a folder, lacks ``suffix`` (a library would append one and write
+    elsewhere), its folder does not exist or it cannot be written (tried by opening it to append: a file this
+    makes is removed again)."""
+    if not str(path).strip():
+        raise ConfigError(f"{flag} is empty: name a file, e.g. {flag} out{suffix or '.yaml'}.")
     p = Path(path).expanduser()
     if p.is_dir():
         raise ConfigError(f"{flag} {path} is a folder: name a file in it, e.g. {p / ('out' + (suffix or ''))}.")
@@ -243,6 +247,15 @@ def check_output_file(flag: str, path: str | Path, suffix: str | None = None) ->
         raise ConfigError(f"{flag} {path} must end in {suffix}, e.g. {p.with_suffix(suffix)}.")
     if not p.parent.is_dir():
         raise ConfigError(f"{flag} {path}: the folder {p.parent} does not exist: create it first.")
+    existed = p.exists()
+    try:
+        with open(p, "a"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{flag} {path} cannot be written ({e.strerror}): name a file in a folder you can "
+                          f"write.") from None
+    if not existed:
+        p.unlink()
     return p
 
 

@@ -374,6 +374,16 @@ def test_cli_prints_a_failed_collective_as_one_error_line(monkeypatch, capsys):
     (["train", "--config", "", "--nproc", "1", "--dry-run"], "--config is empty"),  # an unset shell variable
     (["demo", "--config", "tiny", "--out", "{tmp}/d", "parallel.tp=2"], "the override parallel.tp=2 sets a layout"),
     (["train", "--config", "tiny", "--out", " ", "--nproc", "1", "--dry-run"], "--out is empty"),
+    # a file that cannot be made, said before the search or the chart (it was a bare errno after them), and empty
+    # paths, which wrote nothing without a word or meant the current folder or the default config
+    (["schedule", "--png", "/proc/chart.png"], "--png /proc/chart.png cannot be written"),
+    (["plan", "--model", "tiny", "--emit", "/proc/run.yaml"], "--emit /proc/run.yaml cannot be written"),
+    (["schedule", "--png", ""], "--png is empty"),
+    (["plan", "--model", "tiny", "--emit", ""], "--emit is empty"),
+    (["plan", "--model", "tiny", "--plot", " "], "--plot is empty"),
+    (["convert", "--ckpt", "{tmp}", "--out", ""], "--out is empty"),
+    (["demo", "--config", ""], "--config is empty"),
+    (["demo", "--config", "tiny", "--out", ""], "--out is empty"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_bad_flags_of_every_command_are_one_line_before_any_work(argv, names, tmp_path, capsys, monkeypatch):
     """Each crashed with a traceback, wrote elsewhere than asked (--png without .png), or failed only after the
@@ -383,6 +393,18 @@ def test_bad_flags_of_every_command_are_one_line_before_any_work(argv, names, tm
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and names.format(tmp=tmp_path) in err[0], err
     assert not (tmp_path / "hf").exists() and not (tmp_path / "chart.png").exists()
+
+
+def test_an_output_file_is_probed_without_leaving_one_or_touching_one_there(tmp_path):
+    """check_output_file opens the file to append, before the work: a file it made is removed again, an existing
+    one keeps its bytes."""
+    from meshtrain.config import check_output_file
+
+    assert check_output_file("--emit", tmp_path / "run.yaml") == tmp_path / "run.yaml"
+    assert not (tmp_path / "run.yaml").exists()
+    (tmp_path / "old.png").write_bytes(b"kept")
+    check_output_file("--png", tmp_path / "old.png", ".png")
+    assert (tmp_path / "old.png").read_bytes() == b"kept"
 
 
 @pytest.mark.slow

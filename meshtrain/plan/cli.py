@@ -241,9 +241,9 @@ def main(argv: list[str]) -> int:
     if not (0 < args.efficiency <= 1 and 0 < args.memory_fraction <= 1):
         raise ValueError("--efficiency and --memory-fraction must be in (0, 1]")
     check_search_flags(args)
-    if args.emit:
+    if args.emit is not None:
         check_output_file("--emit", args.emit)
-    if args.plot:
+    if args.plot is not None:
         check_output_file("--plot", args.plot, ".png")
     problem = build_problem(args)
     opts = SearchOptions(tps=args.tp, pps=args.pp, cps=args.cp, zeros=args.zero,

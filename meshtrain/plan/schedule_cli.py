@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
                          f"w={w}, p2p={args.p2p})")
     if args.width < 10:
         raise ValueError(f"--width must be at least 10 columns, got {args.width}")
-    if args.png:
+    if args.png is not None:
         check_output_file("--png", args.png, ".png")
     try:
         sched = build_schedule(args.schedule, args.pp, args.microbatches, virtual, gen_costs=gen_costs)

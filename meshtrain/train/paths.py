@@ -45,7 +45,9 @@ def unwritable_reason(folder: Path, leave_nothing: bool = False) -> str | None:
 def check_out_parent(out: str | Path) -> None:
     """Before any work of a command that writes ``--out`` whole at its end (``convert``, ``prepare-data``): the
     folder that will hold it can be made and written, probed without leaving anything behind; else one line
-    naming ``--out``."""
+    naming ``--out``. An empty ``--out`` (an unset shell variable) is refused: it would mean the current folder."""
+    if not str(out).strip():
+        raise ConfigError("--out is empty: give the folder to write.")
     reason = unwritable_reason(Path(out).expanduser().parent, leave_nothing=True)
     if reason:
         raise ConfigError(f"--out {out} cannot be written ({reason}): choose another folder.")
