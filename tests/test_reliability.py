@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -671,9 +672,16 @@ def prepared(tmp_path_factory) -> Path:
     return root / "prepared"
 
 
-def _case_args(case: str, tmp: Path, moe_run: Path) -> tuple[list[str], dict[str, str], list[str]]:
+def _case_args(case: str, tmp: Path, moe_run: Path, prepared: Path) -> tuple[list[str], dict[str, str], list[str]]:
     """(arguments, environment, what the error line must name) of a bad input."""
     (tmp / "a_file").write_text("not a folder")
+    broken = tmp / "broken"  # a prepared folder with one file damaged (the case's)
+    if case in ("truncated val split", "missing counts"):
+        shutil.copytree(prepared, broken)
+        if case == "truncated val split":
+            (broken / "val.bin").write_bytes((prepared / "val.bin").read_bytes()[:10])
+        else:
+            (broken / "train.counts.npy").unlink()
     ckpt = str(moe_run / "checkpoints" / "step_000001")
     resume = ["--out", str(moe_run), "data.source=synthetic", "train.resume=true", "model.moe_experts=4"]
     cases = {
@@ -688,6 +696,11 @@ def _case_args(case: str, tmp: Path, moe_run: Path) -> tuple[list[str], dict[str
                                     ["data cache", "MESHTRAIN_CACHE"]),
         "resume: another layer count": ([*resume, "model.n_layers=3"], {}, ["model.n_layers=2", ckpt]),
         "resume: another MoE shape": ([*resume[:-1], "model.moe_experts=8"], {}, ["model.moe_experts=4", ckpt]),
+        # each was found only inside the workers (--nproc) or after the run folder was made (one process)
+        "truncated val split": ([f"data.path={broken}", "--out", str(tmp / "run")], {},
+                                ["val.bin is truncated", "prepare-data"]),
+        "missing counts": ([f"data.path={broken}", "--out", str(tmp / "run")], {},
+                           ["train.counts.npy is missing", "prepare-data"]),
         "resume_required without checkpoint": (["--out", str(tmp / "typo"), "data.source=synthetic",
                                                 "train.resume=true", "train.resume_required=true"], {},
                                                ["train.resume_required", "typo"]),
@@ -701,6 +714,7 @@ def _case_args(case: str, tmp: Path, moe_run: Path) -> tuple[list[str], dict[str
 
 
 CASES = ["missing data.path", "missing tokenizer", "cuda without GPU", "--out is a file", "--out below a file",
+         "truncated val split", "missing counts",
          "data cache not writable", "resume: another layer count", "resume: another MoE shape",
          "resume_required without checkpoint", "--out not writable"]
 
@@ -708,7 +722,7 @@ CASES = ["missing data.path", "missing tokenizer", "cuda without GPU", "--out is
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [None, 2], ids=["one process", "nproc 2"])
 @pytest.mark.parametrize("case", CASES)
-def test_bad_input_gets_one_clear_line(case, nproc, tmp_path, moe_run, capsys, monkeypatch):
+def test_bad_input_gets_one_clear_line(case, nproc, tmp_path, moe_run, prepared, capsys, monkeypatch):
     """Under --nproc 2 in a real process (no rank may print: the check comes before torchrun); on one process in
     this one (``cli_refusal``: the same code, without ~3 s of importing torch again)."""
     if case == "cuda without GPU":
@@ -718,7 +732,7 @@ def test_bad_input_gets_one_clear_line(case, nproc, tmp_path, moe_run, capsys, m
             pytest.skip("a GPU is visible")
     if case == "--out not writable" and os.geteuid() == 0:
         pytest.skip("root writes through any mode bits")
-    args, env, named = _case_args(case, tmp_path, moe_run)
+    args, env, named = _case_args(case, tmp_path, moe_run, prepared)
     if nproc is None:
         for k, v in env.items():
             monkeypatch.setenv(k, v)
@@ -732,6 +746,7 @@ def test_bad_input_gets_one_clear_line(case, nproc, tmp_path, moe_run, capsys, m
         assert "[rank" not in r.stdout + r.stderr and "full log" not in r.stderr
     if case == "resume_required without checkpoint":  # refused after --out was probed: no empty folder left
         assert not (tmp_path / "typo").exists()
+    assert not (tmp_path / "run").exists()  # no run folder left behind
 
 
 @pytest.mark.slow

@@ -234,6 +234,7 @@ def _check_train_data(cfg: Config) -> dict | None:
     blend = data_blend(d.path)
     if blend is not None:  # prepared folders, one tokenizer (BlendedDataset checks it; opening reads no tokens)
         data = BlendedDataset([(w, ensure_prepared(f)) for w, f in blend], "train")
+        BlendedDataset([(w, part.path) for w, part in zip(data.weights, data.parts, strict=True)], "val")  # sizes
         load_tokenizer(data.meta["tokenizer"], data.path)
         _check_vocab(cfg, data.vocab_size)
         data.check_fits(cfg.train.seq_len)
@@ -252,9 +253,8 @@ def _check_train_data(cfg: Config) -> dict | None:
     check_fits(path, "train", int(meta["train_tokens"]), cfg.train.seq_len)
     if meta["format"] >= 3:  # rank 0 reads them for the unigram baseline: a bad file is refused before launch
         read_counts(path, "train", meta)
-    if meta.get("prompt_field") is not None:  # <split>.prompts.npy: opening a split checks it (memory-mapped)
-        for split in ("train", "val"):
-            TokenDataset(path, split)
+    for split in ("train", "val"):  # opening a split checks its file's size (and <split>.prompts.npy): no read
+        TokenDataset(path, split)
     return meta
 
 
@@ -598,6 +598,9 @@ class Trainer:
         """Run from the current step to ``train.steps`` (or stop early after step ``until``, as an
         interrupted job would); returns every step's metrics record."""
         cfg, t = self.cfg, self.cfg.train
+        if self.is_logger:  # before the run folder is made: a bad counts file leaves none behind
+            self.baseline = math.log(cfg.model.vocab_size) if isinstance(self.train_data, SyntheticDataset) \
+                else unigram_loss(self.train_data.token_probs())
         if self.out_dir is not None and self.is_logger:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.out_dir / "config.yaml")
@@ -609,9 +612,7 @@ class Trainer:
             for note in self.notes:
                 log.write(note)
             n = param_count(cfg.model)
-            base = math.log(cfg.model.vocab_size) if isinstance(self.train_data, SyntheticDataset) \
-                else unigram_loss(self.train_data.token_probs())
-            self.baseline = base
+            base = self.baseline
             if self.parallel.log_lines():
                 log.write(self.parallel.log_lines())
             if not self.can_validate:
