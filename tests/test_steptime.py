@@ -146,6 +146,11 @@ def test_check_run_shows_step_time_row(tmp_path, monkeypatch, capsys):
     predicted = predict_step_time(cfg, 2, _profile()).step_s
     assert f"{predicted * 1e3:.1f} ms" in row and f"{measured * 1e3:.1f} ms" in row
     assert f"{predicted / measured - 1:+.0%}" in row and layout_of(cfg, 2).describe() in row
+    for bad in ("{bad", "[1]", "{}", '{"step": 3, "ranks": [{"rank": 0}]}'):  # each was a traceback or a bare error
+        (tmp_path / "run" / "comm.json").write_text(bad)
+        assert cli.main(["plan", "--check-run", str(tmp_path / "run")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "comm.json is not a meshtrain run's comm.json" in err, err
 
 
 def test_fit_collective_ops_recovers_each_op():

@@ -197,6 +197,18 @@ def test_bad_checkpoints_are_refused_before_starting_processes(tmp_path, capsys)
     assert "written by a newer meshtrain (checkpoint format 99" in refused("parallel.dp=2", "train.resume=true")
     (step / "meta.json").write_text("[]")
     assert "meta.json is corrupt (not a JSON object)" in refused("parallel.dp=2", "train.resume=true")
+    for field, value in (("tokenizer", 5), ("aliases", [1]), ("aliases", {"a": 1})):  # each was a traceback
+        (step / "meta.json").write_text(json.dumps({**meta, field: value}))
+        assert f"meta.json is corrupt ({field} of the wrong type)" in refused("parallel.dp=2", "train.resume=true")
+        assert f"meta.json is corrupt ({field}" in cli_refusal(["generate", "--ckpt", str(step)], capsys)
+    (step / "meta.json").write_text(json.dumps(meta))
+    index = (step / "index.json").read_text()
+    for bad in ({}, {"format": 2, "tensors": []}, {"tensors": {"w": {"shape": [2], "boxes": [{"box": 3}]}}}):
+        (step / "index.json").write_text(json.dumps(bad))
+        assert "index.json is corrupt (not a checkpoint index" in refused("parallel.dp=2", "train.resume=true")
+        assert "index.json is corrupt" in cli_refusal(["convert", "--ckpt", str(step), "--out",
+                                                       str(tmp_path / "hf")], capsys)
+    (step / "index.json").write_text(index)
     (step / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "config"}))
     assert "holds no model config" in cli_refusal(["generate", "--ckpt", str(step), "--prompt", "a", "--tokens", "2"],
                                                    capsys)

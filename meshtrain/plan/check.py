@@ -281,6 +281,21 @@ def step_time_check(run_dir: str | Path, cfg: Config, world_size: int, hardware:
     return line, est.step_s, measured
 
 
+def _read_comm_json(path: Path) -> dict[str, Any]:
+    """A run's ``comm.json``, or a ``ValueError`` naming it when it is not the trainer's (damaged, or another file)."""
+    try:
+        measured = json.loads(path.read_text())
+        ok = isinstance(measured, dict) and isinstance(measured.get("step"), int) and isinstance(
+            measured.get("ranks"), list) and measured["ranks"] and all(
+            isinstance(r, dict) and {"rank", "coords", "bytes", "state"} <= set(r) for r in measured["ranks"])
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        ok = False
+    if not ok:
+        raise ValueError(f"--check-run: {path} is not a meshtrain run's comm.json (damaged, or another file): train "
+                         f"the run again past its third step to rewrite it.")
+    return measured
+
+
 def check_run(run_dir: str | Path, hardware: str = "cpu-local") -> tuple[str, bool, bool]:
     """Side-by-side table of predicted and measured bytes (and, shown only, collective calls where ``comm.json`` has
     them) for a finished run, and the step time (predicted on
@@ -294,7 +309,7 @@ def check_run(run_dir: str | Path, hardware: str = "cpu-local") -> tuple[str, bo
     import yaml
 
     cfg = update_from_dict(Config(), yaml.safe_load((run / "config.yaml").read_text()), str(run / "config.yaml"))
-    measured: dict[str, Any] = json.loads((run / "comm.json").read_text())
+    measured = _read_comm_json(run / "comm.json")
     world = len(measured["ranks"])
     lines = [f"run {run}: {world} ranks, step {measured['step']}",
              f"{'rank':>4}  {'axis/op':<28} {'predicted':>14} {'measured':>14}  match"]

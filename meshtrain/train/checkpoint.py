@@ -259,6 +259,15 @@ def read_checkpoint_meta(path: Path) -> dict[str, Any]:
                               f"reads formats 1 to {FORMAT}): upgrade meshtrain to load it.")
     if fmt not in (1, FORMAT) or "step" not in meta:
         raise CheckpointError(f"{meta_file}: unknown checkpoint format {fmt!r} (expected 1 to {FORMAT}).")
+    # the fields others read, by type: a hand-edited or damaged file is one line here, not a traceback there
+    kinds = {"step": int, "tokenizer": (str, type(None)), "aliases": dict, "config": dict}
+    bad = [k for k, kind in kinds.items() if k in meta and not isinstance(meta[k], kind)]
+    aliases = meta.get("aliases", {})
+    if isinstance(aliases, dict) and not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
+        bad.append("aliases")
+    if bad:
+        raise CheckpointError(f"{meta_file} is corrupt ({', '.join(bad)} of the wrong type): delete the folder or "
+                              f"resume from an earlier checkpoint.")
     return meta
 
 
@@ -292,9 +301,14 @@ class CheckpointReader:
         else:
             index_file = self.path / "index.json"
             index = _read_json(index_file, f"{index_file} is missing: the checkpoint is incomplete.")
-            for key, e in index["tensors"].items():
-                self.tensors[key] = (tuple(e["shape"]), [(tuple(tuple(b) for b in x["box"]), x["file"], x["name"])
-                                                         for x in e["boxes"]])
+            try:
+                for key, e in index["tensors"].items():
+                    self.tensors[key] = (tuple(int(n) for n in e["shape"]),
+                                         [(tuple((int(lo), int(hi)) for lo, hi in x["box"]), str(x["file"]),
+                                           str(x["name"])) for x in e["boxes"]])
+            except (KeyError, TypeError, AttributeError, ValueError) as e:
+                raise CheckpointError(f"{index_file} is corrupt (not a checkpoint index: {type(e).__name__} "
+                                      f"{e}): delete the folder or resume from an earlier checkpoint.") from None
 
     def keys(self) -> list[str]:
         return list(self.tensors) + list(self.aliases)
