@@ -197,7 +197,8 @@ def worker_error(log: str, code: int) -> tuple[str, bool]:
     exceptions, consequences = [], []
     for line in log.splitlines():
         if m := _ERROR_LINE.match(line):
-            return m.group(1), True
+            # two ranks writing at once can run their lines together: the first rank's line alone
+            return re.split(r"\[(?:rank|default)\d+\]:", m.group(1))[0].strip(), True
         if m := _EXCEPTION_LINE.match(line):
             rank = f" (rank {m.group(1)})" if m.group(1) else ""
             (consequences if any(c in line for c in _CONSEQUENCES) else exceptions).append(m.group(2) + rank)

@@ -873,6 +873,9 @@ def test_worker_error_picks_the_cause_not_its_echoes():
 
     assert worker_error("noise\n[rank1]: error: data.path x does not exist\n" + _WALL, 1) == \
         ("data.path x does not exist", True)
+    # two ranks' lines run together (written at once into one log): the first rank's alone
+    assert worker_error("[rank0]: error: x/val.bin is truncated; re-run it[rank1]: error: x/val.bin is truncated; "
+                        "re-run it\n", 1) == ("x/val.bin is truncated; re-run it", True)
     message, user = worker_error(_WALL, 1)
     assert not user and message == ("a training process failed: torch.OutOfMemoryError: CUDA out of memory. "
                                     "Tried to allocate 2.00 GiB (rank 0)")
