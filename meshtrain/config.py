@@ -247,15 +247,15 @@ def check_output_file(flag: str, path: str | Path, suffix: str | None = None) ->
         raise ConfigError(f"{flag} {path} must end in {suffix}, e.g. {p.with_suffix(suffix)}.")
     if not p.parent.is_dir():
         raise ConfigError(f"{flag} {path}: the folder {p.parent} does not exist: create it first.")
-    existed = p.exists()
+    made = not p.exists()  # (through a link: its target)
     try:
         with open(p, "a"):
             pass
     except OSError as e:
         raise ConfigError(f"{flag} {path} cannot be written ({e.strerror}): name a file in a folder you can "
                           f"write.") from None
-    if not existed:
-        p.unlink()
+    if made:  # the file the probe made, not a link of the user's that points to it
+        Path(os.path.realpath(p)).unlink()
     return p
 
 

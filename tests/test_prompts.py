@@ -116,6 +116,24 @@ def test_a_rank_reads_only_its_rows_and_counts_the_global_targets_without_readin
     assert (batch_rng(1, 2, ds._split_id, None).integers(0, 2, size=8) == 1).any()
 
 
+def test_a_blend_of_prompt_folders_counts_its_targets_and_gives_any_rows(records, tmp_path):
+    """A blend's ``target_count`` is each folder's over the rows drawn for it (each with its own stream), and its
+    ``rows`` are those of the global batch in the order asked."""
+    from meshtrain.train.blend import BlendedDataset
+
+    _, data = records
+    (tmp_path / "more.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records(90, seed=1)))
+    prepare_data(tmp_path / "more.jsonl", tmp_path / "more", val_fraction=0.2, field="completion",
+                 prompt_field="prompt")
+    blend = BlendedDataset([(0.6, data), (0.4, tmp_path / "more")])
+    for step in range(6):
+        inputs, targets = blend.batch(2, step, 12, 40)
+        assert blend.target_count(2, step, 12, 40) == int((targets != -100).sum()) < targets.numel(), step
+        for rows in (slice(4, 8), np.array([9, 1, 9, 0])):
+            x, y = blend.batch(2, step, 12, 40, rows=rows)
+            assert torch.equal(x, inputs[rows]) and torch.equal(y, targets[rows]), (step, rows)
+
+
 def test_the_loss_is_the_mean_over_completion_tokens(records):
     from meshtrain.train.trainer import Trainer
 

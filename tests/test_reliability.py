@@ -406,6 +406,9 @@ def test_an_output_file_is_probed_without_leaving_one_or_touching_one_there(tmp_
     (tmp_path / "old.png").write_bytes(b"kept")
     check_output_file("--png", tmp_path / "old.png", ".png")
     assert (tmp_path / "old.png").read_bytes() == b"kept"
+    (tmp_path / "link.yaml").symlink_to(tmp_path / "target.yaml")  # a link to a file not made yet: both as they were
+    check_output_file("--emit", tmp_path / "link.yaml")
+    assert (tmp_path / "link.yaml").is_symlink() and not (tmp_path / "target.yaml").exists()
 
 
 @pytest.mark.slow

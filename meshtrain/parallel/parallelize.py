@@ -21,7 +21,8 @@ The transformations run in one fixed order, each on what the previous one left:
 7. **DP family** (``data.py``, ``zero.py``, ``fsdp.py``): gradients (and with ZeRO, state) synchronised and
    sharded over dp x cp; experts over edp.
 
-``Parallel`` then owns, for the trainer: sharding the global batch (``shard_batch``), the micro-steps
+``Parallel`` then owns, for the trainer: the rows of the global batch a rank reads (``batch_rows``) and their
+sequence chunks (``shard_batch``), the micro-steps
 (``forward_backward``: a pipeline schedule, or plain accumulation as its degenerate case) with the loss
 reduced to the global mean, the gradient sync (``sync_grads``), the global gradient norm (``grad_norm``, which
 the optimizer's step clips by), what follows the optimizer step (``after_optimizer_step``), evaluation, and the logical

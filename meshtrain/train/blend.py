@@ -101,6 +101,9 @@ class BlendedDataset:
                 at = torch.from_numpy(np.searchsorted(out, drawn[mine]))
                 inputs[at], targets[at] = part.batch(seed, step, len(drawn), seq_len, stream=k + 1,
                                                      rows=np.flatnonzero(mine))
+        if isinstance(rows, np.ndarray):  # in the order asked, as TokenDataset.batch gives them
+            order = torch.from_numpy(np.searchsorted(out, rows))
+            return inputs[order], targets[order]
         return inputs, targets
 
     def target_count(self, seed: int, step: int, batch_size: int, seq_len: int) -> int:

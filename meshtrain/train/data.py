@@ -213,7 +213,6 @@ class TokenDataset:
         )
         # Records with a prompt (prepare-data --prompt-field): (document offsets, each one's prompt tokens).
         self._prompts = self._read_prompts() if self.meta.get("prompt_field") is not None else None
-        self._prompt_cumsum: np.ndarray | None = None
 
     def _read_prompts(self) -> tuple[np.ndarray, np.ndarray]:
         """The document offsets and ``<split>.prompts.npy`` (memory-mapped, ``allow_pickle=False``), checked: one
@@ -233,15 +232,19 @@ class TokenDataset:
                              f"document); {fix}")
         return offsets, prompts
 
-    def _prompts_before(self, positions: np.ndarray) -> np.ndarray:
-        """How many prompt tokens of the split lie before each position (``prompt_targets`` counted, without
-        visiting the positions in between)."""
+    def _prompt_tokens_in(self, lo: np.ndarray, hi: np.ndarray) -> int:
+        """How many positions of the ranges ``[lo[i], hi[i])`` of the split are prompt tokens (``prompt_targets``
+        counted without visiting each position): each range's overlap with the prompt of every document it spans.
+        Only those documents' offsets and prompt lengths are read (the memory maps), nothing per document."""
         offsets, prompts = self._prompts
-        if self._prompt_cumsum is None:  # once: prompt tokens before each document
-            self._prompt_cumsum = np.concatenate([[0], np.cumsum(prompts, dtype=np.int64)])
-        # the split's end (a last row's last target + 1) counts in the last document
-        doc = np.minimum(np.searchsorted(offsets, positions, side="right") - 1, len(prompts) - 1)
-        return self._prompt_cumsum[doc] + np.minimum(positions - offsets[doc], prompts[doc])
+        first = np.searchsorted(offsets, lo, side="right") - 1
+        last = np.searchsorted(offsets, hi - 1, side="right") - 1
+        spans = last - first + 1
+        row = np.repeat(np.arange(len(lo)), spans)  # one entry per (range, document it spans)
+        doc = first[row] + np.arange(len(row)) - np.repeat(np.cumsum(spans) - spans, spans)
+        start = offsets[doc]
+        overlap = np.minimum(hi[row], start + prompts[doc]) - np.maximum(lo[row], start)
+        return int(np.maximum(overlap, 0).sum())
 
     def prompt_targets(self, positions: np.ndarray) -> np.ndarray:
         """Whether each token position [B, T] of the split is part of a prompt (records with a prompt field; all
@@ -342,8 +345,7 @@ class TokenDataset:
         if self._prompts is None:
             return batch_size * seq_len
         # a row's targets are the split's positions offset + 1 .. offset + seq_len
-        prompt = self._prompts_before(offsets + seq_len + 1) - self._prompts_before(offsets + 1)
-        return int(batch_size * seq_len - prompt.sum())
+        return batch_size * seq_len - self._prompt_tokens_in(offsets + 1, offsets + seq_len + 1)
 
     def __repr__(self) -> str:
         return f"TokenDataset({str(self.path)!r}, split={self.split!r}, num_tokens={self.num_tokens})"

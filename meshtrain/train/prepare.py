@@ -506,7 +506,8 @@ def _differences(args: argparse.Namespace, meta: dict[str, Any], out: Path) -> l
     """What the options ask for that the folder prepared at ``out`` does not hold (what its meta.json records)."""
     differs = []
     was = meta.get("source")
-    if args.src and isinstance(was, str) and was != args.src and Path(was).resolve() != Path(args.src).resolve():
+    # folders prepared before the source was recorded resolved hold it as given: relative to an unknown folder
+    if args.src and isinstance(was, str) and Path(was).is_absolute() and Path(was) != Path(args.src).resolve():
         differs.append(f"source {was}, not {args.src}")
     if args.val_fraction is not None and meta.get("val_fraction", args.val_fraction) != args.val_fraction:
         differs.append(f"--val-fraction {meta['val_fraction']}, not {args.val_fraction}")
