@@ -769,16 +769,21 @@ def test_bad_max_restarts_is_refused(args, named):
 
 @pytest.mark.slow
 def test_error_inside_workers_is_one_line_and_the_full_log_is_kept(tmp_path, prepared):
-    """A truncated token file passes the pre-launch checks (they read meta.json, not the tokens) and fails in
-    every worker: one line, not every rank's; the full log in <out>/logs holds the ranks' lines and torchrun's."""
-    import shutil
-
+    """A token file damaged after the pre-launch checks passed (here by each worker as Python starts, through a
+    sitecustomize.py; a truncated file before the launch is refused by the launcher) fails in every worker: one
+    line, not every rank's; the full log in <out>/logs holds the ranks' lines and torchrun's."""
     data = tmp_path / "data"
     shutil.copytree(prepared, data)
-    with open(data / "train.bin", "r+b") as f:
-        f.truncate(100)
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import os\n"
+        "if 'LOCAL_RANK' in os.environ:  # torchrun's workers, not the launcher\n"
+        f"    with open({str(data / 'train.bin')!r}, 'r+b') as f:\n"
+        "        f.truncate(100)\n")
     out = tmp_path / "run"
-    r = _meshtrain("train", *_TINY, "--nproc", "2", "--out", str(out), f"data.path={data}")
+    env = {"PYTHONPATH": os.pathsep.join([str(inject), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    r = _meshtrain("train", *_TINY, "--nproc", "2", "--out", str(out), f"data.path={data}", env=env)
     line = _one_error_line(r, "train.bin", "truncated", "prepare-data")
     assert r.returncode == 2
     logs = list((out / "logs").glob("train-*.log"))
