@@ -393,6 +393,7 @@ def test_options_that_would_do_nothing_are_refused(tmp_path: Path, corpus: Path,
         # another source or held-out share on a prepared folder: said, not answered "already prepared"
         (["--src", str(jsonl), "--out", str(out)], f"already prepared, with source {corpus.resolve()}, not {jsonl}"),
         (["--src", str(corpus), "--out", str(out), "--val-fraction", "0.5"], "with --val-fraction 0.02, not 0.5"),
+        (["--src", str(corpus), "--out", str(out), "--ext", ".md"], "with --ext .py, not .md"),
         # without --out, --src went into the standard library's cache (or was answered from it)
         (["--src", str(corpus)], f"--src {corpus} needs --out"),
         (["--src", "", "--out", str(tmp_path / "x")], "--src is empty"),  # an empty one read the standard library
@@ -404,7 +405,7 @@ def test_options_that_would_do_nothing_are_refused(tmp_path: Path, corpus: Path,
         err = capsys.readouterr().err
         assert said in err and len(err.strip().splitlines()) == 1, (argv, err)
     assert not (tmp_path / "x").exists()
-    assert prep.main(["--src", str(corpus), "--out", str(out), "--tokenizer", "byte"]) == 0  # what it holds
+    assert prep.main(["--src", str(corpus), "--out", str(out), "--tokenizer", "byte", "--ext", ".py"]) == 0  # held
     assert "already prepared" in capsys.readouterr().out
     for bad in ("{bad", "[1]", "{}"):  # a meta.json that is no prepared folder's: named, with --force
         (tmp_path / "other").mkdir(exist_ok=True)

@@ -390,6 +390,8 @@ def prepare_data(
         }
         if corpus.format != "text":
             meta["field"] = field
+        else:
+            meta["extensions"] = sorted(set(extensions or DEFAULT_EXTENSIONS))
         if prompt_field is not None:
             meta["prompt_field"] = prompt_field
         if isinstance(tok, HFTokenizer):
@@ -509,6 +511,8 @@ def _differences(args: argparse.Namespace, meta: dict[str, Any], out: Path) -> l
     # folders prepared before the source was recorded resolved hold it as given: relative to an unknown folder
     if args.src and isinstance(was, str) and Path(was).is_absolute() and Path(was) != Path(args.src).resolve():
         differs.append(f"source {was}, not {args.src}")
+    if args.ext and meta.get("extensions", sorted(set(args.ext))) != sorted(set(args.ext)):
+        differs.append(f"--ext {' '.join(meta['extensions'])}, not {' '.join(sorted(set(args.ext)))}")
     if args.val_fraction is not None and meta.get("val_fraction", args.val_fraction) != args.val_fraction:
         differs.append(f"--val-fraction {meta['val_fraction']}, not {args.val_fraction}")
     if not same_tokenizer(args.tokenizer, meta["tokenizer"], out):
