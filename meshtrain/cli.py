@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from meshtrain import launch
-from meshtrain.config import ArgumentParser, Config, ConfigError, load_config, validate
+from meshtrain.config import ArgumentParser, Config, ConfigError, load_config, refuse_empty, validate
 from meshtrain.errors import CheckpointError, CommError, NonFiniteError
 
 if TYPE_CHECKING:
@@ -62,10 +62,7 @@ def _train(argv: list[str]) -> int:
     if args.nproc is not None and args.nproc < 1:  # 0 used to mean "no torchrun": refused, not a silent 1 process
         raise ConfigError(f"--nproc {args.nproc}: launch at least 1 process (--nproc N, N >= 1), or leave --nproc "
                           f"out to train in this process.")
-    for flag in ("config", "out"):  # an empty value (an unset shell variable) must not mean "none" silently
-        if getattr(args, flag) is not None and not getattr(args, flag).strip():
-            what = "a YAML file or preset name" if flag == "config" else "a run folder"
-            raise ConfigError(f"--{flag} is empty: give {what}, or leave --{flag} out.")
+    refuse_empty(args, {"config": "a YAML file or preset name", "out": "a run folder"})
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts {args.max_restarts}: give the number of restarts allowed, >= 0.")
     if args.max_restarts and args.nproc is None:

@@ -233,6 +233,16 @@ _SECTION_TYPES = {"model": ModelConfig, "parallel": ParallelConfig, "train": Tra
 # ----------------------------------------------------------------------------- parsing
 
 
+def refuse_empty(args: Any, flags: dict[str, str]) -> None:
+    """One line for an option given as an empty string (an unset shell variable), which would otherwise mean its
+    default or the current folder silently: ``flags`` maps each option's name on ``args`` to what to give."""
+    for name, what in flags.items():
+        value = getattr(args, name)
+        if value is not None and not value.strip():
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} is empty: give {what}, or leave {flag} out.")
+
+
 def check_output_file(flag: str, path: str | Path, suffix: str | None = None) -> Path:
     """``path`` as a file a command may write (``--emit``, ``--png``): refused in one line naming ``flag``, before
     the command's work, when it is empty, a folder, lacks ``suffix`` (a library would append one and write

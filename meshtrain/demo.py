@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from meshtrain.config import ArgumentParser, Config, ConfigError, load_config, save_config
+from meshtrain.config import ArgumentParser, Config, ConfigError, load_config, refuse_empty, save_config
 from meshtrain.plan.explain import format_table, why_best
 from meshtrain.plan.hardware import Hardware, hardware_cache_dir, load_profile
 from meshtrain.plan.memory import run_precision
@@ -120,10 +120,7 @@ def main(argv: list[str], launch: Callable[[list[str]], int], sample: Callable[.
     nproc = default_nproc() if args.nproc is None else args.nproc
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc}: run at least 1 process.")
-    for flag in ("config", "out"):  # an empty value (an unset shell variable) must not mean the default silently
-        if getattr(args, flag) is not None and not getattr(args, flag).strip():
-            what = "a YAML file or preset name" if flag == "config" else "a run folder"
-            raise ConfigError(f"--{flag} is empty: give {what}, or leave --{flag} out.")
+    refuse_empty(args, {"config": "a YAML file or preset name", "out": "a run folder"})
     if args.config is None and not Path(DEMO_CONFIG).is_file():  # a relative default: say so, not "--config"
         raise ConfigError(f"meshtrain demo runs the repository's {DEMO_CONFIG} by default, and {Path.cwd()} holds "
                           f"none: run it from the repository's root, or pass --config (e.g. --config small).")

@@ -27,7 +27,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from meshtrain.config import ArgumentParser
+from meshtrain.config import ArgumentParser, refuse_empty
 from meshtrain.train.paths import check_out_parent, unwritable_reason
 from meshtrain.train.sources import (  # noqa: F401  (list_source_files: re-exported)
     DEFAULT_EXCLUDE_DIRS,
@@ -478,9 +478,7 @@ def ensure_prepared(path: str | None, tokenizer: str = "byte", val_fraction: flo
 def _check_options(args: argparse.Namespace) -> None:
     """Options that would do nothing as given are refused (each was ignored without a word), as are an empty
     path (which would mean the default, or the current folder) and a source without a folder to prepare into."""
-    for option in ("src", "out"):
-        if getattr(args, option) is not None and not getattr(args, option).strip():
-            raise ValueError(f"--{option} is empty: give a path, or leave --{option} out")
+    refuse_empty(args, {"src": "a path", "out": "a path"})
     if args.src and not args.out:
         raise ValueError(f"--src {args.src} needs --out: without it the folder is the standard library's cache, "
                          f"which training uses when data.path is not set")

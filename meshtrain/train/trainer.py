@@ -233,8 +233,9 @@ def _check_train_data(cfg: Config) -> dict | None:
     d = cfg.data
     blend = data_blend(d.path)
     if blend is not None:  # prepared folders, one tokenizer (BlendedDataset checks it; opening reads no tokens)
-        data = BlendedDataset([(w, ensure_prepared(f)) for w, f in blend], "train")
-        BlendedDataset([(w, part.path) for w, part in zip(data.weights, data.parts, strict=True)], "val")  # sizes
+        folders = [(w, ensure_prepared(f)) for w, f in blend]
+        data = BlendedDataset(folders, "train")
+        BlendedDataset(folders, "val")  # opening a split checks its files' sizes
         load_tokenizer(data.meta["tokenizer"], data.path)
         _check_vocab(cfg, data.vocab_size)
         data.check_fits(cfg.train.seq_len)
