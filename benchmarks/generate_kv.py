@@ -29,7 +29,8 @@ import torch
 
 from meshtrain.config import Config, ModelConfig, ParallelConfig
 from meshtrain.generate import generate, sample
-from meshtrain.model.llama import InitSource, build_model
+from meshtrain.model.init import InitSource
+from meshtrain.model.llama import build_model
 from meshtrain.parallel.next_token import VocabSlice
 from meshtrain.testing.spawn import spawn
 

@@ -135,8 +135,11 @@ def test_reference_runs_route_and_balance(reference):
     assert aux["z"] == [None] * STEPS and all(v > 0 for v in z["z"])
     later = zip(z["losses"][1:], aux["losses"][1:], strict=True)
     assert z["losses"][0] == aux["losses"][0] and all(a != b for a, b in later)
-    renormalised = reference(["model.moe_renormalize=true", *AUX])  # Mixtral's gates: another model from step 1
-    assert renormalised["loads"][0] == aux["loads"][0] and abs(renormalised["losses"][0] - aux["losses"][0]) > 1e-4
+    # Mixtral's gates: another model from step 1. The first MoE layer routes the same tokens (the gates are not
+    # in the choice); later layers see another residual stream, so their loads may move.
+    renormalised = reference(["model.moe_renormalize=true", *AUX])
+    assert renormalised["loads"][0][0] == aux["loads"][0][0]
+    assert abs(renormalised["losses"][0] - aux["losses"][0]) > 1e-4
 
 
 def test_expert_parallel_on_2_ranks_equals_one_device(data, reference):

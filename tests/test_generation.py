@@ -21,8 +21,9 @@ import torch
 
 from meshtrain.config import Config, ModelConfig, ParallelConfig
 from meshtrain.generate import generate, left_pad, sample
+from meshtrain.model.init import InitSource
 from meshtrain.model.kv_cache import KVCache
-from meshtrain.model.llama import InitSource, build_model
+from meshtrain.model.llama import build_model
 from meshtrain.parallel.next_token import VocabSlice
 from meshtrain.plan.generation import stage_bytes
 from meshtrain.plan.partition import partition_model
@@ -195,9 +196,12 @@ def test_bf16_generation_runs_the_training_bf16_program_in_half_the_memory():
     """``train.dtype=bf16`` in ``meshtrain generate`` holds the weights and the KV cache in bf16: exactly half the
     bytes of fp32, every parameter and cache tensor bf16. The model computes in its weights' dtype, so the
     cached prefill and decode steps give each row the logits the training program's bf16 forward (autocast over
-    fp32 weights, the plain model, the row's unpadded sequence) gives, within u = 2^-8 of the logits' scale (the
-    same roundings in the same order: measured equal); fp32 generation is further from it than that (1.3e-2
-    measured), so the bf16 path really ran. Over tp=2 every rank holds bf16 weights and cache of half one device's
+    fp32 weights, the plain model, the row's unpadded sequence) gives, within one bf16 step at the logits' scale
+    (2u, u = 2^-8): the two run their matmuls and attention at other shapes (a padded batch with a mask, one query
+    per decode step, 7 positions against 9), whose kernels sum in another order, so a logit can land on the
+    neighbouring bf16 number (measured 0.8u and 1.6u under two inits, nonzero in ~60 of 97 logits of some rows,
+    even for one unpadded row). fp32 generation is further from it (3.4u and 5.0u), so the bf16 path really
+    ran. Over tp=2 every rank holds bf16 weights and cache of half one device's
     bytes, and the logits (the ranks' vocabulary columns side by side) are within 8u of one device's bf16 ones: each
     row-parallel output (attention's and the MLP's, two blocks) is rounded twice more than on one device, a rank's
     partial sum and the bf16 all-reduce's sum (measured 2.8u; a lost or doubled partial sum is off by its size)."""
@@ -213,8 +217,8 @@ def test_bf16_generation_runs_the_training_bf16_program_in_half_the_memory():
             full = m(torch.tensor([(prompt or [0]) + FOLLOW[row].tolist()]))[0].float()
             want[:, row] = full[n - 1: n - 1 + want.shape[0]]
     scale, u = fp32.abs().max(), 2.0 ** -8
-    assert (bf16 - want).abs().max() <= u * scale
-    assert (fp32 - want).abs().max() > u * scale
+    assert (bf16 - want).abs().max() <= 2 * u * scale
+    assert (fp32 - want).abs().max() > 2 * u * scale
     ranks = spawn(_bf16_logits, 2, ("bf16",))
     assert all(r[1] == {torch.bfloat16} and 2 * r[3] == kv_bytes for r in ranks)
     assert (torch.cat([r[0] for r in ranks], -1) - bf16).abs().max() <= 8 * u * scale

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from meshtrain.config import ModelConfig
-from meshtrain.model.llama import Llama, build_model, init_rows, init_weights
+from meshtrain.model.init import init_box, init_weights
+from meshtrain.model.llama import Llama, build_model
 from meshtrain.plan.costs import flops_per_token, param_count
 
 CFG = ModelConfig(vocab_size=257, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
@@ -44,13 +45,13 @@ def test_param_count_matches_the_module():
 
 def test_qkv_biases_start_at_zero_on_any_layout():
     """``model.qkv_bias``: wq, wk and wv get biases, zero at init (as in transformers), read by rows like any
-    parameter (``init_rows``), so a rank holding some heads' rows gets zeros too; the other Linears stay bias-free."""
+    parameter (``init_box``), so a rank holding some heads' rows gets zeros too; the other Linears stay bias-free."""
     cfg = ModelConfig(vocab_size=257, d_model=64, n_layers=2, n_heads=8, n_kv_heads=2, qkv_bias=True)
     model = build_model(cfg, seed=3)
     biases = {n: p for n, p in model.named_parameters() if n.endswith(".bias")}
     assert sorted(biases) == sorted(f"layers.{i}.attention.{w}.bias" for i in range(2) for w in ("wq", "wk", "wv"))
     assert all(not p.any() for p in biases.values())
-    assert torch.equal(init_rows(cfg, 3, "layers.0.attention.wk.bias", (16,), 8, 16), torch.zeros(8))
+    assert torch.equal(init_box(cfg, 3, "layers.0.attention.wk.bias", (16,), ((8, 16),)), torch.zeros(8))
 
 
 def test_llama2_13b_has_13_billion_parameters_and_6n_flops():

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from meshtrain.config import ModelConfig
-from meshtrain.model.llama import Llama, build_model, cross_entropy_sum, init_weights
+from meshtrain.model.init import init_weights
+from meshtrain.model.llama import Llama, build_model, cross_entropy_sum
 from meshtrain.model.moe import MoEFeedForward, expert_index
 from meshtrain.parallel.recompute import apply_recompute
 from meshtrain.parallel.units import model_units

@@ -11,7 +11,6 @@ already hidden states) and a missing head (the output is then hidden states).
 
 from __future__ import annotations
 
-import hashlib
 import math
 
 import torch
@@ -19,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtrain.config import ModelConfig
+from meshtrain.model.init import init_weights
 from meshtrain.model.kv_cache import KVCache, LayerKV
 from meshtrain.model.layers import (
     CausalAttention,
@@ -31,11 +31,10 @@ from meshtrain.model.layers import (
     rope_tables,
 )
 from meshtrain.model.moe import MoEFeedForward
-from meshtrain.model.source import Box, full_box, relative
 
 __all__ = ["Attention", "Block", "CausalAttention", "FeedForward", "KVCache", "Llama", "RMSNorm", "apply_rope",
            "attend", "build_model", "heads_with_rope",
-           "cross_entropy_sum", "decoder_forward", "init_rows", "init_weights", "rope_tables", "InitSource"]
+           "cross_entropy_sum", "decoder_forward", "rope_tables"]
 
 
 class Attention(nn.Module):
@@ -198,75 +197,6 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, ignore_index:
     return F.cross_entropy(
         logits.float().flatten(0, -2), targets.flatten(), ignore_index=ignore_index, reduction="sum"
     )
-
-
-def _row_seed(seed: int, name: str, row: int) -> int:
-    digest = hashlib.sha256(f"{seed}:{name}:{row}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def init_std(cfg: ModelConfig, name: str) -> float:
-    """The init scale of parameter ``name``: 0 for norms (they start at one), the residual-branch scale
-    1/sqrt(2 * n_layers) for output projections (wo, w2, also every expert's w2) as in GPT-2, else init_std."""
-    if name.endswith("norm.weight"):
-        return 0.0
-    if name.endswith(("wo.weight", "w2.weight")):
-        return cfg.init_std / math.sqrt(2 * cfg.n_layers)
-    return cfg.init_std
-
-
-def init_rows(cfg: ModelConfig, seed: int, name: str, shape: tuple[int, ...], start: int, stop: int) -> torch.Tensor:
-    """Rows ``start:stop`` (along dim 0) of parameter ``name``'s initial value.
-
-    Every row has its own generator seeded by (seed, name, row), so any rank can initialise exactly the rows
-    it holds, in any order, and get the single-device values: init never materialises a whole tensor. A 1-D
-    tensor is one row. Biases start at zero (as in transformers and Megatron).
-    """
-    if name.endswith(".bias"):
-        return torch.zeros(stop - start)
-    std = init_std(cfg, name)
-    if std == 0.0:
-        return torch.ones((stop - start, *shape[1:]) if len(shape) > 1 else (stop - start,))
-    if len(shape) == 1:
-        g = torch.Generator().manual_seed(_row_seed(seed, name, 0))
-        return (torch.randn(shape[0], generator=g) * std)[start:stop]
-    row = math.prod(shape[1:])
-    out = torch.empty(stop - start, row)
-    for i in range(start, stop):
-        g = torch.Generator().manual_seed(_row_seed(seed, name, i))
-        out[i - start] = torch.randn(row, generator=g)
-    return out.mul_(std).view(stop - start, *shape[1:])
-
-
-class InitSource:
-    """The deterministic initial weights as a ``TensorSource`` (``source.py``): any box of any parameter."""
-
-    def __init__(self, cfg: ModelConfig, seed: int, shapes: dict[str, tuple[int, ...]]) -> None:
-        self.cfg, self.seed, self.shapes = cfg, seed, shapes
-
-    def shape(self, key: str) -> tuple[int, ...] | None:
-        return self.shapes.get(key)
-
-    def read(self, key: str, box: Box) -> torch.Tensor:
-        shape = self.shapes[key]
-        rows = init_rows(self.cfg, self.seed, key, shape, *box[0])
-        return rows[(slice(None), *relative(box[1:], full_box(shape[1:])))]
-
-
-@torch.no_grad()
-def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
-    """Deterministic init from (seed, parameter name, row) only (``init_rows``), so it does not depend on which
-    parameters a rank holds or in which order they are created: any layout gets the same weights.
-
-    Linear and embedding weights ~ N(0, init_std); output projections of each residual branch are scaled
-    (``init_std``); norms start at one.
-    """
-    seen: set[int] = set()
-    for name, p in model.named_parameters():
-        if id(p) in seen:  # tied weights are initialised once
-            continue
-        seen.add(id(p))
-        p.copy_(init_rows(cfg, seed, name, tuple(p.shape), 0, p.shape[0]))
 
 
 def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu", meta: bool = False) -> Llama:

@@ -7,7 +7,7 @@ rectangular region of a logical tensor: one ``(start, stop)`` per dimension.
 A ``TensorSource`` answers "give me this box of that tensor". Sharded construction, resuming from a
 checkpoint and importing HuggingFace weights are the same operation with different sources: each rank
 asks only for the boxes it holds (its TP slice, pipeline stage, ZeRO shard, experts), so no rank reads or
-materialises the whole model. The sources are the deterministic init (``llama.InitSource``), a meshtrain
+materialises the whole model. The sources are the deterministic init (``init.InitSource``), a meshtrain
 checkpoint (``train/checkpoint.py``) and a HuggingFace folder (``model/hf.py``).
 """
 

@@ -4,6 +4,9 @@ layout's run folder goes, and the planner's byte check over those folders."""
 from __future__ import annotations
 
 import re
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -36,6 +39,35 @@ def elements_loaded(trainer) -> tuple[int | None, int]:
     from meshtrain.parallel.state import held_numel
 
     return trainer.elements_read, held_numel(trainer.parallel.local_state(trainer.optimizer))
+
+
+@contextmanager
+def counting_init_draws() -> Iterator[list[int]]:
+    """``[n]``: the elements ``meshtrain.model.init`` draws inside the block (one generator output each)."""
+    from meshtrain.model import init
+
+    count, lock, raw = [0], threading.Lock(), init._Stream.raw
+
+    def counted(stream, start: int, stop: int):
+        with lock:  # pieces are drawn on several threads
+            count[0] += stop - start
+        return raw(stream, start, stop)
+
+    init._Stream.raw = counted
+    try:
+        yield count
+    finally:
+        init._Stream.raw = raw
+
+
+def init_share(trainer) -> int:
+    """The elements of the parameters this rank holds (its logical boxes) whose initial values are drawn (not
+    the norms' ones or the biases' zeros): what a fresh start should draw on this rank, no more."""
+    from meshtrain.model.init import init_std
+    from meshtrain.model.source import box_numel
+
+    return sum(box_numel(r.box) for h in trainer.parallel.local_state() for r in h.regions
+               if h.key in trainer.shapes and not h.key.endswith(".bias") and init_std(trainer.cfg.model, h.key))
 
 
 def mesh_sizes(trainer) -> dict[str, int]:
@@ -232,11 +264,14 @@ def assert_layout_ran(name: str, overrides: list[str], world_size: int, per_rank
                       run: str | Path | None) -> None:
     """The layout really ran: every rank built the mesh the overrides ask for; each rank's steady-step comm
     meter (``run``/comm.json) moved bytes on every axis above 1 (pp, cp, tp, ep; the data-parallel sync over
-    dp x cp, or both HSDP axes); pipeline ranks executed exactly their schedule's action list."""
+    dp x cp, or both HSDP axes); pipeline ranks executed exactly their schedule's action list. And every rank's
+    fresh start drew exactly the initial values of the boxes it holds (no whole rows of a column slice)."""
     want = expected_mesh(overrides, world_size)
     assert len(per_rank) == world_size, f"{name}: {len(per_rank)} ranks returned, not {world_size}"
     for rank, got in enumerate(per_rank):
         assert got["mesh"] == want, f"{name}: rank {rank} built mesh {got['mesh']}, the layout asks for {want}"
+        drawn, share = got["init"]
+        assert drawn == share, f"{name}: rank {rank}'s init drew {drawn} elements for the {share} it holds"
         if want["pp"] > 1:
             assert got["scheduled"], f"{name}: rank {rank} has no pipeline schedule"
             assert got["executed"] == got["scheduled"], \
@@ -326,7 +361,8 @@ def run_layout(data: str, overrides: list[str], out: str | None = None, preset: 
     """Train the preset on ``data`` with ``overrides`` (writing to ``out``) on this rank; return what the
     equivalence checks compare (on every rank): every step's loss and grad_norm, the first step's logical
     gradients (before clipping and the optimizer step), the final logical parameters, every step's records,
-    the mesh sizes, the executed and scheduled pipeline actions, and ``extra(trainer)`` if given (after
+    the mesh sizes, the executed and scheduled pipeline actions, (elements the init drew, the rank's share of
+    them: ``init_share``), and ``extra(trainer)`` if given (after
     training). Collective: call on every rank."""
     from meshtrain.config import load_config
     from meshtrain.train.trainer import Trainer
@@ -337,11 +373,13 @@ def run_layout(data: str, overrides: list[str], out: str | None = None, preset: 
         if not first:
             first.update(logical_grads(trainer))
 
-    trainer = Trainer(load_config(preset, [f"data.path={data}", *overrides]), out, grad_hook=hook)
+    with counting_init_draws() as drawn:
+        trainer = Trainer(load_config(preset, [f"data.path={data}", *overrides]), out, grad_hook=hook)
+    init = (drawn[0], init_share(trainer))
     records = trainer.train()
     return {"losses": [r["loss"] for r in records], "grad_norms": [r["grad_norm"] for r in records],
             "grads": first, "params": logical_params(trainer), "records": records, "mesh": mesh_sizes(trainer),
-            "executed": executed_actions(trainer), "scheduled": scheduled_actions(trainer),
+            "executed": executed_actions(trainer), "scheduled": scheduled_actions(trainer), "init": init,
             "extra": extra(trainer) if extra is not None else None}
 
 

@@ -28,8 +28,9 @@ from meshtrain.errors import NonFiniteError
 from meshtrain.generate import sample
 from meshtrain.mesh import Mesh, init_distributed
 from meshtrain.model.hf import HFSource
+from meshtrain.model.init import InitSource
 from meshtrain.model.layers import document_ids
-from meshtrain.model.llama import InitSource, Llama, build_model
+from meshtrain.model.llama import Llama, build_model
 from meshtrain.model.source import tied_aliases
 from meshtrain.parallel.compile import compile_unavailable
 from meshtrain.parallel.parallelize import DTYPES, parallelize
