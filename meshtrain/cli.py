@@ -100,14 +100,12 @@ def _train(argv: list[str]) -> int:
         if nodes:
             launch.check_rendezvous(nodes)
         return _run_torchrun(cmd, args.out, nodes)
-    import torch.distributed as dist
-
+    from meshtrain import comm
     from meshtrain.train.trainer import Trainer
 
-    Trainer(cfg, args.out, notes=replaced).train()
-    if dist.is_initialized():  # an orderly shutdown: every rank done before any tears down
-        dist.barrier()
-        dist.destroy_process_group()
+    trainer = Trainer(cfg, args.out, notes=replaced)
+    trainer.train()
+    if comm.shutdown(trainer.mesh.group("world")):  # every rank done before any tears down
         # Under CPU load a gloo worker sometimes aborts in C++ static destructors at interpreter exit
         # ("terminate called without an active exception"), after all work is done and written.
         # Leave without that finalisation so torchrun sees the run's real outcome.
@@ -323,10 +321,7 @@ def _generate(argv: list[str]) -> int:
                   f"per rank {', '.join(f'{b:,}' for b in kv)}")
     sys.stdout.flush()
     if gm.mesh.world_size > 1:  # an orderly shutdown, as a training worker's (see _train)
-        import torch.distributed as dist
-
-        dist.barrier()
-        dist.destroy_process_group()
+        comm.shutdown(gm.mesh.group("world"))
         sys.stderr.flush()
         os._exit(0)
     return 0

@@ -469,6 +469,17 @@ def barrier(group: AxisGroup) -> None:
         _wait(dist.barrier(group=group.pg, async_op=True), entry, device.type == "cpu")
 
 
+def shutdown(group: AxisGroup) -> bool:
+    """An orderly end of a multi-process run: every rank of ``group`` (the world) is done before any tears its
+    connections down (a barrier under the collective timeout, named on failure), then the process group goes.
+    False if there was no process group."""
+    if not dist.is_initialized():
+        return False
+    barrier(group)
+    dist.destroy_process_group()
+    return True
+
+
 def all_reduce_scalars(values: list[float], group: AxisGroup, op: str = "sum",
                        device: torch.device | str = "cpu") -> list[float]:
     """Reduce a few Python floats (metrics) in one fp64 all-reduce (``device``: the mesh's, for NCCL)."""

@@ -24,6 +24,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from meshtrain.config import Config, resolve_dp
+
 AXES = ("pp", "dp", "cp", "tp")  # outermost to innermost
 
 
@@ -79,6 +81,15 @@ class Mesh:
         self._groups: dict[str, AxisGroup] = {}
         self._timeout = timedelta(seconds=timeout_s) if timeout_s else None
         self._build_groups(create=initialized)
+
+    @classmethod
+    def from_config(cls, cfg: Config, world_size: int, device: torch.device | None = None) -> Mesh:
+        """The mesh a run's config asks for on ``world_size`` processes: its parallel sizes, dp from
+        ``config.resolve_dp``, the tp ranks sharing a kv head, and ``train.collective_timeout_s``."""
+        p = cfg.parallel
+        return cls(pp=p.pp, dp=resolve_dp(cfg, world_size), cp=p.cp, tp=p.tp, ep=p.ep, dp_shard=p.dp_shard,
+                   kv_share=max(1, p.tp // cfg.model.kv_heads), device=device,
+                   timeout_s=cfg.train.collective_timeout_s)
 
     # ------------------------------------------------------------------ coordinates
 

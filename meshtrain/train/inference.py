@@ -108,8 +108,7 @@ def load_for_generation(cfg: Config, path: str | Path | None, source=None) -> Ge
     init_distributed(device.type, cfg.train.collective_timeout_s)
     comm.configure(cfg.train.collective_timeout_s)
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
-    mesh = Mesh(pp=pp, tp=tp, kv_share=max(1, tp // cfg.model.kv_heads), device=device,
-                timeout_s=cfg.train.collective_timeout_s)
+    mesh = Mesh.from_config(cfg, tp * pp, device)  # generation_config's layout: tp x pp, nothing else
     model = build_model(cfg.model, cfg.train.seed, device, meta=True)
     placements = {}
     if tp > 1:

@@ -357,10 +357,7 @@ class Trainer:
         init_distributed("cpu" if self.device.type == "cpu" else "cuda", t.collective_timeout_s)
         # Before the first collective, on every rank: the timeout of every wait, the order check, a fresh log.
         comm.configure(t.collective_timeout_s, t.check_collective_order)
-        p = cfg.parallel
-        self.mesh = Mesh(pp=p.pp, dp=world_size // (p.pp * p.cp * p.tp), cp=p.cp, tp=p.tp, ep=p.ep,
-                         dp_shard=p.dp_shard, kv_share=max(1, p.tp // cfg.model.kv_heads), device=self.device,
-                         timeout_s=t.collective_timeout_s)
+        self.mesh = Mesh.from_config(cfg, world_size, self.device)
         self.is_logger = self.mesh.rank == 0
         if asked == "auto":
             self._check_one_dtype()
