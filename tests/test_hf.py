@@ -597,6 +597,34 @@ def test_hf_model_config_maps_the_fields(tmp_path):
     assert hf_model_config(tmp_path).rope_theta == 123.0
 
 
+def test_each_familys_defaults_are_transformers_for_the_fields_config_json_leaves_out(tmp_path):
+    """A config.json may leave a field out; transformers then takes its config class's default, which is not
+    LlamaConfig's for every family (a Mixtral's RoPE base 1e6 and eps 1e-5, a Mistral's window 4096). Our table
+    equals transformers' own, and a trimmed Mixtral or Mistral config imports with them."""
+    from transformers import AutoConfig
+
+    for model_type, ours in hf_mod.FAMILY_DEFAULTS.items():
+        theirs = AutoConfig.for_model(model_type)
+        rope = getattr(theirs, "rope_parameters", None) or {"rope_theta": theirs.rope_theta}
+        got = {k: rope["rope_theta"] if k == "rope_theta" else getattr(theirs, k) for k in ours}
+        assert got == ours, (model_type, got, ours)
+    trimmed = ("rope_theta", "rope_parameters", "rope_scaling", "rms_norm_eps", "sliding_window",
+               "max_position_embeddings")
+    for model_type, arch in (("mixtral", "MixtralForCausalLM"), ("mistral", "MistralForCausalLM")):
+        hf_llama(tmp_path / model_type)
+        c = json.loads((tmp_path / model_type / "config.json").read_text())
+        c = {k: v for k, v in c.items() if k not in trimmed}
+        c.update(model_type=model_type, architectures=[arch])
+        if model_type == "mixtral":
+            c.update(num_local_experts=2, num_experts_per_tok=1)
+        (tmp_path / model_type / "config.json").write_text(json.dumps(c))
+        cfg = hf_model_config(tmp_path / model_type)
+        if model_type == "mixtral":
+            assert (cfg.rope_theta, cfg.norm_eps, cfg.sliding_window) == (1e6, 1e-5, 0)
+        else:
+            assert (cfg.rope_theta, cfg.norm_eps, cfg.sliding_window) == (10000.0, 1e-6, 4096)
+
+
 # ----------------------------------------------------------------------------- export
 
 
@@ -702,7 +730,36 @@ def _mixtral(folder: Path, **fields) -> None:
     cfg.save_pretrained(folder)
 
 
+def _cast_tensor(folder: Path, name: str, dtype: torch.dtype) -> None:
+    tensors = hf_tensors(folder)
+    tensors[name] = tensors[name].to(dtype)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _edit_index(folder: Path, weight_map) -> None:
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({**json.loads(index.read_text()), "weight_map": weight_map}))
+
+
+def _first_shard_outside(folder: Path) -> None:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    _edit_index(folder, {k: f"../{f}" for k, f in index["weight_map"].items()})
+
+
 BAD = {  # name: (shard, how to break the folder, error type, what the one line must say)
+    "quantized": (None, lambda f: _edit_config(f, quantization_config={"quant_method": "fp8", "weight_block_size":
+                                                                       [128, 128]}),
+                  ValueError, ["config.json: quantization_config is set (quant_method 'fp8')",
+                               "unquantized release"]),
+    "fp8-tensor": (None, lambda f: _cast_tensor(f, "model.layers.0.mlp.up_proj.weight", torch.float8_e4m3fn),
+                   ValueError, ["model.safetensors: model.layers.0.mlp.up_proj.weight is stored as F8_E4M3",
+                                "F32, BF16, F16 weights only"]),
+    "integer-tensor": (None, lambda f: _cast_tensor(f, "model.norm.weight", torch.int64),
+                       ValueError, ["model.safetensors: model.norm.weight is stored as I64"]),
+    "weight-map-list": ("20KB", lambda f: _edit_index(f, []),
+                        ValueError, ["model.safetensors.index.json: weight_map must map each tensor name to a file"]),
+    "weight-map-outside": ("20KB", _first_shard_outside,
+                           ValueError, ["model.safetensors.index.json: weight_map must map", "(no folders)"]),
     "architecture": (None, lambda f: _edit_config(f, architectures=["Gemma2ForCausalLM"], model_type="gemma2"),
                      ValueError, ["config.json: architectures is ['Gemma2ForCausalLM']", "LlamaForCausalLM",
                                   "Qwen2ForCausalLM", "GemmaForCausalLM (model_type gemma)"]),

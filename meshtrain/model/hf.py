@@ -68,6 +68,7 @@ from meshtrain.model.source import Box, TensorSource, full_box, write_safetensor
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+FLOAT_DTYPES = ("F32", "BF16", "F16")  # the safetensors dtypes read as weights (no fp8/int codes without scales)
 SUPPORTED = ("LlamaForCausalLM (model_type llama), MistralForCausalLM (model_type mistral), MixtralForCausalLM "
              "(model_type mixtral), Qwen2ForCausalLM (model_type qwen2), "
              "Qwen3ForCausalLM (model_type qwen3), Qwen3MoeForCausalLM (model_type qwen3_moe), the Qwens without "
@@ -84,6 +85,18 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 HF_ACTIVATION = {ours: hf for hf, ours in ACTIVATIONS.items()}
 QWENS = ("qwen2", "qwen3", "qwen3_moe")
+# What transformers' config class of each family assumes for a field its config.json leaves out (LlamaConfig's
+# defaults are not every family's: a Mixtral's RoPE base is 1e6, a Mistral's window 4096). tests/test_hf.py holds
+# this table equal to transformers' own.
+_LLAMA_DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
+                   "tie_word_embeddings": False}
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": _LLAMA_DEFAULTS,
+    "mistral": {**_LLAMA_DEFAULTS, "max_position_embeddings": 131072, "sliding_window": 4096},
+    "mixtral": {**_LLAMA_DEFAULTS, "rope_theta": 1e6, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072},
+    **{qwen: {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768} for qwen in QWENS},
+    "gemma": {**_LLAMA_DEFAULTS, "max_position_embeddings": 8192, "tie_word_embeddings": True},
+}
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
 
 
@@ -145,7 +158,7 @@ def _rope(file: Path, data: dict[str, Any]) -> dict[str, Any]:
     (``rope_parameters``). The plain rotation and Llama 3.1's ``llama3`` scaling are implemented
     (``layers.rope_frequencies``); any other scaling (linear, dynamic, yarn...) would change the angles, so it is
     refused rather than ignored."""
-    theta, out = data.get("rope_theta", 10000.0), {}
+    theta, out = data["rope_theta"], {}  # FAMILY_DEFAULTS fills it when config.json leaves it out
     for key in ("rope_scaling", "rope_parameters"):
         params = data.get(key)
         if params is None:
@@ -271,6 +284,12 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
     model_type = c.get("model_type")
     if model_type not in ARCHITECTURES.values() or (arch is not None and ARCHITECTURES[arch[0]] != model_type):
         raise _config_error(file, "model_type", model_type, SUPPORTED)
+    c = {**FAMILY_DEFAULTS[model_type], **c}  # the family's defaults for the fields config.json leaves out
+    quantized = c.get("quantization_config")
+    if quantized is not None:  # the weights would be read as stored (fp8, int4 codes) without their scales
+        method = quantized.get("quant_method", quantized) if isinstance(quantized, dict) else quantized
+        raise ValueError(f"{file}: quantization_config is set (quant_method {method!r}); meshtrain reads unquantized "
+                         f"weights only (fp32, bf16 or fp16): use the model's unquantized release.")
     for key in ("attention_bias", "mlp_bias"):
         if c.get(key, False):
             raise _config_error(file, key, c[key], "false only (meshtrain's attention has biases on q, k and v "
@@ -290,14 +309,14 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
     kv_heads = _positive_int(file, c, "num_key_value_heads", n_heads)
     if n_heads % kv_heads:
         raise _config_error(file, "num_key_value_heads", kv_heads, f"a divisor of num_attention_heads={n_heads}")
-    eps = c.get("rms_norm_eps", 1e-6)  # LlamaConfig's default
+    eps = c["rms_norm_eps"]
     if isinstance(eps, bool) or not isinstance(eps, int | float) or eps <= 0:
         raise _config_error(file, "rms_norm_eps", eps, "a positive number")
-    tie = c.get("tie_word_embeddings", model_type == "gemma")  # LlamaConfig's default; GemmaConfig's true
+    tie = c["tie_word_embeddings"]
     if not isinstance(tie, bool):
         raise _config_error(file, "tie_word_embeddings", tie, "true or false")
     init_std = c.get("initializer_range", 0.02)
-    max_len = _positive_int(file, c, "max_position_embeddings", 8192 if model_type == "gemma" else 2048)
+    max_len = _positive_int(file, c, "max_position_embeddings")
     window = _sliding_window(file, c, max_len) if model_type != "llama" else 0
     moe = _mixtral(file, c) if model_type == "mixtral" else _qwen3_moe(file, c) if model_type == "qwen3_moe" else {}
     return ModelConfig(
@@ -476,18 +495,21 @@ class HFSource:
         self.folder = Path(folder)
         self.cfg = hf_model_config(self.folder)
         self.tensors = hf_names(self.cfg)
-        self._headers: dict[Path, dict[str, tuple[int, ...]]] = {}
+        self._headers: dict[Path, dict[str, tuple[tuple[int, ...], str]]] = {}
         self.files = self._weight_map()
         for ours, t in self.tensors.items():
             file = self.files.get(t.hf_name)
-            if file is None or t.hf_name not in self._shapes(file):
+            if file is None or t.hf_name not in self._header(file):
                 where = self.folder / INDEX if (self.folder / INDEX).is_file() else file or self.folder / SINGLE
                 raise ValueError(f"{where}: tensor {t.hf_name} (meshtrain {ours}) is absent: the weights do not "
                                  f"match {self.folder / CONFIG}.")
-            stored = self._shapes(file)[t.hf_name]
+            stored, dtype = self._header(file)[t.hf_name]
             if stored != t.shape:
                 raise ValueError(f"{file}: {t.hf_name} has shape {stored} but {self.folder / CONFIG} implies "
                                  f"{t.shape}: the weights and config.json disagree.")
+            if dtype not in FLOAT_DTYPES:  # an fp8 or integer tensor would be cast as stored, without its scale
+                raise ValueError(f"{file}: {t.hf_name} is stored as {dtype}; meshtrain reads "
+                                 f"{', '.join(FLOAT_DTYPES)} weights only: use the model's unquantized release.")
 
     def _weight_map(self) -> dict[str, Path]:
         """HF tensor name -> the file holding it (the index's weight_map, or every tensor of the single file)."""
@@ -497,6 +519,11 @@ class HFSource:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise ValueError(f"{index} is not a safetensors index (no weight_map: {e!r}).") from None
+            plain = isinstance(weight_map, dict) and all(isinstance(k, str) and isinstance(f, str) and f
+                                                         and Path(f).name == f for k, f in weight_map.items())
+            if not plain:
+                raise ValueError(f"{index}: weight_map must map each tensor name to a file name in {self.folder} "
+                                 f"(no folders): the index is damaged; download it again.")
             files = {name: self.folder / f for name, f in weight_map.items()}
             for f in sorted(set(files.values())):
                 if not f.is_file():
@@ -507,7 +534,7 @@ class HFSource:
         if not single.is_file():
             raise FileNotFoundError(f"{self.folder} has neither {SINGLE} nor {INDEX}: meshtrain reads safetensors "
                                     f"weights only (never pickled .bin files).")
-        return {name: single for name in self._shapes(single)}
+        return {name: single for name in self._header(single)}
 
     @staticmethod
     def _open(file: Path) -> Any:
@@ -520,12 +547,13 @@ class HFSource:
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{file} is not a readable safetensors file ({e}).") from None
 
-    def _shapes(self, file: Path) -> dict[str, tuple[int, ...]]:
-        """Every tensor's shape in ``file``, from its header, read once (a 70B folder: ~30 files, ~720 tensors;
-        opening a file per tensor cost every rank ~720 opens of a shared filesystem)."""
+    def _header(self, file: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Every tensor's (shape, safetensors dtype) in ``file``, from its header, read once (a 70B folder: ~30
+        files, ~720 tensors; opening a file per tensor cost every rank ~720 opens of a shared filesystem)."""
         if file not in self._headers:
             with self._open(file) as f:
-                self._headers[file] = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+                self._headers[file] = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype())
+                                       for k in f.keys()}
         return self._headers[file]
 
     def shape(self, key: str) -> tuple[int, ...] | None:
