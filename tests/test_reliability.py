@@ -831,6 +831,71 @@ def test_stale_temp_folders_go_and_complete_checkpoints_stay(tmp_path):
     assert (root / "step_000002" / "meta.json").read_text() == "{}"
 
 
+def test_a_checkpoint_whose_meta_json_does_not_read_is_passed_over_and_a_commit_syncs_before_renaming(
+        tmp_path, monkeypatch):
+    """A machine crash after the rename can leave a renamed folder with empty files: a resume passes over it, and
+    says so, to the newest that reads, rather than failing on it at every restart. A commit syncs rank 0's files
+    and the folder before the rename makes it a checkpoint, and the parent folder after."""
+    from meshtrain.train import checkpoint as ck
+
+    root = tmp_path / "checkpoints"
+    for step, meta in ((4, json.dumps({"format": 2, "step": 4})), (8, "")):
+        (root / f"step_{step:06d}").mkdir(parents=True)
+        (root / f"step_{step:06d}" / "meta.json").write_text(meta)
+    assert ck.latest_checkpoint(root).name == "step_000004"
+    assert [p.name for p in ck.unreadable_checkpoints(root)] == ["step_000008"]
+
+    events: list[tuple[str, str]] = []
+    fsync, rename = ck._fsync, os.rename
+    monkeypatch.setattr(ck, "_fsync", lambda p: (events.append(("fsync", Path(p).name)), fsync(p))[1])
+    monkeypatch.setattr(ck.os, "rename", lambda a, b: (events.append(("rename", Path(b).name)), rename(a, b))[1])
+    out = tmp_path / "run"
+    Trainer(load_config("tiny", [*SMALL, "train.steps=1", "train.ckpt_every=1"]), out).train()
+    at = events.index(("rename", "step_000001"))
+    before = {name for kind, name in events[:at] if kind == "fsync"}
+    assert {"index.json", "rng.safetensors", "meta.json"} <= before, events
+    assert any(name.startswith(".step_000001.tmp-") for name in before), events
+    assert ("fsync", "checkpoints") in events[at:], events
+    monkeypatch.undo()
+
+    (out / "checkpoints" / "step_000003").mkdir()
+    (out / "checkpoints" / "step_000003" / "meta.json").write_text('{"format": 2, "st')  # cut off
+    resumed = Trainer(load_config("tiny", [*SMALL, "train.steps=2", "train.resume=true"]), out)
+    assert resumed.step == 1
+    assert any("passed over step_000003: meta.json does not read" in n and "resuming from step_000001" in n
+               for n in resumed.notes), resumed.notes
+
+
+def _ranks_seeing_other_checkpoints(rank: int, world_size: int, out: str) -> str | None:
+    from meshtrain.train import trainer
+
+    if rank == 1:  # a node whose view of the shared folder lists a step the others do not have
+        trainer.latest_checkpoint = lambda root: Path(root) / "step_000002"
+    try:
+        trainer.Trainer(load_config("tiny", [*SMALL, "train.steps=1", "train.resume=true"]), out)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_that_see_different_latest_checkpoints_refuse_together(tmp_path):
+    """Each rank picks the checkpoint to resume on its own view of the folder; on a shared filesystem whose nodes
+    disagree they would resume different steps (a mixed model). Every rank refuses, naming both steps."""
+    said = spawn(_ranks_seeing_other_checkpoints, 2, args=(str(tmp_path / "run"),), timeout=120)
+    assert all(m is not None and "the ranks see different latest checkpoints" in m and "steps -1 to 2" in m
+               for m in said), said
+
+
+def test_a_metrics_line_cut_off_by_a_crash_is_dropped_on_resume(tmp_path, capsys):
+    from meshtrain.train.metrics import MetricsLogger
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5}\n{"step": 2, "loss": 4}\n\n{"step": 3, "lo')
+    MetricsLogger(tmp_path, total_steps=5, start_step=3, progress=False, tensorboard=False).close()
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5}\n{"step": 2, "loss": 4}\n'
+    err = capsys.readouterr().err
+    assert err.count("dropped a line that does not read") == 1 and "metrics.jsonl" in err, err
+
+
 def test_missing_optional_dependency_names_its_extra(tmp_path, monkeypatch, capsys):
     from meshtrain.cli import main
 

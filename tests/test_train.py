@@ -97,7 +97,7 @@ def test_checkpoint_errors_and_atomic_write(stdlib_data, tmp_path, monkeypatch):
 
     monkeypatch.setattr(ckpt_mod, "write_safetensors", boom)
     root = tmp_path / "atomic"
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointError, match=f"saving a checkpoint under {root} failed: disk full"):
         ckpt_mod.save_checkpoint(root, 1, t.model, t.optimizer, {})
     assert list(root.iterdir()) == []
 

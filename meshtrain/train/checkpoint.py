@@ -69,9 +69,28 @@ def list_checkpoints(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def _meta_reads(path: Path) -> bool:
+    try:
+        read_checkpoint_meta(path)
+        return True
+    except CheckpointError:
+        return False
+
+
 def latest_checkpoint(root: Path) -> Path | None:
-    ckpts = list_checkpoints(root)
-    return ckpts[-1] if ckpts else None
+    """The newest checkpoint under ``root`` whose meta.json reads, or None. A newer one whose meta.json does not
+    (a machine crash after the rename, before the file reached the disk) is passed over, so a restart resumes from
+    the one before instead of failing on it at every attempt (``unreadable_checkpoints`` names them)."""
+    for path in reversed(list_checkpoints(root)):
+        if _meta_reads(path):
+            return path
+    return None
+
+
+def unreadable_checkpoints(root: Path) -> list[Path]:
+    """The checkpoints newer than ``latest_checkpoint(root)``: those whose meta.json does not read."""
+    ckpts, latest = list_checkpoints(root), latest_checkpoint(root)
+    return ckpts[ckpts.index(latest) + 1:] if latest is not None else ckpts
 
 
 # ----------------------------------------------------------------------------- writing
@@ -157,7 +176,12 @@ class Checkpointer:
             self._thread = threading.Thread(target=self._guard(work), name=f"ckpt-{step}", daemon=True)
             self._thread.start()
         else:
-            work()
+            try:
+                work()
+            except CheckpointError:
+                raise
+            except Exception as e:  # the errno alone ("No space left on device") would not say what was saving
+                raise CheckpointError(f"saving a checkpoint under {self.root} failed: {e}") from e
         return final
 
     def _guard(self, fn):
@@ -217,14 +241,32 @@ class Checkpointer:
         shapes = {k: e["shape"] for k, e in index["tensors"].items() if "/" not in k}
         (tmp / "meta.json").write_text(json.dumps({"format": FORMAT, "step": step, "shapes": shapes, **meta},
                                                   indent=1))
-        if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
-            shutil.rmtree(final)
+        # On disk before the rename makes the folder a checkpoint: without it a machine crash can leave a renamed
+        # folder whose files are empty (ext4, XFS). The rank files are synced by their writers.
+        for name in ("index.json", "rng.safetensors", "meta.json", *(Path(f).name for f in files)):
+            _fsync(tmp / name)
+        _fsync(tmp)
+        old = self.root / f".{final.name}.tmp-replaced"
+        if final.exists():  # re-saving the same step (e.g. after a resume): the old one goes only once the new is in
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
         os.rename(tmp, final)
+        _fsync(self.root)
+        shutil.rmtree(old, ignore_errors=True)
         for stale in self.root.glob(".step_*.tmp-*"):  # left by a crashed save
             shutil.rmtree(stale, ignore_errors=True)
         if self.keep > 0:
             for old in list_checkpoints(self.root)[:-self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's or a folder's entries to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _rng_state() -> dict[str, torch.Tensor]:

@@ -106,6 +106,17 @@ def _finite_or_null(v: Any) -> Any:
     return v
 
 
+def _step_of(line: str, path: Path) -> float:
+    """A metrics.jsonl line's step; inf (dropped on resume) for one a crash cut off or left blank, said once."""
+    try:
+        record = json.loads(line)
+        return int(record["step"]) if isinstance(record, dict) else math.inf
+    except (ValueError, KeyError, TypeError):
+        if line.strip():
+            print(f"{path}: dropped a line that does not read (cut off by a crash?): {line[:60]!r}", file=sys.stderr)
+        return math.inf
+
+
 class MetricsLogger:
     """Writes metrics on the logging rank only; every other rank gets a logger that does nothing."""
 
@@ -123,7 +134,7 @@ class MetricsLogger:
             path = out_dir / "metrics.jsonl"
             kept = []
             if start_step > 0 and path.exists():  # resuming: keep the lines of steps already done
-                kept = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= start_step]
+                kept = [ln for ln in path.read_text().splitlines() if _step_of(ln, path) <= start_step]
             path.write_text("".join(ln + "\n" for ln in kept))
             self._jsonl = path.open("a")
             if tensorboard:

@@ -38,7 +38,14 @@ from meshtrain.plan.flops import flops_per_token, mfu, param_count
 from meshtrain.plan.hardware import peak_flops
 from meshtrain.plan.validate import validate_layout
 from meshtrain.train.blend import BlendedDataset
-from meshtrain.train.checkpoint import Checkpointer, CheckpointError, CheckpointReader, latest_checkpoint, restore_rng
+from meshtrain.train.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointReader,
+    latest_checkpoint,
+    restore_rng,
+    unreadable_checkpoints,
+)
 from meshtrain.train.data import (
     BatchAhead,
     SyntheticDataset,
@@ -464,6 +471,10 @@ class Trainer:
     def _load_weights(self) -> None:
         t = self.cfg.train
         path = latest_checkpoint(self.ckpt_root) if t.resume else None
+        self._same_checkpoint_everywhere(path)
+        if t.resume and (unreadable := unreadable_checkpoints(self.ckpt_root)):
+            self.notes.append(f"passed over {', '.join(p.name for p in unreadable)}: meta.json does not read (a "
+                              f"crash while saving?); resuming from {path.name if path else 'the start'}")
         if t.resume and path is None:
             if t.resume_required:
                 raise ConfigError(no_checkpoint_to_resume(self.ckpt_root))
@@ -484,6 +495,16 @@ class Trainer:
         self.step = int(reader.meta["step"])
         # The reader's index of every saved box grows with the world size that wrote it: not kept past the load.
         self.elements_read = reader.elements_read
+
+    def _same_checkpoint_everywhere(self, path: Path | None) -> None:
+        """Every rank chose ``path`` on its own view of the folder: a shared filesystem whose nodes disagree (a
+        listing cached on one) would resume ranks from different steps, a mixed model. Two scalars to compare."""
+        step = float(int(path.name.split("_")[1]) if path is not None else -1)
+        high, neg_low = comm.all_reduce_scalars([step, -step], self.mesh.group("world"), op="max", device=self.device)
+        if high != -neg_low:
+            raise ConfigError(f"the ranks see different latest checkpoints in {self.ckpt_root} (steps "
+                              f"{-neg_low:.0f} to {high:.0f}; -1: none): the nodes' views of the shared folder "
+                              f"disagree. Wait for the filesystem to settle, or remove the newer step folder.")
 
     # ------------------------------------------------------------------ the step
 
