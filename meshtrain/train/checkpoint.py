@@ -70,17 +70,19 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 
 def _meta_reads(path: Path) -> bool:
+    """False for what a crash can leave of meta.json: missing, empty or cut off (not JSON). A meta.json that reads
+    but is wrong (a newer format, a hand edit) is the reader's to refuse, with its fix."""
     try:
-        read_checkpoint_meta(path)
+        json.loads((path / "meta.json").read_text())
         return True
-    except CheckpointError:
+    except (OSError, ValueError):
         return False
 
 
 def latest_checkpoint(root: Path) -> Path | None:
-    """The newest checkpoint under ``root`` whose meta.json reads, or None. A newer one whose meta.json does not
-    (a machine crash after the rename, before the file reached the disk) is passed over, so a restart resumes from
-    the one before instead of failing on it at every attempt (``unreadable_checkpoints`` names them)."""
+    """The newest checkpoint under ``root`` whose meta.json reads, or None. A newer one whose meta.json is missing,
+    empty or cut off (a machine crash after the rename, before the file reached the disk) is passed over, so a
+    restart resumes from the one before instead of failing on it at every attempt (``unreadable_checkpoints``)."""
     for path in reversed(list_checkpoints(root)):
         if _meta_reads(path):
             return path

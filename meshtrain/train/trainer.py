@@ -471,7 +471,8 @@ class Trainer:
     def _load_weights(self) -> None:
         t = self.cfg.train
         path = latest_checkpoint(self.ckpt_root) if t.resume else None
-        self._same_checkpoint_everywhere(path)
+        if t.resume:
+            self._same_checkpoint_everywhere(path)
         if t.resume and (unreadable := unreadable_checkpoints(self.ckpt_root)):
             self.notes.append(f"passed over {', '.join(p.name for p in unreadable)}: meta.json does not read (a "
                               f"crash while saving?); resuming from {path.name if path else 'the start'}")
