@@ -5,7 +5,7 @@
     meshtrain prepare-data [--src DIR|FILE] [--out DIR] [--format auto|text|jsonl|parquet] [--field text]
                            [--tokenizer byte|tokenizer.json]
     meshtrain generate --ckpt DIR [--prompt TEXT ...] [--tokens N] [--greedy] [--nproc N parallel.tp=T parallel.pp=P]
-    meshtrain convert --ckpt DIR --out HF_DIR [--max-shard-size 5GB]   (a checkpoint -> a HuggingFace Llama folder)
+    meshtrain convert --ckpt DIR --out HF_DIR [--max-shard-size 5GB] [--dtype bf16]   (a checkpoint -> an HF folder)
     meshtrain schedule --pp 4 --microbatches 8 --schedule 1f1b [--png out.png]
     meshtrain plan --model llama3-70b --hardware h100 --nodes 128 --batch-tokens 4M [--emit run.yaml] [--json]
     meshtrain demo [--config configs/small.yaml] [--out runs/small] [--nproc N]   (plan, train, check, report)
@@ -382,6 +382,8 @@ def _convert(argv: list[str]) -> int:
     ap.add_argument("--ckpt", required=True, help="a checkpoint folder (step_NNNNNN) or a run folder (--out)")
     ap.add_argument("--out", required=True, help="the HF folder to write (must not exist, or be empty)")
     ap.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB, as HF)")
+    ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
+                    help="the weights' dtype: fp32 (default, exact) or bf16/fp16 (half the bytes, as models ship)")
     args = ap.parse_args(argv)
 
     from meshtrain.model.hf import export_hf, hf_architecture, hf_model_type
@@ -395,7 +397,8 @@ def _convert(argv: list[str]) -> int:
     tokenizer_json = path / "tokenizer.json"
     files = [tokenizer_json] if tokenizer_json.is_file() else []
     eos = load_tokenizer(meta["tokenizer"], path).eos_id if meta.get("tokenizer") else None
-    out = export_hf(_checkpoint_source(path), cfg.model, args.out, max_bytes, files, eos_token_id=eos)
+    out = export_hf(_checkpoint_source(path), cfg.model, args.out, max_bytes, files, eos_token_id=eos,
+                    dtype=args.dtype)
     arch = hf_architecture(hf_model_type(cfg.model))
     print(f"wrote {out} ({arch}, {sum(1 for _ in out.glob('*.safetensors'))} safetensors file(s)"
           f"{', tokenizer.json' if files else ''}) from {path}")

@@ -650,6 +650,41 @@ def test_export_loads_in_transformers_with_our_logits(tmp_path, tie, max_bytes):
     assert logit_diff(model, hf, tokens()) <= LOGIT_ATOL
 
 
+@pytest.mark.parametrize("dtype, torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_export_in_half_precision_is_each_weight_rounded_once_in_half_the_bytes(tmp_path, dtype, torch_dtype):
+    """``convert --dtype bf16`` (what released models ship): every stored tensor is the fp32 export's rounded once
+    to the dtype, the files are half the bytes, config.json names the dtype, transformers loads it in that dtype,
+    and it imports back (a half-precision folder is no quantized one)."""
+    cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=SEQ)
+    model = our_model(cfg)
+    full = export_hf(state_source(model), cfg, tmp_path / "fp32")
+    half = export_hf(state_source(model), cfg, tmp_path / dtype, dtype=dtype)
+    want, got = hf_tensors(full), hf_tensors(half)
+    assert sorted(got) == sorted(want)
+    for name, w in want.items():
+        assert got[name].dtype == torch_dtype and torch.equal(got[name], w.to(torch_dtype)), name
+    size = (half / "model.safetensors").stat().st_size
+    assert abs(2 * size - (full / "model.safetensors").stat().st_size) < 8192  # the headers differ a little
+    assert json.loads((half / "config.json").read_text())["torch_dtype"] == str(torch_dtype).removeprefix("torch.")
+    assert LlamaForCausalLM.from_pretrained(half).dtype == torch_dtype
+    back = Llama(cfg)
+    load_full(back, HFSource(half))
+    for (n, p), (_, q) in zip(back.named_parameters(), model.named_parameters(), strict=True):
+        assert torch.equal(p, q.to(torch_dtype).float()), n
+
+
+def test_an_export_killed_midway_leaves_a_folder_the_next_export_removes(tmp_path):
+    """A killed export runs no cleanup: its hidden temporary folder (full-size) stays. The next export to that
+    folder removes those of processes that are gone, and leaves a live one's."""
+    cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=SEQ)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    (tmp_path / f".hf.tmp-{dead}").mkdir()
+    (tmp_path / f".hf.tmp-{os.getppid()}").mkdir()
+    export_hf(state_source(our_model(cfg)), cfg, tmp_path / "hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".hf.tmp-{os.getppid()}", "hf"]
+
+
 @pytest.mark.parametrize("shard", [None, "20KB"])
 def test_round_trip_hf_ours_hf_is_exact(tmp_path, shard, monkeypatch):
     hf_llama(tmp_path / "a", shard=shard)

@@ -583,7 +583,7 @@ class HFSource:
 # ----------------------------------------------------------------------------- export
 
 
-def hf_config_dict(cfg: ModelConfig, eos_token_id: int | None = None) -> dict[str, Any]:
+def hf_config_dict(cfg: ModelConfig, eos_token_id: int | None = None, dtype: str = "float32") -> dict[str, Any]:
     """The config.json of the HF architecture ``hf_model_type`` names (a LlamaForCausalLM, MixtralForCausalLM,
     Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM or GemmaForCausalLM) equal to our model ``cfg``,
     readable by transformers 4 (rope_theta) and 5 (rope_parameters)."""
@@ -627,7 +627,7 @@ def hf_config_dict(cfg: ModelConfig, eos_token_id: int | None = None) -> dict[st
         "mlp_bias": False,
         "pretraining_tp": 1,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "torch_dtype": "float32",
+        "torch_dtype": dtype,
         "use_cache": True,
         "bos_token_id": None,
         "eos_token_id": eos_token_id,
@@ -643,18 +643,23 @@ def hf_config_dict(cfg: ModelConfig, eos_token_id: int | None = None) -> dict[st
     return config
 
 
-def _hf_tensor(source: TensorSource, t: HFTensor, ours: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """Our tensor ``ours`` as HF stores it (q/k rows rotated by halves)."""
-    w = source.read(ours, full_box(shape)).to(torch.float32) - t.offset
-    return interleaved_to_halves(w, t.rope_heads) if t.rope_heads is not None else w
+def _hf_tensor(source: TensorSource, t: HFTensor, ours: str, shape: tuple[int, ...],
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Our tensor ``ours`` as HF stores it (q/k rows rotated by halves), in ``dtype``."""
+    w = source.read(ours, full_box(shape)).to(torch.float32)
+    if t.offset:  # Gemma's norms: HF stores the scale less one (in fp32, then rounded once)
+        w = w - t.offset
+    w = interleaved_to_halves(w, t.rope_heads) if t.rope_heads is not None else w
+    return w.to(dtype)
 
 
-def _plan_shards(names: list[tuple[str, tuple[int, ...]]], max_bytes: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+def _plan_shards(names: list[tuple[str, tuple[int, ...]]], max_bytes: int,
+                 itemsize: int = 4) -> list[list[tuple[str, tuple[int, ...]]]]:
     """Consecutive tensors grouped into files of at most ``max_bytes`` (a larger tensor gets a file of its own)."""
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
     for name, shape in names:
-        n = math.prod(shape) * 4
+        n = math.prod(shape) * itemsize
         if shards[-1] and size + n > max_bytes:
             shards.append([])
             size = 0
@@ -663,14 +668,36 @@ def _plan_shards(names: list[tuple[str, tuple[int, ...]]], max_bytes: int) -> li
     return shards
 
 
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _remove_stale_exports(out: Path) -> None:
+    """The temporary folders of exports to ``out`` whose process is gone (killed: no cleanup ran)."""
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):
+        pid = stale.name.rsplit("-", 1)[1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def export_hf(source: TensorSource, cfg: ModelConfig, out_dir: str | Path,
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, files: Iterable[str | Path] = (),
-              eos_token_id: int | None = None) -> Path:
+              eos_token_id: int | None = None, dtype: str = "fp32") -> Path:
     """Write our model (``cfg``, tensors from ``source`` by our names) as an HF folder of the architecture
     ``hf_model_type`` names (LlamaForCausalLM; Mixtral, Qwen2, Qwen3, Qwen3-MoE or Gemma where the options say).
 
     config.json, ``model.safetensors`` (or shards of at most ``max_shard_bytes`` plus
-    ``model.safetensors.index.json``) in fp32, and ``files`` copied in (a tokenizer.json). One tensor is in memory
+    ``model.safetensors.index.json``) in ``dtype`` (``EXPORT_DTYPES``: fp32, exact, or bf16/fp16, half the bytes, what
+    released models ship), and ``files`` copied in (a tokenizer.json). One tensor is in memory
     at a time. The folder is written as a temporary sibling and renamed when complete, so ``out_dir`` either does
     not exist or holds a whole export. Every tensor must have the shape ``cfg`` implies (a vocabulary padded for
     tensor parallelism is refused, never written). Returns ``out_dir``.
@@ -693,27 +720,34 @@ def export_hf(source: TensorSource, cfg: ModelConfig, out_dir: str | Path,
             hint = " (a vocabulary padded for tensor parallelism must be cut back to model.vocab_size)" \
                 if ours in ("tok_embeddings.weight", "output.weight") else ""
             raise ValueError(f"{ours} has shape {tuple(shape)} but the model config implies {t.shape}{hint}.")
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"--dtype {dtype}: export writes {', '.join(EXPORT_DTYPES)}.")
+    torch_dtype = EXPORT_DTYPES[dtype]
+    itemsize = torch.empty((), dtype=torch_dtype).element_size()
     names = [(t.hf_name, t.shape) for t in tensors.values()]
     ours_of = {t.hf_name: ours for ours, t in tensors.items()}
-    shards = _plan_shards(names, max_shard_bytes)
+    shards = _plan_shards(names, max_shard_bytes, itemsize)
     file_names = [SINGLE] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_exports(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        (tmp / CONFIG).write_text(json.dumps(hf_config_dict(cfg, eos_token_id), indent=2) + "\n")
+        (tmp / CONFIG).write_text(json.dumps(hf_config_dict(cfg, eos_token_id, str(torch_dtype).removeprefix(
+            "torch.")), indent=2) + "\n")
         weight_map = {}
         for file_name, shard in zip(file_names, shards, strict=True):
             write_safetensors(tmp / file_name, [
-                (name, shape, torch.float32,
-                 lambda name=name, shape=shape: _hf_tensor(source, tensors[ours_of[name]], ours_of[name], shape))
+                (name, shape, torch_dtype,
+                 lambda name=name, shape=shape: _hf_tensor(source, tensors[ours_of[name]], ours_of[name], shape,
+                                                           torch_dtype))
                 for name, shape in shard])
             weight_map.update({name: file_name for name, _ in shard})
         if len(shards) > 1:
-            total = sum(math.prod(shape) * 4 for _, shape in names)
+            total = sum(math.prod(shape) * itemsize for _, shape in names)
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         for f in files:
