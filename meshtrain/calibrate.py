@@ -358,7 +358,7 @@ def calibrate_cpu_local(path: str | Path | None = None, world_size: int | None =
     processes measured at once (default: the cores); ``dtype``: the ``train.dtype`` measured (auto: bf16 where this
     CPU computes it natively, else fp32, as a run resolves it). Lines describing the fit are appended to
     ``report``."""
-    from meshtrain.train.trainer import resolve_dtype
+    from meshtrain.train.preflight import resolve_dtype
 
     dtype = resolve_dtype(dtype, torch.device("cpu"))
     cores = os.cpu_count() or 1

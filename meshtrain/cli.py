@@ -73,12 +73,12 @@ def _train(argv: list[str]) -> int:
     cfg = load_config(args.config, args.overrides, check=False)
     replaced: list[str] = []  # model options init_from's config.json replaces: the run's log names them
     if cfg.train.init_from:  # its config.json is the model: the layout is checked against it, not the preset's
-        from meshtrain.train.trainer import resolve_init_from
+        from meshtrain.train.preflight import resolve_init_from
 
         replaced = resolve_init_from(cfg)
     validate(cfg)
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
-        from meshtrain.train.trainer import check_before_launch
+        from meshtrain.train.preflight import check_before_launch
 
         nnodes = nodes.nnodes if nodes else 1  # what cannot run is refused before any process starts
         try:

@@ -397,7 +397,7 @@ def load_config(source: str | Path | None = None, overrides: list[str] | tuple[s
 
     A YAML file may start from a preset with a top-level ``preset: NAME`` key. ``check=False`` leaves the
     validation to the caller: with ``train.init_from`` the model section is replaced by the HF folder's first
-    (``train/trainer.resolve_init_from``), and the layout must be checked against that model, not the preset's.
+    (``train/preflight.resolve_init_from``), and the layout must be checked against that model, not the preset's.
     ``option`` is the command-line option that named ``source``, for the errors.
     """
     cfg = Config()
@@ -572,7 +572,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _need(0 <= d.val_fraction <= 0.5, f"data.val_fraction must be in [0, 0.5], got {d.val_fraction}.")
     _need(not d.val_path or d.source == "files", "data.val_path validates on a prepared folder: it needs "
           "data.source=files (a synthetic stream validates on its own held-out stream).")
-    data_blend(d.path)  # a blend's form (the folders themselves are checked before launch: trainer.check_data)
+    data_blend(d.path)  # a blend's form (the folders themselves are checked before launch: preflight.check_data)
 
     for name in ("dp", "tp", "pp", "cp", "ep", "microbatches"):
         lo = 0 if name == "dp" else 1

@@ -134,8 +134,8 @@ def main(argv: list[str], launch: Callable[[list[str]], int], sample: Callable[.
                           f"run `meshtrain train --nproc {nproc}` to train under your own.")
     import matplotlib  # noqa: F401  (the report's figure: refused now, not after the training)
 
+    from meshtrain.train.preflight import check_before_launch, resolve_device, resolve_dtype
     from meshtrain.train.report import RunFiles, summary_lines, write_report
-    from meshtrain.train.trainer import check_before_launch, resolve_device, resolve_dtype
 
     out = Path(args.out)
     check_before_launch(copy.deepcopy(cfg), out, 1)  # the run folder, the data, no earlier run: one line each

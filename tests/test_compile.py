@@ -33,7 +33,8 @@ from meshtrain.testing.equivalence import (
     run_overrides,
 )
 from meshtrain.testing.spawn import spawn
-from meshtrain.train.trainer import Trainer, check_compile
+from meshtrain.train.preflight import check_compile
+from meshtrain.train.trainer import Trainer
 
 STEPS = 4
 BASE = run_overrides(STEPS)

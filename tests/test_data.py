@@ -154,7 +154,7 @@ def test_hf_tokenizer_eos_and_prepare(tmp_path: Path, monkeypatch: pytest.Monkey
 def test_a_data_tokenizer_that_is_not_the_prepared_folders_is_refused(tmp_path: Path) -> None:
     """A prepared data.path brings its own tokenizer: a data.tokenizer naming another was ignored without a word."""
     from meshtrain.config import ConfigError
-    from meshtrain.train.trainer import _check_tokenizer_option
+    from meshtrain.train.preflight import check_tokenizer_option
 
     folder = tmp_path / "data"
     folder.mkdir()
@@ -164,12 +164,12 @@ def test_a_data_tokenizer_that_is_not_the_prepared_folders_is_refused(tmp_path: 
     other.write_text('{"a": 1}')
     hf, byte = {"tokenizer": "hf"}, {"tokenizer": "byte"}
     for spec, meta in [("byte", hf), ("byte", byte), ("hf", hf), (str(same), hf), (str(folder), hf)]:
-        _check_tokenizer_option(spec, meta, folder)  # the default, or the folder's own: passes
+        check_tokenizer_option(spec, meta, folder)  # the default, or the folder's own: passes
     for spec, meta in [(str(other), hf), ("hf", byte), (str(same), byte)]:
         with pytest.raises(ConfigError, match=f"data.tokenizer={spec} is not the tokenizer data.path {folder} was"):
-            _check_tokenizer_option(spec, meta, folder)
+            check_tokenizer_option(spec, meta, folder)
     with pytest.raises(ValueError, match="is missing"):
-        _check_tokenizer_option(str(tmp_path / "nope.json"), hf, folder)
+        check_tokenizer_option(str(tmp_path / "nope.json"), hf, folder)
 
 
 def test_train_fallback_when_all_documents_hash_to_val(

@@ -12,15 +12,16 @@ import torch
 
 from meshtrain.config import ConfigError, load_config
 from meshtrain.testing.spawn import spawn
-from meshtrain.train import trainer as trainer_mod
-from meshtrain.train.trainer import Trainer, resolve_dtype, slow_dtype_warning
+from meshtrain.train import preflight
+from meshtrain.train.preflight import resolve_dtype, slow_dtype_warning
+from meshtrain.train.trainer import Trainer
 
 CPU = torch.device("cpu")
 
 
 def test_auto_is_bf16_only_where_the_device_computes_it_natively(monkeypatch):
     for native, want in ((True, "bf16"), (False, "fp32")):
-        monkeypatch.setattr(trainer_mod, "native_bf16", lambda device, n=native: n)
+        monkeypatch.setattr(preflight, "native_bf16", lambda device, n=native: n)
         assert resolve_dtype("auto", CPU) == want
         assert resolve_dtype("fp32", CPU) == "fp32" and resolve_dtype("bf16", CPU) == "bf16"  # as asked
         warning = slow_dtype_warning("bf16", CPU)
@@ -47,7 +48,7 @@ def test_a_run_records_the_dtype_auto_resolved_to_and_says_why(tmp_path, monkeyp
     """The run computes in the resolved dtype, its config.yaml (what a resume and ``plan --check-run`` read) holds
     it, and the log's first lines say auto chose it; the same holds with the CPU taken as bf16-native."""
     for native in (False, True):
-        monkeypatch.setattr(trainer_mod, "native_bf16", lambda device, n=native: n)
+        monkeypatch.setattr(preflight, "native_bf16", lambda device, n=native: n)
         want = "bf16" if native else "fp32"
         trainer, out = _tiny_run(tmp_path / str(native), "auto")
         assert trainer.cfg.train.dtype == want
@@ -62,7 +63,7 @@ def _on_mixed_machines(rank: int, world_size: int) -> list[str]:
     without: one fp32 run, no refusal."""
     said = []
     for native in (lambda device: rank == 0, lambda device: False):
-        trainer_mod.native_bf16 = native  # this process's own copy of the module
+        preflight.native_bf16 = native  # this process's own copy of the module
         try:
             trainer = Trainer(load_config("tiny", ["data.source=synthetic", "train.device=cpu", "train.dtype=auto",
                                                    "train.progress=false", "train.tensorboard=false"]), None)
@@ -82,7 +83,7 @@ def test_ranks_whose_machines_resolve_auto_differently_are_refused_together_in_o
 
 
 def test_an_explicit_bf16_without_native_kernels_is_warned_about_in_the_log(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(trainer_mod, "native_bf16", lambda device: False)
+    monkeypatch.setattr(preflight, "native_bf16", lambda device: False)
     trainer, out = _tiny_run(tmp_path, "bf16")
     assert trainer.dtype == torch.bfloat16  # as asked: the warning does not override the config
     assert "warning: train.dtype=bf16 on a cpu without native bf16" in capsys.readouterr().out

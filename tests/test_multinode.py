@@ -259,16 +259,16 @@ def test_gpu_count_is_checked_per_node(monkeypatch, tmp_path):
     import torch
 
     from meshtrain.config import ConfigError, load_config
-    from meshtrain.train import trainer
+    from meshtrain.train import preflight
 
-    monkeypatch.setattr(trainer, "resolve_device", lambda kind: torch.device("cuda", 0))
+    monkeypatch.setattr(preflight, "resolve_device", lambda kind: torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setenv("MESHTRAIN_CACHE", str(tmp_path / "cache"))
     cfg = load_config("tiny", ["parallel.dp=16", "train.global_batch=16"])
-    trainer.check_before_launch(cfg, None, 16, local_procs=8, shared_out=True)
+    preflight.check_before_launch(cfg, None, 16, local_procs=8, shared_out=True)
     with pytest.raises(ConfigError, match="--nproc 9 runs one process per GPU but 8 GPU"):
         nine = load_config("tiny", ["parallel.dp=18", "train.global_batch=18"])
-        trainer.check_before_launch(nine, None, 18, local_procs=9)
+        preflight.check_before_launch(nine, None, 18, local_procs=9)
 
 
 def test_node_0_refuses_a_rendezvous_port_already_listening():

@@ -171,7 +171,7 @@ def test_a_bad_prompts_file_is_refused_before_launch(records, tmp_path):
     check (``--nproc`` runs it before any process starts)."""
     import shutil
 
-    from meshtrain.train.trainer import check_data
+    from meshtrain.train.preflight import check_data
 
     _, data = records
     bad = tmp_path / "bad"

@@ -963,7 +963,7 @@ def test_checkpoint_without_config_still_names_the_tensor(tmp_path):
     from meshtrain.config import load_config
     from meshtrain.model.llama import Llama
     from meshtrain.train.checkpoint import CheckpointError, CheckpointReader, save_checkpoint
-    from meshtrain.train.trainer import check_checkpoint_model
+    from meshtrain.train.preflight import check_checkpoint_model
 
     cfg = load_config("tiny", ["model.vocab_size=257"])
     path = save_checkpoint(tmp_path, 1, Llama(cfg.model), None)

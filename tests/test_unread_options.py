@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from meshtrain.config import load_config, preset_names
-from meshtrain.train.trainer import Trainer, resolve_init_from
+from meshtrain.train.preflight import resolve_init_from
+from meshtrain.train.trainer import Trainer
 from meshtrain.train.unread_options import RULES, unread_options
 
 # (overrides under which the option is not read, the option, overrides appended under which it is read)

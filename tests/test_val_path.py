@@ -10,8 +10,9 @@ import torch
 from meshtrain.config import ConfigError, load_config
 from meshtrain.testing.equivalence import prepared_stdlib
 from meshtrain.train.data import TokenDataset
+from meshtrain.train.preflight import check_data
 from meshtrain.train.prepare import prepare_data
-from meshtrain.train.trainer import Trainer, check_data
+from meshtrain.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 

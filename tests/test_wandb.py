@@ -96,7 +96,8 @@ def test_wandb_only_on_the_logging_rank_and_mode(fake_wandb: list, tmp_path: Pat
 
 def test_missing_wandb_is_one_line_before_training(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    from meshtrain.train.trainer import Trainer, check_before_launch
+    from meshtrain.train.preflight import check_before_launch
+    from meshtrain.train.trainer import Trainer
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
     cfg = load_config("tiny", [*SMALL, "train.steps=1"])

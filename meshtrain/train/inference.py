@@ -36,7 +36,7 @@ from meshtrain.parallel.tensor import VocabParallelHead, apply_tensor_parallel
 from meshtrain.plan.generation import generation_partition
 from meshtrain.rules import rules_for
 from meshtrain.train.checkpoint import CheckpointReader
-from meshtrain.train.trainer import resolve_device, resolve_dtype
+from meshtrain.train.preflight import resolve_device, resolve_dtype
 
 # The options `meshtrain generate` takes as overrides: the layout is tp x pp, the rest is the checkpoint's.
 # ``train.dtype`` is the weights' and the KV cache's dtype here (bf16: both held in bf16, as transformers'
