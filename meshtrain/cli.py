@@ -386,7 +386,7 @@ def _convert(argv: list[str]) -> int:
                     help="the weights' dtype: fp32 (default, exact) or bf16/fp16 (half the bytes, as models ship)")
     args = ap.parse_args(argv)
 
-    from meshtrain.model.hf import export_hf, hf_architecture, hf_model_type
+    from meshtrain.model.hf import export_hf, hf_architecture, hf_model_type, init_from_extras
     from meshtrain.train.tokenizer import load_tokenizer
 
     max_bytes = _parse_size(args.max_shard_size)
@@ -397,11 +397,18 @@ def _convert(argv: list[str]) -> int:
     tokenizer_json = path / "tokenizer.json"
     files = [tokenizer_json] if tokenizer_json.is_file() else []
     eos = load_tokenizer(meta["tokenizer"], path).eos_id if meta.get("tokenizer") else None
-    out = export_hf(_checkpoint_source(path), cfg.model, args.out, max_bytes, files, eos_token_id=eos,
-                    dtype=args.dtype)
+    ids: dict = {}
+    init = cfg.train.init_from
+    if init and Path(init).is_dir():  # a fine-tune: its model's bos/eos ids, generation and tokenizer settings
+        ids, extra = init_from_extras(init, cfg.model.vocab_size)
+        files += [f for f in extra if f.name not in {p.name for p in files}]
+    elif init:
+        print(f"note: train.init_from={init} is gone: its bos/eos ids and generation settings are not copied")
+    out = export_hf(_checkpoint_source(path), cfg.model, args.out, max_bytes, files,
+                    eos_token_id=ids.get("eos_token_id", eos), dtype=args.dtype, bos_token_id=ids.get("bos_token_id"))
     arch = hf_architecture(hf_model_type(cfg.model))
     print(f"wrote {out} ({arch}, {sum(1 for _ in out.glob('*.safetensors'))} safetensors file(s)"
-          f"{', tokenizer.json' if files else ''}) from {path}")
+          f"{''.join(', ' + f.name for f in files)}) from {path}")
     return 0
 
 

@@ -975,7 +975,9 @@ def _fine_tune_and_export(tmp_path: Path, hf: torch.nn.Module, world: int, layou
     from meshtrain.testing.spawn import spawn
 
     folder = tmp_path / "hf"
+    hf.config.bos_token_id, hf.config.eos_token_id = 3, [4, 5]  # an instruct model: two ids end a turn
     hf.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
     init = [f"train.init_from={folder}"]
     one, x = _one_process_starts_at_transformers_loss(hf, init, tmp_path)
     for losses in spawn(_fine_tune, world, args=(str(tmp_path / "run"), [*init, *layout]), timeout=300):
@@ -983,6 +985,10 @@ def _fine_tune_and_export(tmp_path: Path, hf: torch.nn.Module, world: int, layou
 
     r = _meshtrain("convert", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "export"))
     assert r.returncode == 0 and f" ({type(hf).__name__}, " in r.stdout, (r.stdout, r.stderr)  # it says what it wrote
+    exported = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert (exported["bos_token_id"], exported["eos_token_id"]) == (3, [4, 5])  # the fine-tuned model's, kept
+    for name in ("generation_config.json", "tokenizer_config.json"):  # its generation and chat settings too
+        assert (tmp_path / "export" / name).read_bytes() == (folder / name).read_bytes(), name
     tuned = type(hf).from_pretrained(tmp_path / "export").eval()
     ckpt = latest_checkpoint(tmp_path / "run" / "checkpoints")
     ours = Llama(update_from_dict(Config(), read_checkpoint_meta(ckpt)["config"]).model).eval()

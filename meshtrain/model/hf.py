@@ -341,6 +341,28 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
     )
 
 
+EXPORT_SIDE_FILES = ("generation_config.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def init_from_extras(folder: str | Path, vocab_size: int) -> tuple[dict[str, Any], list[Path]]:
+    """What the export of a fine-tune takes from the HF folder it started from (``train.init_from``): config.json's
+    ``bos_token_id`` and ``eos_token_id`` (an instruct model stops at its turn's end, not the tokenizer's one
+    end-of-text), and the files transformers reads beside the weights where they exist: the generation settings,
+    the tokenizer's config (its chat template), the special tokens."""
+    file, c = _read_config(Path(folder))
+    ids: dict[str, Any] = {}
+    for key in ("bos_token_id", "eos_token_id"):
+        value = c.get(key)
+        if value is None:
+            continue
+        items = value if isinstance(value, list) else [value]
+        if not items or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size for i in items):
+            raise _config_error(file, key, value, f"a token id, or a list of them, below the vocabulary size "
+                                                  f"{vocab_size}")
+        ids[key] = value
+    return ids, [Path(folder) / name for name in EXPORT_SIDE_FILES if (Path(folder) / name).is_file()]
+
+
 def hf_stop_ids(folder: str | Path, vocab_size: int) -> tuple[int, ...] | None:
     """The token ids that end a generation, as transformers' ``generate`` reads them: ``eos_token_id`` (one id or
     a list) of ``generation_config.json``, else of ``config.json``; None where neither has one."""
@@ -592,7 +614,8 @@ class HFSource:
 # ----------------------------------------------------------------------------- export
 
 
-def hf_config_dict(cfg: ModelConfig, eos_token_id: int | None = None, dtype: str = "float32") -> dict[str, Any]:
+def hf_config_dict(cfg: ModelConfig, eos_token_id: int | list[int] | None = None, dtype: str = "float32",
+                   bos_token_id: int | list[int] | None = None) -> dict[str, Any]:
     """The config.json of the HF architecture ``hf_model_type`` names (a LlamaForCausalLM, MixtralForCausalLM,
     Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM or GemmaForCausalLM) equal to our model ``cfg``,
     readable by transformers 4 (rope_theta) and 5 (rope_parameters)."""
@@ -638,7 +661,7 @@ def hf_config_dict(cfg: ModelConfig, eos_token_id: int | None = None, dtype: str
         "tie_word_embeddings": cfg.tie_embeddings,
         "torch_dtype": dtype,
         "use_cache": True,
-        "bos_token_id": None,
+        "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id,
         "pad_token_id": None,
     }
@@ -700,7 +723,8 @@ def _alive(pid: int) -> bool:
 
 def export_hf(source: TensorSource, cfg: ModelConfig, out_dir: str | Path,
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, files: Iterable[str | Path] = (),
-              eos_token_id: int | None = None, dtype: str = "fp32") -> Path:
+              eos_token_id: int | list[int] | None = None, dtype: str = "fp32",
+              bos_token_id: int | list[int] | None = None) -> Path:
     """Write our model (``cfg``, tensors from ``source`` by our names) as an HF folder of the architecture
     ``hf_model_type`` names (LlamaForCausalLM; Mixtral, Qwen2, Qwen3, Qwen3-MoE or Gemma where the options say).
 
@@ -746,7 +770,7 @@ def export_hf(source: TensorSource, cfg: ModelConfig, out_dir: str | Path,
     tmp.mkdir()
     try:
         (tmp / CONFIG).write_text(json.dumps(hf_config_dict(cfg, eos_token_id, str(torch_dtype).removeprefix(
-            "torch.")), indent=2) + "\n")
+            "torch."), bos_token_id), indent=2) + "\n")
         weight_map = {}
         for file_name, shard in zip(file_names, shards, strict=True):
             write_safetensors(tmp / file_name, [
