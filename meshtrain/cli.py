@@ -450,6 +450,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return COMMANDS[argv[0]](argv[1:])
+    except KeyboardInterrupt:  # Ctrl-C: what was written is complete (atomic saves); no traceback to read
+        print(f"\ninterrupted: meshtrain {argv[0]} stopped (Ctrl-C)", file=sys.stderr)
+        return 130
     except (ConfigError, CheckpointError, NonFiniteError, CommError, OSError, ValueError, ImportError) as e:
         # User errors carry the option and the fix, a failed collective the ranks that did not arrive;
         # MESHTRAIN_DEBUG=1 shows the traceback too.

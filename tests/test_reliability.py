@@ -886,6 +886,18 @@ def test_ranks_that_see_different_latest_checkpoints_refuse_together(tmp_path):
                for m in said), said
 
 
+def test_ctrl_c_is_one_line_and_exit_code_130(monkeypatch, capsys):
+    """Ctrl-C in a one-process command: what was written is complete (atomic saves), so a traceback would only
+    bury the line that says what stopped."""
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(cli.COMMANDS, "train", interrupted)
+    assert cli.main(["train", "--config", "tiny"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "interrupted: meshtrain train stopped (Ctrl-C)", err
+
+
 def test_a_metrics_line_cut_off_by_a_crash_is_dropped_on_resume(tmp_path, capsys):
     from meshtrain.train.metrics import MetricsLogger
 
