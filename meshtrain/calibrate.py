@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from meshtrain import comm
-from meshtrain.config import ModelConfig, TrainConfig
+from meshtrain.config import BYTE_VOCAB, ModelConfig, TrainConfig
 from meshtrain.mesh import Mesh
 from meshtrain.model.llama import build_model, cross_entropy_sum
 from meshtrain.parallel.grad_sync import grad_norm_squared
@@ -69,7 +69,7 @@ def _time_steps(model_spec: tuple[int, int, int, int, int], reps: int, dtype: st
     """Seconds of one training step (``dtype`` bf16: under autocast, as the trainer) of a single-process model: the
     fastest of ``reps``."""
     d, layers, heads, batch, seq = model_spec
-    cfg = ModelConfig(d_model=d, n_layers=layers, n_heads=heads, n_kv_heads=max(1, heads // 2), vocab_size=257,
+    cfg = ModelConfig(d_model=d, n_layers=layers, n_heads=heads, n_kv_heads=max(1, heads // 2), vocab_size=BYTE_VOCAB,
                       max_seq_len=seq)
     model = build_model(cfg, 0)
     opt = build_adamw(model_params(model), TrainConfig(lr=1e-4))  # the trainer's optimizer and step (below)
@@ -179,8 +179,8 @@ def _collective_worker(rank: int, world_size: int, sizes: tuple[float, ...], ite
 # activation element, per microbatch (outside the blocks: TP's vocab-parallel embedding, head and loss) and per
 # parameter of a block (ZeRO-3's flat-buffer copies) separate. The model is not the demo model the step-time check
 # runs (configs/small.yaml: d_model 256, 4 layers, 16 x 256 tokens).
-AXIS_MODEL = ["model.d_model=128", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=257",
-              "data.source=synthetic", "train.eval_every=0", "train.sample_tokens=0",
+AXIS_MODEL = ["model.d_model=128", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+              f"model.vocab_size={BYTE_VOCAB}", "data.source=synthetic", "train.eval_every=0", "train.sample_tokens=0",
               "train.progress=false", "train.tensorboard=false", "train.ckpt_every=0"]
 AXIS_SIZES = {"small": ["train.seq_len=128", "model.max_seq_len=128", "train.global_batch=8"],
               "large": ["train.seq_len=256", "model.max_seq_len=256", "train.global_batch=16"],
@@ -314,8 +314,9 @@ def measure_step_costs(processes: int, reps: int = 5, dtype: str = "bf16"
     probe = max(r[0] for r in per_rank)
     rate = min(r[1] for r in per_rank)
     seconds = [max(r[2][i] for r in per_rank) for i in range(len(CALIBRATION_MODELS))]
-    rows = [step_features(ModelConfig(d_model=d, n_layers=L, n_heads=h, n_kv_heads=max(1, h // 2), vocab_size=257,
-                                      max_seq_len=T), b, T) for d, L, h, b, T in CALIBRATION_MODELS]
+    rows = [step_features(ModelConfig(d_model=d, n_layers=L, n_heads=h, n_kv_heads=max(1, h // 2),
+                                      vocab_size=BYTE_VOCAB, max_seq_len=T), b, T)
+            for d, L, h, b, T in CALIBRATION_MODELS]
     costs, err = fit_step_costs(rows, seconds, rate)
     return costs, err, [(s, t, costs.seconds(r)) for s, t, r in zip(CALIBRATION_MODELS, seconds, rows, strict=True)], \
         probe

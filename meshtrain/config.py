@@ -48,6 +48,9 @@ class ArgumentParser(argparse.ArgumentParser):
         raise ConfigError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
+BYTE_VOCAB = 257  # the byte tokenizer's vocabulary (256 bytes and end of text): a model without data's tokenizer
+
+
 @dataclass
 class ModelConfig:
     """Shape of the Llama-style decoder."""

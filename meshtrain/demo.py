@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from meshtrain.config import ArgumentParser, Config, ConfigError, load_config, refuse_empty, save_config
+from meshtrain.config import BYTE_VOCAB, ArgumentParser, Config, ConfigError, load_config, refuse_empty, save_config
 from meshtrain.plan.explain import format_table, why_best
 from meshtrain.plan.hardware import Hardware, hardware_cache_dir, load_profile
 from meshtrain.plan.memory import run_precision
@@ -97,7 +97,7 @@ def _problem(cfg: Config, hw: Hardware, name: str) -> Problem:
     for the config's (resolved) compute dtype and gradient reduce dtype."""
     model = copy.deepcopy(cfg.model)
     if model.vocab_size == 0:  # taken from the tokenizer at run time: the byte tokenizer's, as `meshtrain plan`
-        model.vocab_size = 257
+        model.vocab_size = BYTE_VOCAB
     precision = run_precision(cfg.train.dtype, cfg.parallel.reduce_dtype)
     return Problem(model, cfg.train.seq_len, cfg.train.global_batch, hw, 1, model_name=name, precision=precision,
                    documents=cfg.train.attention_mask == "document")

@@ -19,7 +19,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from meshtrain.config import Config, resolve_dp, update_from_dict
+from meshtrain.config import BYTE_VOCAB, Config, resolve_dp, update_from_dict
 from meshtrain.plan.comm_bytes import (
     cp_calls,
     cp_comm_bytes,
@@ -234,7 +234,7 @@ def predict_step_time(cfg: Config, world_size: int, hw: Hardware):
     from meshtrain.plan.problem import Problem
     from meshtrain.plan.steptime import evaluate
 
-    model = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or 257)
+    model = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or BYTE_VOCAB)
     host = dataclasses.replace(hw, devices_per_node=world_size, domain=max(hw.domain, world_size))
     problem = Problem(model, cfg.train.seq_len, cfg.train.global_batch, host, 1, model_name="run",
                       precision=run_precision(cfg.train.dtype, cfg.parallel.reduce_dtype),

@@ -16,7 +16,15 @@ import json
 import math
 import sys
 
-from meshtrain.config import CP_ATTENTIONS, REDUCE_DTYPES, SCHEDULES, ArgumentParser, ConfigError, check_output_file
+from meshtrain.config import (
+    BYTE_VOCAB,
+    CP_ATTENTIONS,
+    REDUCE_DTYPES,
+    SCHEDULES,
+    ArgumentParser,
+    ConfigError,
+    check_output_file,
+)
 from meshtrain.plan.book import DEFAULT_REVISION, MIXED_REVISIONS
 from meshtrain.plan.explain import explain, format_table, why_best
 from meshtrain.plan.figure import plot_comm_vs_compute
@@ -92,7 +100,7 @@ def build_problem(args: argparse.Namespace) -> Problem:
     """The Problem the options describe (model preset or YAML, batch, cluster, assumptions)."""
     cfg = plan_config(args.model)
     if cfg.model.vocab_size == 0:  # taken from the tokenizer at run time; plan with the byte tokenizer's
-        cfg.model.vocab_size = 257
+        cfg.model.vocab_size = BYTE_VOCAB
     if args.seq_len < 0:
         raise ValueError(f"--seq-len must be >= 0 (0: the config's train.seq_len), got {args.seq_len}.")
     seq_len = args.seq_len or cfg.train.seq_len

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 
-from meshtrain.config import ArgumentParser
+from meshtrain.config import BYTE_VOCAB, ArgumentParser
 from meshtrain.plan import queries
 from meshtrain.plan.book_memory import REMAT_POLICIES
 from meshtrain.plan.hardware import HARDWARE, get_hardware
@@ -91,7 +91,7 @@ def main(argv: list[str]) -> int:
 
     cfg = plan_config(args.model)
     if cfg.model.vocab_size == 0:  # taken from the tokenizer at run time; plan with the byte tokenizer's
-        cfg.model.vocab_size = 257
+        cfg.model.vocab_size = BYTE_VOCAB
     hw = get_hardware(args.hardware)
     devices, nodes = getattr(args, "devices", 0), getattr(args, "nodes", 0)
     if devices < 0 or nodes < 0 or (devices and nodes):

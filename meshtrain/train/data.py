@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from meshtrain.config import BYTE_VOCAB
 from meshtrain.parallel.cross_entropy import IGNORE
 from meshtrain.train.prepare import COUNT_CHUNK, META_FORMAT, counts_path, docs_path, prompts_path
 
@@ -361,7 +362,7 @@ class SyntheticDataset:
 
     def __init__(
         self,
-        vocab_size: int = 257,
+        vocab_size: int = BYTE_VOCAB,
         split: str = "train",
         num_tokens: int = 1 << 30,
         noise: float = 0.1,

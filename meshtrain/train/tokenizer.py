@@ -13,6 +13,8 @@ from typing import Protocol
 
 import numpy as np
 
+from meshtrain.config import BYTE_VOCAB
+
 # Tried in order when looking for the document separator of a HuggingFace tokenizer.
 EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>")
 
@@ -39,7 +41,7 @@ class ByteTokenizer:
     """UTF-8 bytes as tokens 0..255, plus id 256 as the end-of-document separator."""
 
     name = "byte"
-    vocab_size = 257
+    vocab_size = BYTE_VOCAB
     eos_id = 256
 
     def encode(self, text: str) -> list[int]:

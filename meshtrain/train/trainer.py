@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from meshtrain import comm
-from meshtrain.config import Config, ConfigError, data_blend, save_config
+from meshtrain.config import BYTE_VOCAB, Config, ConfigError, data_blend, save_config
 from meshtrain.errors import NonFiniteError
 from meshtrain.generate import sample
 from meshtrain.mesh import Mesh, init_distributed
@@ -138,7 +138,7 @@ class Trainer:
 
         # Data: prepared token files (the stdlib by default) or a synthetic stream.
         if cfg.data.source == "synthetic":
-            vocab = cfg.model.vocab_size or 257
+            vocab = cfg.model.vocab_size or BYTE_VOCAB
             self.train_data = SyntheticDataset(vocab, "train")
             self.val_data = SyntheticDataset(vocab, "val")
             self.tokenizer = None
