@@ -40,6 +40,7 @@ from meshtrain.model import hf as hf_mod
 from meshtrain.model.hf import HFSource, export_hf, halves_to_interleaved, hf_model_config, interleaved_to_halves
 from meshtrain.model.llama import Llama, build_model
 from meshtrain.model.source import DictSource, load_full, relative, state_source
+from meshtrain.temp_folders import temp_folder_for
 from meshtrain.train.checkpoint import CheckpointReader, latest_checkpoint, read_checkpoint_meta
 from meshtrain.train.tokenizer import HFTokenizer
 
@@ -675,14 +676,17 @@ def test_export_in_half_precision_is_each_weight_rounded_once_in_half_the_bytes(
 
 def test_an_export_killed_midway_leaves_a_folder_the_next_export_removes(tmp_path):
     """A killed export runs no cleanup: its hidden temporary folder (full-size) stays. The next export to that
-    folder removes those of processes that are gone, and leaves a live one's."""
+    folder removes those of this host's processes that are gone, and leaves a live one's and another host's."""
     cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=SEQ)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
-    (tmp_path / f".hf.tmp-{dead}").mkdir()
-    (tmp_path / f".hf.tmp-{os.getppid()}").mkdir()
+    host = temp_folder_for(tmp_path / "hf").name.split("-", 2)[2]  # .hf.tmp-PID-HOST
+    for name in (f".hf.tmp-{dead}-{host}", f".hf.tmp-{os.getppid()}-{host}", f".hf.tmp-{dead}-otherhost"):
+        (tmp_path / name).mkdir()
     export_hf(state_source(our_model(cfg)), cfg, tmp_path / "hf")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f".hf.tmp-{os.getppid()}", "hf"]
+    # a live process's and another host's (whose processes cannot be seen from here) stay
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f".hf.tmp-{os.getppid()}-{host}", f".hf.tmp-{dead}-otherhost", "hf"])
 
 
 @pytest.mark.parametrize("shard", [None, "20KB"])

@@ -45,9 +45,10 @@ def layer(module: str) -> str:
     part = module.split(".")[1]
     # host_memory (the CPU allocator policy) knows devices, as the mesh does: the same layer. comm_log and
     # comm_watch are the comm module's record of collectives and its watchdog. errors (the exceptions the
-    # command line turns into one line) imports nothing, as the config does.
-    return {"config": "config", "errors": "config", "mesh": "mesh", "host_memory": "mesh", "comm": "comm",
-            "comm_log": "comm", "comm_watch": "comm", "rules": "rules"}.get(part, part)
+    # command line turns into one line) and temp_folders (outputs' temporary siblings) import nothing, as the
+    # config does.
+    return {"config": "config", "errors": "config", "temp_folders": "config", "mesh": "mesh", "host_memory": "mesh",
+            "comm": "comm", "comm_log": "comm", "comm_watch": "comm", "rules": "rules"}.get(part, part)
 
 
 def modules() -> dict[str, Path]:

@@ -64,6 +64,7 @@ from safetensors import SafetensorError, safe_open
 
 from meshtrain.config import ModelConfig
 from meshtrain.model.source import Box, TensorSource, full_box, write_safetensors
+from meshtrain.temp_folders import remove_stale_temp_folders, temp_folder_for
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -703,24 +704,6 @@ def _plan_shards(names: list[tuple[str, tuple[int, ...]]], max_bytes: int,
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _remove_stale_exports(out: Path) -> None:
-    """The temporary folders of exports to ``out`` whose process is gone (killed: no cleanup ran)."""
-    for stale in out.parent.glob(f".{out.name}.tmp-*"):
-        pid = stale.name.rsplit("-", 1)[1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 def export_hf(source: TensorSource, cfg: ModelConfig, out_dir: str | Path,
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, files: Iterable[str | Path] = (),
               eos_token_id: int | list[int] | None = None, dtype: str = "fp32",
@@ -764,8 +747,8 @@ def export_hf(source: TensorSource, cfg: ModelConfig, out_dir: str | Path,
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_exports(out)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    remove_stale_temp_folders(out, "export")
+    tmp = temp_folder_for(out)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:

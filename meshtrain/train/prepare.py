@@ -10,14 +10,11 @@ standard library is used, so training works out of the box with no download.
 from __future__ import annotations
 
 import argparse
-import glob
 import hashlib
 import json
 import logging
 import os
-import re
 import shutil
-import socket
 import sys
 import sysconfig
 import time
@@ -28,6 +25,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from meshtrain.config import ArgumentParser, refuse_empty
+from meshtrain.temp_folders import remove_stale_temp_folders, temp_folder_for
 from meshtrain.train.paths import check_out_parent, unwritable_reason
 from meshtrain.train.sources import (  # noqa: F401  (list_source_files: re-exported)
     DEFAULT_EXCLUDE_DIRS,
@@ -206,39 +204,6 @@ def _prepared_meta(out: Path) -> dict[str, Any]:
     return meta
 
 
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "host"
-
-
-def _temp_dir_for(out: Path) -> Path:
-    # pid alone can collide between nodes sharing a filesystem, so the host name is added.
-    return out.parent / f".{out.name}.tmp-{os.getpid()}-{_host()}"
-
-
-def _remove_stale_temps(out: Path) -> None:
-    """Remove temporary folders that killed runs on this host left beside ``out`` (their process is gone).
-
-    A run killed by SIGKILL (or a power cut) cannot clean up; the next run does. Folders of live processes
-    (a concurrent rank) and of other hosts (whose processes we cannot see) are left alone.
-    """
-    pattern = re.compile(re.escape(f".{out.name}.tmp-") + r"(\d+)-" + re.escape(_host()) + "$")
-    for p in out.parent.glob(f".{glob.escape(out.name)}.tmp-*"):
-        m = pattern.match(p.name)
-        if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
-            log.info("removing %s, left by a killed prepare-data", p)
-            shutil.rmtree(p, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
-
-
 class _Progress:
     """The bar: the source read so far (bytes, or rows for Parquet) and the tokens written per second."""
 
@@ -320,8 +285,8 @@ def prepare_data(
     dtype = token_dtype(tok.vocab_size)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(out)
-    tmp = _temp_dir_for(out)
+    remove_stale_temp_folders(out, "prepare-data")
+    tmp = temp_folder_for(out)
     if tmp.exists():  # left over from a killed run that had our pid
         shutil.rmtree(tmp)
     writers: dict[str, _SplitWriter] = {}
