@@ -308,6 +308,7 @@ def _generate(argv: list[str]) -> int:
         cmd = launch.torchrun_command(args.nproc, 0, None, ["generate", *_without_option(argv, "--nproc")])
         return _run_torchrun(cmd, None)
     gm = load_for_generation(cfg, path, source)
+    del source  # an HF folder's source keeps the files it read mapped: not through the whole generation
     run = run_generation(gm, ids, args.tokens, 0.0 if args.greedy else args.temperature, args.top_k, args.seed,
                          stop_ids)
     from meshtrain import comm
@@ -399,11 +400,19 @@ def _convert(argv: list[str]) -> int:
     eos = load_tokenizer(meta["tokenizer"], path).eos_id if meta.get("tokenizer") else None
     ids: dict = {}
     init = cfg.train.init_from
-    if init and Path(init).is_dir():  # a fine-tune: its model's bos/eos ids, generation and tokenizer settings
+    # A fine-tune keeps its model's bos/eos ids and generation and chat settings, where its data spoke that model's
+    # tokens: the model's own tokenizer.json, or no tokenizer (token ids as they are). Another tokenizer's ids
+    # would be a stop token the model never learned, beside another tokenizer.
+    ours = tokenizer_json.read_bytes() if tokenizer_json.is_file() else None
+    theirs = Path(init, "tokenizer.json") if init else None
+    same_tokens = meta.get("tokenizer") is None or (
+        ours is not None and theirs is not None and theirs.is_file() and theirs.read_bytes() == ours)
+    if init and Path(init).is_dir() and same_tokens:
         ids, extra = init_from_extras(init, cfg.model.vocab_size)
         files += [f for f in extra if f.name not in {p.name for p in files}]
     elif init:
-        print(f"note: train.init_from={init} is gone: its bos/eos ids and generation settings are not copied")
+        why = "is gone" if not Path(init).is_dir() else "has another tokenizer than the data this run trained on"
+        print(f"note: train.init_from={init} {why}: its bos/eos ids and generation settings are not copied")
     out = export_hf(_checkpoint_source(path), cfg.model, args.out, max_bytes, files,
                     eos_token_id=ids.get("eos_token_id", eos), dtype=args.dtype, bos_token_id=ids.get("bos_token_id"))
     arch = hf_architecture(hf_model_type(cfg.model))

@@ -674,6 +674,16 @@ def test_export_in_half_precision_is_each_weight_rounded_once_in_half_the_bytes(
         assert torch.equal(p, q.to(torch_dtype).float()), n
 
 
+def test_an_fp16_export_refuses_a_weight_beyond_its_range(tmp_path):
+    cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=4, max_seq_len=SEQ)
+    tensors = dict(state_source(our_model(cfg)).tensors)
+    tensors["norm.weight"] = torch.full((32,), 7e4)
+    with pytest.raises(ValueError, match="norm.weight holds values up to 7e\\+04, beyond fp16's 65504"):
+        export_hf(DictSource(tensors), cfg, tmp_path / "hf", dtype="fp16")
+    assert not any(tmp_path.iterdir())
+    export_hf(DictSource(tensors), cfg, tmp_path / "hf", dtype="bf16")  # bf16 has fp32's range
+
+
 def test_an_export_killed_midway_leaves_a_folder_the_next_export_removes(tmp_path):
     """A killed export runs no cleanup: its hidden temporary folder (full-size) stays. The next export to that
     folder removes those of this host's processes that are gone, and leaves a live one's and another host's."""

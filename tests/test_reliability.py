@@ -829,6 +829,13 @@ def test_stale_temp_folders_go_and_complete_checkpoints_stay(tmp_path):
     assert [p.name for p in Checkpointer(root, group, 0).removed] == [".step_000003.tmp-deadbeef"]
     assert sorted(p.name for p in root.iterdir()) == ["step_000002"]
     assert (root / "step_000002" / "meta.json").read_text() == "{}"
+    # A crash while step 2 was re-saved, after its old folder went aside and before the new one came in: the old
+    # one (complete) comes back; the new one's temporary folder goes.
+    (root / "step_000002").rename(root / ".step_000002.tmp-replaced")
+    (root / ".step_000002.tmp-0badc0de").mkdir()
+    assert [p.name for p in Checkpointer(root, group, 0).removed] == [".step_000002.tmp-0badc0de"]
+    assert sorted(p.name for p in root.iterdir()) == ["step_000002"]
+    assert (root / "step_000002" / "meta.json").read_text() == "{}"
 
 
 def test_a_checkpoint_whose_meta_json_does_not_read_is_passed_over_and_a_commit_syncs_before_renaming(
@@ -860,10 +867,14 @@ def test_a_checkpoint_whose_meta_json_does_not_read_is_passed_over_and_a_commit_
 
     (out / "checkpoints" / "step_000003").mkdir()
     (out / "checkpoints" / "step_000003" / "meta.json").write_text('{"format": 2, "st')  # cut off
-    resumed = Trainer(load_config("tiny", [*SMALL, "train.steps=2", "train.resume=true"]), out)
+    resumed = Trainer(load_config("tiny", [*SMALL, "train.steps=2", "train.resume=true", "train.ckpt_every=1",
+                                           "train.ckpt_keep=1"]), out)
     assert resumed.step == 1
     assert any("passed over step_000003: meta.json does not read" in n and "resuming from step_000001" in n
                for n in resumed.notes), resumed.notes
+    # The unreadable folder takes no place ckpt_keep counts: pruning keeps the checkpoint just written and drops it.
+    resumed.train()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000002"]
 
 
 def _ranks_seeing_other_checkpoints(rank: int, world_size: int, out: str) -> str | None:

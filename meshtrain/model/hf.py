@@ -683,6 +683,9 @@ def _hf_tensor(source: TensorSource, t: HFTensor, ours: str, shape: tuple[int, .
     if t.offset:  # Gemma's norms: HF stores the scale less one (in fp32, then rounded once)
         w = w - t.offset
     w = interleaved_to_halves(w, t.rope_heads) if t.rope_heads is not None else w
+    if dtype == torch.float16 and (big := w.abs().max().item()) > torch.finfo(torch.float16).max:
+        raise ValueError(f"{ours} holds values up to {big:.4g}, beyond fp16's 65504 (they would be written as inf): "
+                         f"export with --dtype bf16 or fp32.")
     return w.to(dtype)
 
 

@@ -31,6 +31,7 @@ standard safetensors that any tool can read.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -55,6 +56,8 @@ from meshtrain.train.optim import model_params
 
 FORMAT = 2  # 1: whole tensors in model.safetensors / optim.safetensors (still readable)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+REPLACED = ".tmp-replaced"  # a re-saved step's old folder, aside until the new one is in: .step_N.tmp-replaced
+_NO_DIR_SYNC = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EACCES, errno.EBADF}
 
 
 def checkpoint_dir(root: Path, step: int) -> Path:
@@ -118,6 +121,12 @@ class Checkpointer:
         self.last_path: Path | None = None
         self.removed: list[Path] = []  # temporary folders of interrupted saves, removed here (rank 0)
         if rank == 0 and root is not None and root.is_dir():  # left by a crashed save (before any save starts)
+            # A crash while a step was re-saved, between moving the old folder aside and renaming the new one in:
+            # the old one (complete) goes back.
+            for aside in sorted(root.glob(f".step_*{REPLACED}")):
+                final = root / aside.name[1:].removesuffix(REPLACED)
+                if not final.exists():
+                    os.rename(aside, final)
             # Only the temporary names: a complete checkpoint (step_*) never matches.
             for stale in sorted(root.glob(".step_*.tmp-*")):
                 shutil.rmtree(stale, ignore_errors=True)
@@ -248,7 +257,7 @@ class Checkpointer:
         for name in ("index.json", "rng.safetensors", "meta.json", *(Path(f).name for f in files)):
             _fsync(tmp / name)
         _fsync(tmp)
-        old = self.root / f".{final.name}.tmp-replaced"
+        old = self.root / f".{final.name}{REPLACED}"
         if final.exists():  # re-saving the same step (e.g. after a resume): the old one goes only once the new is in
             shutil.rmtree(old, ignore_errors=True)
             os.rename(final, old)
@@ -257,18 +266,32 @@ class Checkpointer:
         shutil.rmtree(old, ignore_errors=True)
         for stale in self.root.glob(".step_*.tmp-*"):  # left by a crashed save
             shutil.rmtree(stale, ignore_errors=True)
+        # Folders a crash left unreadable (passed over by the resume that led here) are no checkpoints: they must
+        # not take the places ``keep`` counts, or pruning would delete the good ones and keep them.
+        readable = []
+        for path in list_checkpoints(self.root):
+            if _meta_reads(path):
+                readable.append(path)
+            elif path != final:
+                shutil.rmtree(path, ignore_errors=True)
         if self.keep > 0:
-            for old in list_checkpoints(self.root)[:-self.keep]:
+            for old in [p for p in readable if p != final][:max(0, len(readable) - self.keep)]:
                 shutil.rmtree(old, ignore_errors=True)
 
 
 def _fsync(path: Path) -> None:
-    """Flush a file's or a folder's entries to the disk."""
-    fd = os.open(path, os.O_RDONLY)
+    """Flush a file's or a folder's entries to the disk. Some network and FUSE filesystems cannot sync a folder
+    (EINVAL, ENOTSUP, EACCES): there it is skipped, as the rename is all they offer."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        if e.errno in _NO_DIR_SYNC and path.is_dir():
+            return
+        raise
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
