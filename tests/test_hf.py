@@ -953,6 +953,25 @@ def test_convert_a_trained_checkpoint(tmp_path):
     tok = HFTokenizer(tmp_path / "tokenizer.json")
     assert (c["vocab_size"], c["eos_token_id"]) == (tok.vocab_size, tok.eos_id) == (cfg.vocab_size, 1)  # "</s>"
 
+    # Had it been a fine-tune (train.init_from, edited into the checkpoint's config), the model's bos/eos ids and
+    # generation settings come along only where its tokenizer is the one the data spoke.
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": [1, 2]}))
+    (model / "generation_config.json").write_text("{}")
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta["config"]["train"]["init_from"] = str(model)
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    for tokenizer, copied in ((b"another tokenizer", False), ((tmp_path / "tokenizer.json").read_bytes(), True)):
+        (model / "tokenizer.json").write_bytes(tokenizer)
+        out = tmp_path / f"hf-{copied}"
+        r = _meshtrain("convert", "--ckpt", str(ckpt), "--out", str(out))
+        assert r.returncode == 0, r.stderr
+        c = json.loads((out / "config.json").read_text())
+        assert ((c["bos_token_id"], c["eos_token_id"]) == (0, [1, 2])) == copied, c
+        assert (out / "generation_config.json").is_file() == copied
+        assert ("has another tokenizer than the data this run trained on" in r.stdout) == (not copied), r.stdout
+
 
 def _fine_tune(rank: int, world_size: int, out: str, overrides: list[str]) -> list[float]:
     from meshtrain.config import load_config
